@@ -1,0 +1,55 @@
+# ra-lens: every target does its own set-up on a fresh clone.
+#   make test    set up .venv (TransformerLens 4) and .venv-tl2 (TransformerLens 2.18), run both suites
+#   make demo    the paper's Figure-1 example on the embedded SmolLM2-135M-Instruct, into demo_out/
+#   make bench   speed and memory ratios (benchmarks/bench_ra.py)
+PYTHON ?= python3
+TORCH_VERSION ?= 2.13.0
+VENV := .venv
+VENV_TL2 := .venv-tl2
+PY := $(VENV)/bin/python
+PY_TL2 := $(VENV_TL2)/bin/python
+PIP_FLAGS := --disable-pip-version-check -q
+
+.PHONY: setup setup-tl2 test test-tl4 test-tl2 demo bench notebooks lint clean
+
+setup: $(VENV)/.installed
+setup-tl2: $(VENV_TL2)/.installed
+
+# torch first, pinned: an open range would pull a multi-GB CUDA build (override TORCH_VERSION elsewhere).
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install $(PIP_FLAGS) "torch==$(TORCH_VERSION)"
+	$(PY) -m pip install $(PIP_FLAGS) -e ".[dev]"
+	touch $@
+
+$(VENV_TL2)/.installed: pyproject.toml
+	test -x $(PY_TL2) || $(PYTHON) -m venv $(VENV_TL2)
+	$(PY_TL2) -m pip install $(PIP_FLAGS) "torch==$(TORCH_VERSION)"
+	$(PY_TL2) -m pip install $(PIP_FLAGS) -e ".[dev]" "transformer-lens==2.18.0" \
+		"transformers>=4.57,<4.58" "huggingface-hub<1.0"
+	touch $@
+
+test: test-tl4 test-tl2
+
+test-tl4: setup
+	$(PY) -m pytest -q
+
+test-tl2: setup-tl2
+	$(PY_TL2) -m pytest -q -m "not tl4 and not real_model" tests
+
+demo: setup
+	$(VENV)/bin/ra-lens maps --prompt "I like Italy and France. I visited the city of" \
+		--target " Florence" --top 8 --out demo_out --json demo_out/maps.json
+
+bench: setup
+	$(PY) benchmarks/bench_ra.py --json bench_out/bench.json
+
+notebooks: setup
+	$(PY) -m pytest -q tests/test_notebooks.py
+
+lint: setup
+	$(VENV)/bin/ruff check ra_lens tests benchmarks
+	$(VENV)/bin/ruff format --check ra_lens tests benchmarks
+
+clean:
+	rm -rf $(VENV) $(VENV_TL2) demo_out bench_out

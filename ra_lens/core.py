@@ -1,0 +1,250 @@
+"""reversed_attention: RA of every head from one forward and one backward pass.
+
+Hooks read the forward pattern A and the gradient R = dL/dA at `hook_pattern`; the softmax VJP
+turns R into RA inside the backward hook, layer by layer, so with keep="norms" no map outlives its
+hook. Where `hook_pattern` is not in the autograd graph (OPT-style adapters), R is rebuilt from
+the gradient at `hook_z` and the values at `hook_v` instead: R = G V^T.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import torch
+from jaxtyping import Float, Int
+from torch import Tensor
+
+from ra_lens import capture
+from ra_lens.capture import PATTERN, RESID_PRE, V, Z, Batch
+from ra_lens.math import CONVENTIONS, Convention, convert, frobenius_norms, pattern_grad_from_z
+from ra_lens.result import ReversedAttention, stack_layers
+
+Keep = Literal["maps", "norms"]
+MetricFn = Callable[..., Tensor]
+
+
+def reversed_attention(
+    model: Any,
+    tokens: Int[Tensor, "batch pos"] | Batch | str | Sequence[str],
+    metric: MetricFn,
+    *,
+    layers: Sequence[int] | None = None,
+    keep: Keep = "maps",
+    convention: Convention = "qk",
+) -> ReversedAttention:
+    """Reversed Attention dL/d(QK^T) of every head, for each prompt's own metric.
+
+    Args:
+        model: a TransformerLens model (TransformerBridge or HookedTransformer).
+        tokens: Int[Tensor, "batch pos"], a Batch, a string or a list of strings (tokenised with
+            the model's tokenizer, right-padded).
+        metric: logits Float[Tensor, "batch pos vocab"] -> Float[Tensor, "batch"] (one value per
+            prompt; summed before the single backward pass, so maps[i] is the RA of prompt i's own
+            metric) or a scalar (differentiated as is). If it accepts `lengths`, it receives each
+            prompt's real length (all of `ra_lens.metrics` do).
+        layers: layers to compute (default all); the backward pass stops at the first of them.
+        keep: "maps" keeps maps and patterns; "norms" keeps only per-head norms (memory
+            O(layer x head) rather than O(batch x layer x head x pos^2)).
+        convention: "qk" (the paper's RA), "scores" (dL/d pre-softmax scores = s * RA) or
+            "pattern" (dL/dA, masked to the causal triangle).
+
+    Returns:
+        ReversedAttention with maps Float[Tensor, "batch layer head query key"] (CPU, float32).
+
+    >>> ra = reversed_attention(model, "I visited the city of", target_nll([florence]))  # doctest: +SKIP
+    >>> ra.top_heads(3)                                                                # doctest: +SKIP
+    [(12, 4, 0.021), ...]
+    """
+    if convention not in CONVENTIONS:
+        raise ValueError(f"unknown convention {convention!r}: choose one of {CONVENTIONS}")
+    if keep not in ("maps", "norms"):
+        raise ValueError(f"unknown keep {keep!r}: choose 'maps' or 'norms'")
+    shape = capture.model_shape(model)
+    chosen = capture.check_layers(layers, shape.n_layers)
+    batch = capture.to_batch(model, tokens)
+    live = capture.live_pattern_layers(model)
+    routes = ["pattern" if live[layer] else "z" for layer in chosen]
+    if "z" in routes:
+        _check_z_route(model, [layer for layer, r in zip(chosen, routes) if r == "z"])
+    scales = [capture.attention_scale(model, layer) for layer in chosen]
+
+    collector = _Collector(batch, chosen, routes, scales, convention, keep)
+    store: dict[str, Tensor] = {}
+    fwd = [(RESID_PRE.format(chosen[0]), capture.gradient_leaf_hook(store))] + collector.fwd_hooks()
+    with capture.preserved_state(model), torch.enable_grad():
+        with model.hooks(fwd_hooks=fwd, bwd_hooks=collector.bwd_hooks()):
+            logits = model(batch.tokens)
+            values = _call_metric(metric, logits, batch)
+            loss = _to_loss(values, batch)
+            (leaf_grad,) = torch.autograd.grad(loss, [store["leaf"]], allow_unused=True)
+    if leaf_grad is None:
+        raise ValueError(
+            "the metric does not depend on the attention of the chosen layers "
+            "(no gradient path): compute it from the logits the model returns"
+        )
+    return collector.result(values.detach().float().cpu(), _str_tokens(model, batch))
+
+
+def _check_z_route(model: Any, layers: list[int]) -> None:
+    missing = [n.format(la) for la in layers for n in (Z, V) if n.format(la) not in model.hook_dict]
+    if missing:
+        raise RuntimeError(
+            f"hook_pattern is not in the autograd graph of layers {layers} and the hook_z/hook_v "
+            f"route is unavailable (missing {missing[:2]}): this adapter cannot give Reversed "
+            "Attention; boot the model with an adapter that computes attention itself"
+        )
+
+
+def _call_metric(metric: MetricFn, logits: Tensor, batch: Batch) -> Tensor:
+    try:
+        accepts_lengths = "lengths" in inspect.signature(metric).parameters
+    except (TypeError, ValueError):
+        accepts_lengths = False
+    if accepts_lengths:
+        return metric(logits, lengths=batch.lengths)
+    if batch.padded:
+        raise ValueError(
+            "prompts of different lengths were right-padded, and the metric cannot know where each "
+            "one ends: use a metric from ra_lens.metrics or give the metric a `lengths` parameter"
+        )
+    return metric(logits)
+
+
+def _to_loss(values: Any, batch: Batch) -> Tensor:
+    if not isinstance(values, Tensor):
+        raise TypeError(f"the metric returned {type(values).__name__}: it must return a tensor")
+    n = batch.tokens.shape[0]
+    if values.ndim > 1 or (values.ndim == 1 and values.shape[0] != n):
+        raise ValueError(
+            f"the metric returned shape {tuple(values.shape)}: it must return one value per "
+            f"prompt, Float[Tensor, '{n}'], or a scalar"
+        )
+    if not values.requires_grad:
+        raise ValueError(
+            "the metric's value has no gradient path to the model: compute it from the logits "
+            "without .detach(), .item() or torch.no_grad()"
+        )
+    return values.sum()
+
+
+def _str_tokens(model: Any, batch: Batch) -> list[list[str]] | None:
+    tokenizer = getattr(model, "tokenizer", None)
+    if tokenizer is None:
+        return None
+    return [
+        [tokenizer.decode([t]) for t in row[: int(n)].tolist()]
+        for row, n in zip(batch.tokens.cpu(), batch.lengths.cpu())
+    ]
+
+
+class _Collector:
+    """Hook functions and per-layer storage for one reversed_attention call."""
+
+    def __init__(
+        self,
+        batch: Batch,
+        layers: list[int],
+        routes: list[str],
+        scales: list[float],
+        convention: Convention,
+        keep: Keep,
+    ):
+        self.batch, self.layers, self.routes, self.scales = batch, layers, routes, scales
+        self.convention, self.keep = convention, keep
+        self.patterns: dict[int, Tensor] = {}
+        self.values: dict[int, Tensor] = {}
+        self.maps: dict[int, Tensor] = {}
+        self.norms: dict[int, Tensor] = {}
+        self.pattern_norms: dict[int, Tensor] = {}
+        self.kept_patterns: dict[int, Tensor] = {}
+        n_pos = batch.tokens.shape[1]
+        positions = torch.arange(n_pos, device=batch.tokens.device)
+        # Real (non-pad) positions; RA at pads is zero by causality, the mask makes it exact.
+        self.real: Tensor | None = (
+            (positions[None, :] < batch.lengths[:, None]) if batch.padded else None
+        )
+
+    def fwd_hooks(self) -> list[tuple[str, Callable]]:
+        hooks = []
+        for layer, route in zip(self.layers, self.routes):
+            hooks.append((PATTERN.format(layer), self._save_pattern(layer)))
+            if route == "z":
+                hooks.append((V.format(layer), self._save_values(layer)))
+        return hooks
+
+    def bwd_hooks(self) -> list[tuple[str, Callable]]:
+        hooks = []
+        for layer, route in zip(self.layers, self.routes):
+            if route == "pattern":
+                hooks.append((PATTERN.format(layer), self._from_pattern_grad(layer)))
+            else:
+                hooks.append((Z.format(layer), self._from_z_grad(layer)))
+        return hooks
+
+    def _save_pattern(self, layer: int):
+        def hook(pattern: Tensor, hook: Any) -> None:
+            # A reference, not a copy: autograd keeps the same tensor alive anyway.
+            self.patterns[layer] = pattern.detach()
+
+        return hook
+
+    def _save_values(self, layer: int):
+        def hook(values: Tensor, hook: Any) -> None:
+            self.values[layer] = values.detach()
+
+        return hook
+
+    def _from_pattern_grad(self, layer: int):
+        def hook(grad: Tensor, hook: Any) -> None:
+            self._finish(layer, grad)
+
+        return hook
+
+    def _from_z_grad(self, layer: int):
+        def hook(grad: Tensor, hook: Any) -> None:
+            self._finish(layer, pattern_grad_from_z(grad, self.values.pop(layer)))
+
+        return hook
+
+    def _finish(self, layer: int, pattern_grad: Tensor) -> None:
+        pattern = self.patterns.pop(layer)
+        i = self.layers.index(layer)
+        maps = convert(pattern, pattern_grad, self.convention, self.scales[i])
+        pattern = pattern.float()
+        if self.real is not None:
+            keep = self.real[:, None, :, None] & self.real[:, None, None, :]
+            maps = maps * keep
+            pattern = pattern * keep
+        self.norms[layer] = frobenius_norms(maps).cpu()
+        self.pattern_norms[layer] = frobenius_norms(pattern).cpu()
+        if self.keep == "maps":
+            self.maps[layer] = maps.cpu()
+            self.kept_patterns[layer] = pattern.cpu()
+
+    def result(self, metric_values: Tensor, str_tokens: list[list[str]] | None) -> ReversedAttention:
+        missing = [layer for layer in self.layers if layer not in self.norms]
+        if missing:
+            raise RuntimeError(
+                f"no gradient reached the attention of layers {missing}: the metric must depend "
+                "on the logits at positions these layers feed"
+            )
+        maps = patterns = None
+        if self.keep == "maps":
+            maps = stack_layers([self.maps[la] for la in self.layers])
+            patterns = stack_layers([self.kept_patterns[la] for la in self.layers])
+        return ReversedAttention(
+            norms=stack_layers([self.norms[la] for la in self.layers]),
+            pattern_norms=stack_layers([self.pattern_norms[la] for la in self.layers]),
+            tokens=self.batch.tokens.cpu(),
+            lengths=self.batch.lengths.cpu(),
+            metric_values=metric_values,
+            layers=list(self.layers),
+            convention=self.convention,
+            scales=list(self.scales),
+            routes=list(self.routes),
+            maps=maps,
+            patterns=patterns,
+            str_tokens=str_tokens,
+        )

@@ -1,0 +1,79 @@
+"""Pure tensor functions of Reversed Attention: no models, no hooks.
+
+Notation (paper-notes section 1), per head: A = softmax(Z / s + M) is the forward pattern,
+R = dL/dA the gradient at `hook_pattern`, and
+
+    dL/dS  = A * (R - rowsum(A * R))        the "scores" convention (softmax VJP)
+    dL/dZ  = dL/dS / s                      the "qk" convention: Reversed Attention, dL/d(QK^T)
+
+Every function works on any leading batch axes, with the last two axes (query, key).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import einops
+import torch
+from jaxtyping import Float
+from torch import Tensor
+
+Convention = Literal["qk", "scores", "pattern"]
+CONVENTIONS: tuple[str, ...] = ("qk", "scores", "pattern")
+
+
+def softmax_vjp(
+    pattern: Float[Tensor, "... query key"], pattern_grad: Float[Tensor, "... query key"]
+) -> Float[Tensor, "... query key"]:
+    """dL/dS from the softmax output A and dL/dA: A * (R - rowsum(A * R)), in float32."""
+    a = pattern.float()
+    weighted = a * pattern_grad.float()
+    return weighted - a * weighted.sum(dim=-1, keepdim=True)
+
+
+def causal_mask(n_query: int, n_key: int, device: torch.device | str | None = None) -> Tensor:
+    """Bool [query, key], True where key <= query (with queries aligned to the last keys)."""
+    offset = n_key - n_query
+    return torch.ones(n_query, n_key, dtype=torch.bool, device=device).tril(diagonal=offset)
+
+
+def convert(
+    pattern: Float[Tensor, "... query key"],
+    pattern_grad: Float[Tensor, "... query key"],
+    convention: Convention,
+    scale: float,
+) -> Float[Tensor, "... query key"]:
+    """Turn the gradient at hook_pattern into the requested convention.
+
+    Args:
+        pattern: forward attention A.
+        pattern_grad: dL/dA.
+        convention: "qk" (dL/d(QK^T), the paper's RA), "scores" (dL/d pre-softmax scores) or
+            "pattern" (dL/dA masked to the causal triangle; A's own gradient is dense).
+        scale: the attention scale s that divides QK^T (sqrt(d_head) for GPT-2 and Llama).
+    """
+    if convention == "pattern":
+        mask = causal_mask(pattern.shape[-2], pattern.shape[-1], pattern.device)
+        return pattern_grad.float().masked_fill(~mask, 0.0)
+    scores_grad = softmax_vjp(pattern, pattern_grad)
+    return scores_grad if convention == "scores" else scores_grad / scale
+
+
+def pattern_grad_from_z(
+    z_grad: Float[Tensor, "batch pos head d_head"],
+    v: Float[Tensor, "batch pos kv_head d_head"],
+) -> Float[Tensor, "batch head query key"]:
+    """dL/dA = G V^T per head, from the gradient at hook_z and the values at hook_v.
+
+    With grouped-query attention, query head h reads key/value head h // (head / kv_head).
+    """
+    n_heads, n_kv = z_grad.shape[2], v.shape[2]
+    if n_heads % n_kv:
+        raise ValueError(f"{n_heads} query heads cannot share {n_kv} key/value heads evenly")
+    v_per_head = einops.repeat(v.float(), "b k kv d -> b k (kv group) d", group=n_heads // n_kv)
+    return torch.einsum("bqhd,bkhd->bhqk", z_grad.float(), v_per_head)
+
+
+def frobenius_norms(maps: Float[Tensor, "... query key"]) -> Float[Tensor, "..."]:
+    """Frobenius norm of each [query, key] map."""
+    return torch.linalg.vector_norm(maps.float(), dim=(-2, -1))

@@ -1,0 +1,160 @@
+"""Metrics: callables from logits to one value per prompt, differentiated by reversed_attention.
+
+A metric is any callable `metric(logits) -> Float[Tensor, "batch"]` (or a scalar). The metrics here
+also accept `lengths` (each prompt's real length in a right-padded batch), so that a position
+counted from the end (-1, the default) means each prompt's own last token.
+
+    >>> metric = target_nll(torch.tensor([1, 2]))                        # -log p at the last token
+    >>> metric(torch.zeros(2, 5, 10)).shape
+    torch.Size([2])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from jaxtyping import Float, Int
+from torch import Tensor
+
+from ra_lens.capture import Batch, to_batch
+
+
+def _positions(
+    position: int | Tensor, logits: Tensor, lengths: Tensor | None
+) -> Int[Tensor, "batch"]:
+    batch, n_pos = logits.shape[0], logits.shape[1]
+    if isinstance(position, Tensor):
+        pos = position.to(logits.device).long().reshape(-1)
+        if pos.shape[0] != batch:
+            raise ValueError(f"{pos.shape[0]} positions for a batch of {batch} prompts")
+        return pos
+    ends = (
+        lengths.to(logits.device).long()
+        if lengths is not None
+        else torch.full((batch,), n_pos, device=logits.device)
+    )
+    pos = ends + position if position < 0 else torch.full_like(ends, position)
+    if bool(((pos < 0) | (pos >= ends)).any()):
+        raise ValueError(f"position {position} is outside a prompt of length {ends.tolist()}")
+    return pos
+
+
+def _as_targets(targets: Tensor | Sequence[int]) -> Tensor:
+    return torch.as_tensor(targets, dtype=torch.long).reshape(-1)
+
+
+class Metric:
+    """Base class: `metric(logits, lengths=None) -> Float[Tensor, "batch"]`."""
+
+    def __call__(
+        self, logits: Float[Tensor, "batch pos vocab"], lengths: Tensor | None = None
+    ) -> Float[Tensor, "batch"]:
+        raise NotImplementedError
+
+
+class TargetNLL(Metric):
+    """-log p(target) at one position per prompt."""
+
+    def __init__(self, targets: Tensor | Sequence[int], position: int | Tensor = -1):
+        self.targets, self.position = _as_targets(targets), position
+
+    def __call__(self, logits, lengths=None):
+        rows = torch.arange(logits.shape[0], device=logits.device)
+        pos = _positions(self.position, logits, lengths)
+        log_probs = logits[rows, pos].float().log_softmax(dim=-1)
+        return -log_probs[rows, self.targets.to(logits.device)]
+
+
+class TargetProb(TargetNLL):
+    """p(target) at one position per prompt (increase it: its RA points the other way to NLL's)."""
+
+    def __call__(self, logits, lengths=None):
+        return (-super().__call__(logits, lengths)).exp()
+
+
+class LogitDiff(Metric):
+    """logit(correct) - logit(incorrect) at one position per prompt."""
+
+    def __init__(
+        self,
+        correct: Tensor | Sequence[int],
+        incorrect: Tensor | Sequence[int],
+        position: int | Tensor = -1,
+    ):
+        self.correct, self.incorrect = _as_targets(correct), _as_targets(incorrect)
+        self.position = position
+
+    def __call__(self, logits, lengths=None):
+        rows = torch.arange(logits.shape[0], device=logits.device)
+        final = logits[rows, _positions(self.position, logits, lengths)].float()
+        return (
+            final[rows, self.correct.to(logits.device)]
+            - final[rows, self.incorrect.to(logits.device)]
+        )
+
+
+class CompletionNLL(Metric):
+    """Teacher forcing: mean cross-entropy over each prompt's completion tokens only.
+
+    Tokens are prompt + completion; the completion of prompt i occupies positions
+    [prompt_lengths[i], lengths[i]) and is predicted from the position before each token.
+    """
+
+    def __init__(self, tokens: Int[Tensor, "batch pos"], prompt_lengths: Tensor | Sequence[int]):
+        self.tokens = tokens
+        self.prompt_lengths = torch.as_tensor(prompt_lengths, dtype=torch.long).reshape(-1)
+
+    def __call__(self, logits, lengths=None):
+        batch, n_pos = self.tokens.shape
+        ends = lengths if lengths is not None else torch.full((batch,), n_pos)
+        ends, starts = ends.to(logits.device), self.prompt_lengths.to(logits.device)
+        if bool((starts >= ends).any()) or bool((starts < 1).any()):
+            raise ValueError("every completion needs at least one token after a non-empty prompt")
+        log_probs = logits[:, :-1].float().log_softmax(dim=-1)
+        next_tokens = self.tokens[:, 1:].to(logits.device)
+        token_lp = log_probs.gather(-1, next_tokens.unsqueeze(-1)).squeeze(-1)
+        predicted_pos = torch.arange(1, n_pos, device=logits.device)
+        in_completion = (predicted_pos >= starts[:, None]) & (predicted_pos < ends[:, None])
+        return -(token_lp * in_completion).sum(-1) / in_completion.sum(-1)
+
+
+def target_nll(targets: Tensor | Sequence[int], position: int | Tensor = -1) -> TargetNLL:
+    """-log p(target) per prompt. `targets`: Int[Tensor, "batch"]; `position`: an index counted
+    in each prompt (negative: from each prompt's own end) or Int[Tensor, "batch"] absolute."""
+    return TargetNLL(targets, position)
+
+
+def target_prob(targets: Tensor | Sequence[int], position: int | Tensor = -1) -> TargetProb:
+    """p(target) per prompt, at `position` (as in target_nll)."""
+    return TargetProb(targets, position)
+
+
+def logit_diff(
+    correct: Tensor | Sequence[int], incorrect: Tensor | Sequence[int], position: int | Tensor = -1
+) -> LogitDiff:
+    """logit(correct) - logit(incorrect) per prompt, at `position` (as in target_nll)."""
+    return LogitDiff(correct, incorrect, position)
+
+
+def completion(
+    model: Any, prompts: str | Sequence[str], completions: str | Sequence[str]
+) -> tuple[Batch, CompletionNLL]:
+    """Teacher-forced tokens and metric for prompt + completion pairs (the paper's loss).
+
+    Returns:
+        (batch, metric): right-padded prompt+completion ids with each row's length (a Batch),
+        and the mean NLL of each completion. Pass both to reversed_attention.
+
+    >>> tokens, metric = completion(model, "The capital of France is", " Paris")   # doctest: +SKIP
+    >>> ra = reversed_attention(model, tokens, metric)                          # doctest: +SKIP
+    """
+    prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+    completions = [completions] if isinstance(completions, str) else list(completions)
+    if len(prompts) != len(completions):
+        raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions")
+    full = to_batch(model, [p + c for p, c in zip(prompts, completions)])
+    prompt_lengths = to_batch(model, prompts).lengths
+    return full, CompletionNLL(full.tokens, prompt_lengths)
+

@@ -1,0 +1,120 @@
+"""ReversedAttention: what `reversed_attention` returns, with the reductions researchers use."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from jaxtyping import Float, Int
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+
+_TENSORS = ("maps", "patterns", "norms", "pattern_norms", "tokens", "lengths", "metric_values")
+
+
+@dataclass
+class ReversedAttention:
+    """Reversed Attention of a batch of prompts, for the chosen layers and every head.
+
+    Attributes:
+        maps: Float[Tensor, "batch layer head query key"] in `convention`; None with keep="norms".
+        patterns: Float[Tensor, "batch layer head query key"], forward attention; None with
+            keep="norms".
+        norms: Float[Tensor, "batch layer head"], Frobenius norm of each map (always kept).
+        pattern_norms: Float[Tensor, "batch layer head"], Frobenius norm of each forward pattern.
+        tokens: Int[Tensor, "batch pos"], right-padded; lengths: Int[Tensor, "batch"].
+        metric_values: Float[Tensor, "batch"], the metric of each prompt (or one scalar).
+        layers: the layer index of each position on the layer axis.
+        convention: "qk" (dL/d(QK^T), the paper's RA), "scores" or "pattern".
+        scales: the attention scale s of each layer in `layers`.
+        routes: how each layer's gradient was read: "pattern" (hook_pattern) or "z" (hook_z, hook_v).
+    """
+
+    norms: Float[Tensor, "batch layer head"]
+    pattern_norms: Float[Tensor, "batch layer head"]
+    tokens: Int[Tensor, "batch pos"]
+    lengths: Int[Tensor, "batch"]
+    metric_values: Float[Tensor, "..."]
+    layers: list[int]
+    convention: str
+    scales: list[float]
+    routes: list[str]
+    maps: Float[Tensor, "batch layer head query key"] | None = None
+    patterns: Float[Tensor, "batch layer head query key"] | None = None
+    str_tokens: list[list[str]] | None = field(default=None, repr=False)
+
+    def __repr__(self) -> str:
+        batch, n_layers, n_heads = self.norms.shape
+        kept = "maps" if self.maps is not None else "norms"
+        return (
+            f"ReversedAttention(batch={batch}, layers={n_layers}, heads={n_heads}, "
+            f"pos={self.tokens.shape[1]}, convention={self.convention!r}, keep={kept!r})"
+        )
+
+    def head_norms(self) -> Float[Tensor, "layer head"]:
+        """Frobenius norm of each head's map, mean over the batch."""
+        return self.norms.mean(0)
+
+    def forward_norms(self) -> Float[Tensor, "layer head"]:
+        """Frobenius norm of each head's forward pattern, mean over the batch."""
+        return self.pattern_norms.mean(0)
+
+    def top_heads(self, k: int = 10) -> list[tuple[int, int, float]]:
+        """The k heads with the largest mean norm, as (layer, head, norm), largest first."""
+        norms = self.head_norms()
+        values, flat = norms.flatten().topk(min(k, norms.numel()))
+        n_heads = norms.shape[1]
+        return [
+            (self.layers[i // n_heads], i % n_heads, v)
+            for i, v in zip(flat.tolist(), values.tolist())
+        ]
+
+    def mean_maps(self) -> Float[Tensor, "layer head query key"]:
+        """Maps averaged over the batch (prompts of equal length, as the paper averages them)."""
+        return self._need("maps").mean(0)
+
+    def mean_patterns(self) -> Float[Tensor, "layer head query key"]:
+        """Forward patterns averaged over the batch (the paper's patching baseline)."""
+        return self._need("patterns").mean(0)
+
+    def head(self, layer: int, head: int, prompt: int = 0) -> Float[Tensor, "query key"]:
+        """One head's map for one prompt, cut to the prompt's real length."""
+        n = int(self.lengths[prompt])
+        return self._need("maps")[prompt, self.layers.index(layer), head, :n, :n]
+
+    def _need(self, name: str) -> Tensor:
+        value = getattr(self, name)
+        if value is None:
+            raise ValueError(f"{name} were not kept: call reversed_attention(..., keep='maps')")
+        return value
+
+    def save(self, path: str | Path) -> None:
+        """Write tensors to a safetensors file, with the rest as JSON metadata in its header."""
+        tensors = {n: getattr(self, n).contiguous() for n in _TENSORS if getattr(self, n) is not None}
+        meta = {
+            "layers": self.layers,
+            "convention": self.convention,
+            "scales": self.scales,
+            "routes": self.routes,
+            "str_tokens": self.str_tokens,
+        }
+        save_file(tensors, str(path), metadata={"ra_lens": json.dumps(meta)})
+
+    @classmethod
+    def load(cls, path: str | Path) -> ReversedAttention:
+        """Read a file written by `save`."""
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as handle:
+            header = handle.metadata() or {}
+        if "ra_lens" not in header:
+            raise ValueError(f"{path} was not written by ReversedAttention.save")
+        tensors = load_file(str(path))
+        return cls(**json.loads(header["ra_lens"]), **tensors)
+
+
+def stack_layers(per_layer: list[Tensor]) -> Tensor:
+    """[batch, head, ...] per layer -> [batch, layer, head, ...]."""
+    return torch.stack(per_layer, dim=1)

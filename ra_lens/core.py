@@ -18,7 +18,14 @@ from torch import Tensor
 
 from ra_lens import capture
 from ra_lens.capture import PATTERN, RESID_PRE, V, Z, Batch
-from ra_lens.math import CONVENTIONS, Convention, convert, frobenius_norms, pattern_grad_from_z
+from ra_lens.math import (
+    CONVENTIONS,
+    Convention,
+    convert,
+    frobenius_norms,
+    pattern_grad_from_z,
+    upcast,
+)
 from ra_lens.result import ReversedAttention, stack_layers
 
 Keep = Literal["maps", "norms"]
@@ -212,16 +219,16 @@ class _Collector:
         pattern = self.patterns.pop(layer)
         i = self.layers.index(layer)
         maps = convert(pattern, pattern_grad, self.convention, self.scales[i])
-        pattern = pattern.float()
+        pattern = upcast(pattern)
         if self.real is not None:
             keep = self.real[:, None, :, None] & self.real[:, None, None, :]
             maps = maps * keep
             pattern = pattern * keep
-        self.norms[layer] = frobenius_norms(maps).cpu()
-        self.pattern_norms[layer] = frobenius_norms(pattern).cpu()
+        self.norms[layer] = frobenius_norms(maps).to("cpu", torch.float32)
+        self.pattern_norms[layer] = frobenius_norms(pattern).to("cpu", torch.float32)
         if self.keep == "maps":
-            self.maps[layer] = maps.cpu()
-            self.kept_patterns[layer] = pattern.cpu()
+            self.maps[layer] = maps.to("cpu", torch.float32)
+            self.kept_patterns[layer] = pattern.to("cpu", torch.float32)
 
     def result(self, metric_values: Tensor, str_tokens: list[list[str]] | None) -> ReversedAttention:
         missing = [layer for layer in self.layers if layer not in self.norms]

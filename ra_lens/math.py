@@ -22,12 +22,17 @@ Convention = Literal["qk", "scores", "pattern"]
 CONVENTIONS: tuple[str, ...] = ("qk", "scores", "pattern")
 
 
+def upcast(x: Tensor) -> Tensor:
+    """Half precision to float32; float32 and float64 stay as they are."""
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
 def softmax_vjp(
     pattern: Float[Tensor, "... query key"], pattern_grad: Float[Tensor, "... query key"]
 ) -> Float[Tensor, "... query key"]:
-    """dL/dS from the softmax output A and dL/dA: A * (R - rowsum(A * R)), in float32."""
-    a = pattern.float()
-    weighted = a * pattern_grad.float()
+    """dL/dS from the softmax output A and dL/dA: A * (R - rowsum(A * R)), at least in float32."""
+    a = upcast(pattern)
+    weighted = a * upcast(pattern_grad)
     return weighted - a * weighted.sum(dim=-1, keepdim=True)
 
 
@@ -54,7 +59,7 @@ def convert(
     """
     if convention == "pattern":
         mask = causal_mask(pattern.shape[-2], pattern.shape[-1], pattern.device)
-        return pattern_grad.float().masked_fill(~mask, 0.0)
+        return upcast(pattern_grad).masked_fill(~mask, 0.0)
     scores_grad = softmax_vjp(pattern, pattern_grad)
     return scores_grad if convention == "scores" else scores_grad / scale
 
@@ -70,10 +75,10 @@ def pattern_grad_from_z(
     n_heads, n_kv = z_grad.shape[2], v.shape[2]
     if n_heads % n_kv:
         raise ValueError(f"{n_heads} query heads cannot share {n_kv} key/value heads evenly")
-    v_per_head = einops.repeat(v.float(), "b k kv d -> b k (kv group) d", group=n_heads // n_kv)
-    return torch.einsum("bqhd,bkhd->bhqk", z_grad.float(), v_per_head)
+    v_per_head = einops.repeat(upcast(v), "b k kv d -> b k (kv group) d", group=n_heads // n_kv)
+    return torch.einsum("bqhd,bkhd->bhqk", upcast(z_grad), v_per_head)
 
 
 def frobenius_norms(maps: Float[Tensor, "... query key"]) -> Float[Tensor, "..."]:
     """Frobenius norm of each [query, key] map."""
-    return torch.linalg.vector_norm(maps.float(), dim=(-2, -1))
+    return torch.linalg.vector_norm(upcast(maps), dim=(-2, -1))

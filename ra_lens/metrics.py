@@ -19,6 +19,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from ra_lens.capture import Batch, to_batch
+from ra_lens.math import upcast
 
 
 def _positions(
@@ -63,7 +64,7 @@ class TargetNLL(Metric):
     def __call__(self, logits, lengths=None):
         rows = torch.arange(logits.shape[0], device=logits.device)
         pos = _positions(self.position, logits, lengths)
-        log_probs = logits[rows, pos].float().log_softmax(dim=-1)
+        log_probs = upcast(logits[rows, pos]).log_softmax(dim=-1)
         return -log_probs[rows, self.targets.to(logits.device)]
 
 
@@ -88,7 +89,7 @@ class LogitDiff(Metric):
 
     def __call__(self, logits, lengths=None):
         rows = torch.arange(logits.shape[0], device=logits.device)
-        final = logits[rows, _positions(self.position, logits, lengths)].float()
+        final = upcast(logits[rows, _positions(self.position, logits, lengths)])
         return (
             final[rows, self.correct.to(logits.device)]
             - final[rows, self.incorrect.to(logits.device)]
@@ -112,7 +113,7 @@ class CompletionNLL(Metric):
         ends, starts = ends.to(logits.device), self.prompt_lengths.to(logits.device)
         if bool((starts >= ends).any()) or bool((starts < 1).any()):
             raise ValueError("every completion needs at least one token after a non-empty prompt")
-        log_probs = logits[:, :-1].float().log_softmax(dim=-1)
+        log_probs = upcast(logits[:, :-1]).log_softmax(dim=-1)
         next_tokens = self.tokens[:, 1:].to(logits.device)
         token_lp = log_probs.gather(-1, next_tokens.unsqueeze(-1)).squeeze(-1)
         predicted_pos = torch.arange(1, n_pos, device=logits.device)

@@ -1,0 +1,106 @@
+"""Word-pair tasks: loading the bundled JSON files and the 70/21/9 train/test/valid split."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cache
+from importlib import resources
+
+Pair = tuple[str, str]
+
+#: The paper's split fractions (train, test, valid); valid takes whatever rounding leaves.
+SPLIT_FRACTIONS: tuple[float, float, float] = (0.70, 0.21, 0.09)
+
+
+@dataclass(frozen=True)
+class Splits:
+    """Disjoint train / test / valid parts of a task's pairs."""
+
+    train: tuple[Pair, ...]
+    test: tuple[Pair, ...]
+    valid: tuple[Pair, ...]
+
+    def sizes(self) -> dict[str, int]:
+        return {"train": len(self.train), "test": len(self.test), "valid": len(self.valid)}
+
+
+@dataclass(frozen=True)
+class Task:
+    """An in-context-learning task: (input, output) word pairs such as ("hot", "cold")."""
+
+    name: str
+    pairs: tuple[Pair, ...]
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "pairs", normalise_pairs(self.pairs, what=f"task {self.name!r}"))
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+    def split(self, seed: int = 42) -> Splits:
+        """Shuffle with `random.Random(seed)` and cut 70% train / 21% test / 9% valid.
+
+        Sizes are round(0.70 n), round(0.21 n) and the rest, so 100 pairs give 70/21/9.
+
+        Raises:
+            ValueError: a split would be empty (fewer than about 10 pairs).
+        """
+        n = len(self.pairs)
+        n_train = round(SPLIT_FRACTIONS[0] * n)
+        n_test = round(SPLIT_FRACTIONS[1] * n)
+        n_valid = n - n_train - n_test
+        if min(n_train, n_test, n_valid) < 1:
+            raise ValueError(
+                f"task {self.name!r} has {n} pairs: too few for a 70/21/9 train/test/valid split "
+                f"(would give {n_train}/{n_test}/{max(n_valid, 0)}); at least 10 are needed"
+            )
+        order = list(self.pairs)
+        random.Random(seed).shuffle(order)
+        return Splits(
+            train=tuple(order[:n_train]),
+            test=tuple(order[n_train : n_train + n_test]),
+            valid=tuple(order[n_train + n_test :]),
+        )
+
+
+def normalise_pairs(pairs: Sequence[Sequence[str]], *, what: str = "pairs") -> tuple[Pair, ...]:
+    """Check that every item is a pair of strings and return them as a tuple of tuples."""
+    out: list[Pair] = []
+    for i, pair in enumerate(pairs):
+        if isinstance(pair, str) or len(pair) != 2 or not all(isinstance(s, str) for s in pair):
+            raise TypeError(
+                f"{what}: item {i} is {pair!r}, expected an (input, output) string pair"
+            )
+        out.append((pair[0], pair[1]))
+    return tuple(out)
+
+
+def _data_dir():
+    return resources.files("ra_lens.tasks").joinpath("data")
+
+
+def available() -> list[str]:
+    """Names of the bundled tasks, sorted (e.g. "antonym", "country-capital")."""
+    return sorted(
+        entry.name[: -len(".json")]
+        for entry in _data_dir().iterdir()
+        if entry.name.endswith(".json")
+    )
+
+
+@cache
+def load(name: str) -> Task:
+    """Load a bundled task by name.
+
+    Raises:
+        ValueError: unknown name; the message lists the available tasks.
+    """
+    names = available()
+    if name not in names:
+        raise ValueError(f"unknown task {name!r}; available tasks: {', '.join(names)}")
+    raw = json.loads(_data_dir().joinpath(f"{name}.json").read_text(encoding="utf-8"))
+    return Task(name=raw["name"], pairs=raw["pairs"], description=raw.get("description", ""))

@@ -1,0 +1,113 @@
+"""Top-k accuracy of the first answer token at each prompt's last position, batched."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from jaxtyping import Float, Int
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from ra_lens.capture import to_batch
+from ra_lens.tasks.prompts import Prompt, answer_token
+
+FwdHook = tuple[str | Callable[[str], bool], Callable[..., Any]]
+
+
+@dataclass(frozen=True)
+class Accuracy:
+    """ICL accuracy over `n` prompts.
+
+    `ranks[i]` is the rank of prompt i's answer token among the vocabulary logits at its last
+    position (0 = the model's top prediction; rank = how many logits are strictly larger), so
+    top-k accuracy is the fraction of ranks below k.
+    """
+
+    top1: float
+    top2: float
+    top3: float
+    n: int
+    ranks: Int[Tensor, " n"] = field(repr=False)
+    ks: tuple[int, ...] = (1, 2, 3)
+
+    @classmethod
+    def from_ranks(cls, ranks: Int[Tensor, " n"], ks: Sequence[int] = (1, 2, 3)) -> Accuracy:
+        ranks = ranks.detach().to("cpu", torch.long)
+        n = int(ranks.numel())
+
+        def top(k: int) -> float:
+            return float((ranks < k).float().mean()) if n else float("nan")
+
+        return cls(top(1), top(2), top(3), n, ranks, tuple(int(k) for k in ks))
+
+    def top(self, k: int) -> float:
+        """Top-k accuracy for any k, as a fraction in [0, 1]."""
+        return float((self.ranks < k).float().mean()) if self.n else float("nan")
+
+    def to_dict(self) -> dict[str, float | int]:
+        """{"n": n, "top1": ..., "top2": ..., "top3": ..., plus "top{k}" for every k in ks}."""
+        out: dict[str, float | int] = {"n": self.n}
+        for k in sorted({1, 2, 3, *self.ks}):
+            out[f"top{k}"] = self.top(k)
+        return out
+
+
+def answer_ranks(
+    logits: Float[Tensor, "batch pos vocab"],
+    lengths: Int[Tensor, " batch"],
+    answers: Int[Tensor, " batch"],
+) -> Int[Tensor, " batch"]:
+    """Rank of each answer token among the logits at each row's last real position."""
+    rows = torch.arange(logits.shape[0], device=logits.device)
+    last: Float[Tensor, "batch vocab"] = logits[rows, lengths.to(logits.device) - 1].float()
+    target = last[rows, answers.to(logits.device)]
+    return (last > target[:, None]).sum(-1)
+
+
+def evaluate(
+    model: Any,
+    prompts: Sequence[Prompt],
+    *,
+    fwd_hooks: Sequence[FwdHook] = (),
+    batch_size: int = 16,
+    ks: Sequence[int] = (1, 2, 3),
+) -> Accuracy:
+    """Top-k accuracy of the first token of each prompt's answer at its last position.
+
+    Prompts are tokenised with BOS (`model.to_tokens`) and right-padded with the tokenizer's pad
+    id, so prompts of different lengths share a batch: causal attention keeps real positions
+    blind to the padding and the logits are read at each prompt's own last real position.
+    The model runs under `torch.no_grad()` inside `model.hooks(fwd_hooks=...)`, so hooks (e.g.
+    head ablations or attention patches) apply to every batch and are removed afterwards.
+
+    Args:
+        model: a TransformerLens model (HookedTransformer or TransformerBridge).
+        prompts: from `build_prompts`; only `.text` and `.answer` are used.
+        fwd_hooks: (hook name or name filter, hook function) pairs, as for `model.hooks`.
+        batch_size: prompts per forward pass.
+        ks: the k values reported by `Accuracy.to_dict` (top1..top3 are always there).
+
+    Returns:
+        Accuracy with `ranks: Int[Tensor, " n"]` in prompt order.
+    """
+    prompts = list(prompts)
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if not prompts:
+        raise ValueError("no prompts to evaluate")
+    token_of = {a: answer_token(model, a) for a in dict.fromkeys(p.answer for p in prompts)}
+    answers = [token_of[p.answer] for p in prompts]
+    batches = [
+        range(i, min(i + batch_size, len(prompts))) for i in range(0, len(prompts), batch_size)
+    ]
+    ranks: list[Tensor] = []
+    with torch.no_grad(), model.hooks(fwd_hooks=list(fwd_hooks)):
+        for idx in tqdm(batches, desc="evaluate", disable=len(batches) < 4, leave=False):
+            batch = to_batch(model, [prompts[i].text for i in idx])
+            logits = model(batch.tokens)
+            target = torch.tensor([answers[i] for i in idx], dtype=torch.long)
+            ranks.append(answer_ranks(logits, batch.lengths, target).cpu())
+    return Accuracy.from_ranks(torch.cat(ranks), ks)

@@ -1,0 +1,125 @@
+"""n-shot prompts in the paper's template, and the filters for "constant-length" subsets.
+
+Q: {x1}\\nA: {y1}\\n\\nQ: {x2}\\nA: {y2}\\n\\nQ: {query}\\nA:        target " {answer}"
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ra_lens.tasks._task import Pair, Task, normalise_pairs
+
+DEMO_TEMPLATE = "Q: {x}\nA: {y}\n\n"
+QUERY_TEMPLATE = "Q: {x}\nA:"
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One ICL prompt. `answer` carries the leading space: the target is its first token."""
+
+    text: str
+    answer: str
+    query: str
+    demos: tuple[Pair, ...] = ()
+
+    @property
+    def shots(self) -> int:
+        return len(self.demos)
+
+
+def format_prompt(demos: Sequence[Pair], query: str) -> str:
+    """The prompt text for `demos` followed by the query (no answer, no trailing space)."""
+    demo_text = "".join(DEMO_TEMPLATE.format(x=x, y=y) for x, y in demos)
+    return demo_text + QUERY_TEMPLATE.format(x=query)
+
+
+def build_prompts(
+    source: Task | Sequence[Pair],
+    queries: Sequence[Pair] | None = None,
+    *,
+    shots: int = 0,
+    demos_from: Sequence[Pair] | None = None,
+    seed: int = 42,
+    split_seed: int = 42,
+) -> list[Prompt]:
+    """One n-shot prompt per query pair, with demonstrations drawn at random (seeded).
+
+    Args:
+        source: a Task or a list of (x, y) pairs; supplies the defaults below.
+        queries: the pairs to ask about. Default: the task's test split (`split_seed`), or all
+            the pairs when `source` is a plain list.
+        shots: demonstrations per prompt.
+        demos_from: the pool of demonstrations. Default: the task's train split, or the pairs
+            themselves for a plain list. A demo never has the query's input (so never the query
+            pair itself), and the demos in one prompt are distinct.
+        seed: seeds one `random.Random` that draws the demos for all prompts in order.
+        split_seed: the seed of `Task.split` used for the defaults.
+
+    Raises:
+        ValueError: negative shots, or a pool with fewer than `shots` pairs besides the query.
+    """
+    if shots < 0:
+        raise ValueError(f"shots must be >= 0, got {shots}")
+    if isinstance(source, Task):
+        if queries is None or demos_from is None:
+            splits = source.split(split_seed)
+            queries = splits.test if queries is None else queries
+            demos_from = splits.train if demos_from is None else demos_from
+        label = f"task {source.name!r}"
+    else:
+        pairs = normalise_pairs(source)
+        queries = pairs if queries is None else queries
+        demos_from = pairs if demos_from is None else demos_from
+        label = "pairs"
+    queries = normalise_pairs(queries, what="queries")
+    pool = normalise_pairs(demos_from, what="demos_from")
+    rng = random.Random(seed)
+    prompts = []
+    for x, y in queries:
+        candidates = [pair for pair in pool if pair[0] != x]
+        if len(candidates) < shots:
+            raise ValueError(
+                f"{label}: {shots}-shot prompt for query {x!r} needs {shots} demonstrations but "
+                f"the pool has only {len(candidates)} pairs besides the query"
+            )
+        demos = tuple(rng.sample(candidates, shots))
+        prompts.append(Prompt(text=format_prompt(demos, x), answer=" " + y, query=x, demos=demos))
+    return prompts
+
+
+def answer_token(model: Any, answer: str) -> int:
+    """Id of the first token of `answer` (tokenised on its own, no BOS)."""
+    return int(model.to_tokens(answer, prepend_bos=False)[0, 0])
+
+
+def single_token_pairs(pairs: Task | Sequence[Pair], model: Any) -> list[Pair]:
+    """Keep the pairs whose answer `" " + y` is exactly one token for `model`'s tokenizer."""
+    pairs = pairs.pairs if isinstance(pairs, Task) else normalise_pairs(pairs)
+    return [(x, y) for x, y in pairs if model.to_tokens(" " + y, prepend_bos=False).shape[1] == 1]
+
+
+def prompt_lengths(prompts: Sequence[Prompt], model: Any) -> list[int]:
+    """Token length of each prompt text as the model sees it (`model.to_tokens`, with BOS)."""
+    return [int(model.to_tokens(p.text).shape[1]) for p in prompts]
+
+
+def same_length(
+    prompts: Sequence[Prompt], model: Any, *, length: int | None = None
+) -> list[Prompt]:
+    """The prompts whose token length is `length`; default: the most common length.
+
+    Ties between equally common lengths go to the shorter length. Order is kept. This is the
+    paper's "constant-length" subset, needed to average RA maps position by position.
+    """
+    prompts = list(prompts)
+    if not prompts:
+        return []
+    lengths = prompt_lengths(prompts, model)
+    if length is None:
+        counts = Counter(lengths)
+        length = min(counts, key=lambda n: (-counts[n], n))
+    return [p for p, n in zip(prompts, lengths, strict=True) if n == length]

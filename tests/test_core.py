@@ -1,0 +1,391 @@
+"""reversed_attention against autograd and finite differences, its properties, state and errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ra_lens
+from ra_lens import capture
+from ra_lens.metrics import completion, logit_diff, target_nll, target_prob
+from ra_lens.toy_models import tiny_model
+
+PROMPT = "I like Italy and France. I visited the city of"
+PROMPTS = ["I like Italy and France. I visited", "The quick brown fox jumps", "Q: hot\nA:"]
+
+
+def tl4_arch(arch: str, **kwargs):
+    pytest.importorskip("transformer_lens.model_bridge")
+    return tiny_model(arch, **kwargs)
+
+
+def all_archs():
+    """Architectures available under the installed TransformerLens."""
+    try:
+        import transformer_lens.model_bridge  # noqa: F401
+
+        return ["gpt2", "llama", "opt", "native"]
+    except ImportError:
+        return ["hooked"]
+
+
+def live_archs():
+    """Architectures whose hook_attn_scores and hook_pattern are in the autograd graph."""
+    return [a for a in all_archs() if a in ("gpt2", "llama", "hooked")]
+
+
+@pytest.fixture(scope="module", params=all_archs())
+def arch(request):
+    return request.param
+
+
+def scores_grad(model, tokens, metric, layer):
+    """Reference: autograd gradient at hook_attn_scores, with parameters made differentiable."""
+    store = {}
+
+    def keep(x, hook):
+        x.retain_grad()
+        store["scores"] = x
+
+    for p in model.parameters():
+        p.requires_grad_(True)
+    with model.hooks(fwd_hooks=[(capture.SCORES.format(layer), keep)]):
+        logits = model(tokens)
+        metric(logits).sum().backward()
+    grad = store["scores"].grad.detach().clone()
+    model.zero_grad(set_to_none=True)
+    return grad
+
+
+@pytest.mark.parametrize("arch_name", live_archs())
+def test_qk_equals_autograd_scores_grad_over_scale(arch_name):
+    model = tiny_model(arch_name, n_layers=3)
+    tokens = model.to_tokens([PROMPT, PROMPT.replace("Italy", "Spain")])
+    metric = target_nll([5, 7])
+    ra = ra_lens.reversed_attention(model, tokens, metric)
+    for i, layer in enumerate(ra.layers):
+        expected = scores_grad(model, tokens, metric, layer) / capture.attention_scale(model, layer)
+        expected = expected.masked_fill(~torch.ones_like(expected, dtype=torch.bool).tril(), 0)
+        torch.testing.assert_close(ra.maps[:, i], expected.float(), atol=1e-7, rtol=1e-4)
+    assert ra.maps.abs().max() > 1e-5  # a real, non-trivial signal
+
+
+def test_scale_read_from_model_matches_qk_over_scores(arch):
+    if arch in ("opt", "native"):
+        pytest.skip("hook_attn_scores is not the live pre-softmax score on this adapter")
+    model = tiny_model(arch)
+    rotary = "blocks.0.attn.hook_rot_q" in model.hook_dict
+    q_name, k_name = ("hook_rot_q", "hook_rot_k") if rotary else ("hook_q", "hook_k")
+    cache = {}
+
+    def save(name):
+        def hook(x, hook):
+            cache[name] = x.detach()
+
+        return hook
+
+    names = [f"blocks.1.attn.{n}" for n in (q_name, k_name, "hook_attn_scores")]
+    with torch.no_grad(), model.hooks(fwd_hooks=[(n, save(n)) for n in names]):
+        model(model.to_tokens(PROMPT))
+    q, k, scores = (cache[n] for n in names)
+    if q.shape[1] != scores.shape[2]:  # [batch, head, pos, d] layout -> [batch, pos, head, d]
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+    k = k.repeat_interleave(q.shape[2] // k.shape[2], dim=2)
+    qk = torch.einsum("bqhd,bkhd->bhqk", q, k)
+    mask = torch.ones_like(qk, dtype=torch.bool).tril()
+    s = capture.attention_scale(model, 1)
+    torch.testing.assert_close(scores[mask], qk[mask] / s, atol=1e-5, rtol=1e-4)
+
+
+def test_finite_differences_float64():
+    """dL/dZ_ij by central differences on the live scores of a float64 model.
+
+    GPT-2 rather than Llama: HF's RMSNorm computes in float32 whatever the model dtype, which
+    would limit the differences to float32 precision.
+    """
+    model = tiny_model(live_archs()[0], n_layers=2)
+    model = model.to(torch.float64)
+    tokens = model.to_tokens(PROMPT)
+    metric = target_nll([11])
+    ra = ra_lens.reversed_attention(model, tokens, metric)
+    layer = 1
+    s = capture.attention_scale(model, layer)
+    eps = 1e-6
+
+    def loss_with(head, q, k, delta):
+        def bump(scores, hook):
+            scores = scores.clone()
+            scores[0, head, q, k] += delta / s  # Z moves by delta, S = Z / s by delta / s
+            return scores
+
+        with torch.no_grad(), model.hooks(fwd_hooks=[(capture.SCORES.format(layer), bump)]):
+            return metric(model(tokens)).item()
+
+    for head, q, k in [(0, 5, 2), (1, 8, 8), (3, tokens.shape[1] - 1, 0), (2, 9, 4)]:
+        fd = (loss_with(head, q, k, eps) - loss_with(head, q, k, -eps)) / (2 * eps)
+        assert ra.maps[0, layer, head, q, k].item() == pytest.approx(fd, rel=1e-5, abs=1e-10)
+
+
+def test_pattern_convention_by_finite_differences(arch):
+    """The 'pattern' convention is dL/dA: checked by nudging the live pattern (float64)."""
+    if arch == "opt":
+        pytest.skip("edits at hook_pattern are discarded on this adapter")
+    if arch == "llama":
+        pytest.skip("HF's RMSNorm computes in float32: differences are float32-noisy")
+    model = tiny_model(arch).to(torch.float64)
+    tokens = model.to_tokens(PROMPT)
+    metric = target_nll([3])
+    ra = ra_lens.reversed_attention(model, tokens, metric, convention="pattern")
+    eps = 1e-6
+
+    def loss_with(delta):
+        def bump(pattern, hook):
+            pattern = pattern.clone()
+            pattern[0, 2, 7, 3] += delta
+            return pattern
+
+        with torch.no_grad(), model.hooks(fwd_hooks=[(capture.PATTERN.format(0), bump)]):
+            return metric(model(tokens)).item()
+
+    fd = (loss_with(eps) - loss_with(-eps)) / (2 * eps)
+    assert ra.maps[0, 0, 2, 7, 3].item() == pytest.approx(fd, rel=1e-5, abs=1e-10)
+
+
+def test_conventions_are_related(arch):
+    model = tiny_model(arch)
+    tokens = model.to_tokens(PROMPT)
+    metric = target_nll([4])
+    qk = ra_lens.reversed_attention(model, tokens, metric)
+    scores = ra_lens.reversed_attention(model, tokens, metric, convention="scores")
+    pattern = ra_lens.reversed_attention(model, tokens, metric, convention="pattern")
+    scale = torch.tensor(qk.scales)[None, :, None, None, None]
+    torch.testing.assert_close(scores.maps, qk.maps * scale.float())
+    a, r = pattern.patterns, pattern.maps
+    torch.testing.assert_close(scores.maps, a * (r - (a * r).sum(-1, keepdim=True)), atol=1e-8, rtol=1e-4)
+
+
+def test_hook_z_route_equals_hook_pattern_route(arch, monkeypatch):
+    if arch == "opt":
+        pytest.skip("only the hook_z route exists here")
+    model = tiny_model(arch)
+    tokens = model.to_tokens(PROMPTS[:1])
+    via_pattern = ra_lens.reversed_attention(model, tokens, target_nll([9]))
+    monkeypatch.setattr(capture, "live_pattern_layers", lambda m: [False] * m.cfg.n_layers)
+    via_z = ra_lens.reversed_attention(model, tokens, target_nll([9]))
+    assert via_pattern.routes == ["pattern", "pattern"] and via_z.routes == ["z", "z"]
+    torch.testing.assert_close(via_z.maps, via_pattern.maps, atol=1e-8, rtol=1e-4)
+
+
+def test_opt_uses_z_route_and_matches_autograd_of_pattern():
+    """OPT delegates attention to HuggingFace: hook_pattern gets no gradient, hook_z does."""
+    model = tl4_arch("opt")
+    assert capture.live_pattern_layers(model) == [False, False]
+    tokens = model.to_tokens(PROMPT)
+    ra = ra_lens.reversed_attention(model, tokens, target_nll([6]), convention="pattern")
+    assert ra.routes == ["z", "z"]
+    # Reference: dL/dA in a plain HuggingFace copy (same seed, same weights), outside the bridge.
+    from transformers import AutoModelForCausalLM
+
+    from ra_lens.toy_models import _hf_config
+
+    torch.manual_seed(0)
+    config = _hf_config("opt", 300, 32, 2, 4, 64)
+    config._attn_implementation = "eager"
+    hf = AutoModelForCausalLM.from_config(config).eval()
+    out = hf(tokens, output_attentions=True)
+    torch.testing.assert_close(out.logits, model(tokens))
+    for a in out.attentions:
+        a.retain_grad()
+    torch.nn.functional.cross_entropy(out.logits[:, -1], torch.tensor([6])).backward()
+    for i, a in enumerate(out.attentions):
+        torch.testing.assert_close(ra.maps[:, i], a.grad.tril(), atol=1e-7, rtol=1e-4)
+        torch.testing.assert_close(ra.patterns[:, i], a.detach(), atol=1e-6, rtol=1e-4)
+
+
+def test_properties(arch):
+    model = tiny_model(arch, n_layers=3)
+    tokens = model.to_tokens(PROMPT)
+    n = tokens.shape[1]
+    loss_pos = n - 4
+    ra = ra_lens.reversed_attention(model, tokens, target_nll([8], position=loss_pos))
+    maps = ra.maps[0]
+    assert maps.triu(1).abs().max() == 0  # zero above the diagonal
+    assert maps.sum(-1).abs().max() < 1e-6 * maps.abs().max().clamp_min(1e-12) * n  # rows sum to 0
+    assert maps[:, :, 0].abs().max() == 0  # row 0
+    assert maps[:, :, loss_pos + 1 :].abs().max() == 0  # rows after the loss position
+    last = maps[-1]
+    assert last[:, loss_pos].abs().max() > 0
+    assert torch.cat([last[:, :loss_pos], last[:, loss_pos + 1 :]], 1).abs().max() == 0
+    # Adding eta * RA keeps the rows of a pattern summing to one.
+    patched = ra.patterns[0] + 5.0 * maps
+    torch.testing.assert_close(patched.sum(-1)[:, :, :n], torch.ones(3, 4, n), atol=1e-5, rtol=0)
+
+
+def test_keep_norms_equals_norms_of_maps(arch):
+    model = tiny_model(arch)
+    tokens = model.to_tokens(PROMPTS[:1])
+    maps = ra_lens.reversed_attention(model, tokens, target_nll([2]))
+    norms = ra_lens.reversed_attention(model, tokens, target_nll([2]), keep="norms")
+    assert norms.maps is None and norms.patterns is None
+    torch.testing.assert_close(norms.head_norms(), maps.maps.flatten(-2).norm(dim=-1).mean(0))
+    torch.testing.assert_close(norms.forward_norms(), maps.forward_norms())
+
+
+def test_batched_equals_per_prompt_and_padded_equals_unpadded(arch):
+    model = tiny_model(arch)
+    targets = [5, 17, 42]
+    batched = ra_lens.reversed_attention(model, PROMPTS, target_nll(targets))
+    assert batched.lengths.unique().numel() == 3  # really padded
+    for i, prompt in enumerate(PROMPTS):
+        alone = ra_lens.reversed_attention(model, prompt, target_nll([targets[i]]))
+        n = int(batched.lengths[i])
+        torch.testing.assert_close(batched.maps[i, ..., :n, :n], alone.maps[0], atol=1e-8, rtol=1e-4)
+        assert batched.maps[i, ..., n:, :].abs().max() == 0 if n < batched.maps.shape[-1] else True
+        assert batched.maps[i, ..., :, n:].abs().max() == 0 if n < batched.maps.shape[-1] else True
+        torch.testing.assert_close(batched.norms[i], alone.norms[0], atol=1e-8, rtol=1e-4)
+
+
+def test_metrics_other_than_nll():
+    model = tiny_model(all_archs()[0])
+    tokens = model.to_tokens(PROMPT)
+    nll = ra_lens.reversed_attention(model, tokens, target_nll([5]))
+    prob = ra_lens.reversed_attention(model, tokens, target_prob([5]))
+    p = prob.metric_values[0]
+    # d p / dZ = -p * d nll / dZ
+    torch.testing.assert_close(prob.maps, -p * nll.maps, atol=1e-9, rtol=1e-4)
+    diff = ra_lens.reversed_attention(model, tokens, logit_diff([5], [6]))
+    assert diff.maps.abs().max() > 0
+
+
+def test_teacher_forced_completion_equals_single_token_nll_for_one_token():
+    model = tiny_model(all_archs()[0])
+    batch, metric = completion(model, [PROMPT], [" the"])
+    assert int(batch.lengths[0]) == model.to_tokens(PROMPT + " the").shape[1]
+    target = int(batch.tokens[0, -1])
+    forced = ra_lens.reversed_attention(model, batch, metric)
+    prompt_only = model.to_tokens(PROMPT)
+    n = prompt_only.shape[1]
+    single = ra_lens.reversed_attention(model, batch, target_nll([target], position=n - 1))
+    torch.testing.assert_close(forced.maps, single.maps)
+    multi_batch, multi = completion(model, [PROMPT, "The quick"], [" the city", " brown fox jumps"])
+    ra = ra_lens.reversed_attention(model, multi_batch, multi)
+    assert ra.metric_values.shape == (2,) and bool((ra.metric_values > 0).all())
+
+
+def hook_count(model):
+    points = sum(len(hp.fwd_hooks) + len(hp.bwd_hooks) for hp in model.hook_dict.values())
+    modules = sum(
+        len(m._forward_hooks) + len(m._backward_hooks) + len(m._forward_pre_hooks)
+        for m in model.modules()
+    )
+    return points, modules
+
+
+def snapshot(model):
+    params = list(model.parameters())
+    return (
+        model.training,
+        [p.requires_grad for p in params],
+        [None if p.grad is None else p.grad.clone() for p in params],
+        hook_count(model),
+    )
+
+
+@pytest.mark.parametrize("frozen", [True, False])
+def test_model_left_as_it_was(arch, frozen):
+    model = tiny_model(arch, frozen=frozen)
+    model.train()
+    ra_lens.reversed_attention(model, PROMPT, target_nll([1]))  # warm the liveness cache
+    before = snapshot(model)
+    ra_lens.reversed_attention(model, PROMPT, target_nll([1]))
+    assert snapshot(model)[:2] == before[:2]
+    assert all(g is None for g in snapshot(model)[2]) and snapshot(model)[3] == before[3]
+
+    def broken(logits):
+        raise RuntimeError("metric failed")
+
+    with pytest.raises(RuntimeError, match="metric failed"):
+        ra_lens.reversed_attention(model, PROMPT, broken)
+    after = snapshot(model)
+    assert after[0] is True and after[1] == before[1] and after[3] == before[3]
+    assert all(g is None for g in after[2])
+
+
+def test_existing_grads_untouched():
+    model = tiny_model(all_archs()[0])
+    params = list(model.parameters())
+    params[3].grad = torch.full_like(params[3], 7.0)
+    ra_lens.reversed_attention(model, PROMPT, target_nll([1]))
+    assert torch.equal(params[3].grad, torch.full_like(params[3], 7.0))
+    assert all(p.grad is None for i, p in enumerate(params) if i != 3)
+
+
+def test_layers_subset_equals_full():
+    model = tiny_model(all_archs()[0], n_layers=3)
+    full = ra_lens.reversed_attention(model, PROMPT, target_nll([5]))
+    part = ra_lens.reversed_attention(model, PROMPT, target_nll([5]), layers=[2, 1])
+    assert part.layers == [1, 2]
+    torch.testing.assert_close(part.maps, full.maps[:, 1:])
+
+
+def test_half_precision_computes_vjp_in_float32():
+    model32 = tiny_model(live_archs()[-1 if "llama" in live_archs() else 0])
+    model16 = tiny_model(live_archs()[-1 if "llama" in live_archs() else 0], dtype=torch.bfloat16)
+    ra32 = ra_lens.reversed_attention(model32, PROMPT, target_nll([5]))
+    ra16 = ra_lens.reversed_attention(model16, PROMPT, target_nll([5]))
+    assert ra16.maps.dtype == torch.float32
+    cos = torch.nn.functional.cosine_similarity(ra16.maps.flatten(), ra32.maps.flatten(), dim=0)
+    assert cos > 0.95
+
+
+def test_save_and_load_round_trip(tmp_path):
+    model = tiny_model(all_archs()[0])
+    ra = ra_lens.reversed_attention(model, PROMPTS[:2], target_nll([1, 2]))
+    ra.save(tmp_path / "ra.safetensors")
+    back = ra_lens.ReversedAttention.load(tmp_path / "ra.safetensors")
+    for name in ("maps", "patterns", "norms", "tokens", "lengths", "metric_values"):
+        assert torch.equal(getattr(back, name), getattr(ra, name))
+    assert back.layers == ra.layers and back.scales == ra.scales and back.str_tokens == ra.str_tokens
+    assert back.top_heads(3) == ra.top_heads(3)
+
+
+def test_top_heads_order():
+    model = tiny_model(all_archs()[0])
+    ra = ra_lens.reversed_attention(model, PROMPT, target_nll([5]))
+    top = ra.top_heads(8)
+    norms = [n for _, _, n in top]
+    assert norms == sorted(norms, reverse=True) and len(top) == 8
+    layer, head, norm = top[0]
+    assert norm == pytest.approx(ra.head_norms().max().item())
+    assert ra.head_norms()[ra.layers.index(layer), head].item() == pytest.approx(norm)
+
+
+# Bad input: a clear error and the model untouched.
+
+
+def test_errors(arch):
+    model = tiny_model(arch)
+    model(model.to_tokens(PROMPT))  # the bridge adds its own hooks lazily on the first forward
+    before = snapshot(model)
+    metric = target_nll([1])
+    cases = [
+        (dict(layers=[5]), ValueError, "out of range"),
+        (dict(convention="logits"), ValueError, "unknown convention"),
+        (dict(keep="all"), ValueError, "unknown keep"),
+    ]
+    for kwargs, error, message in cases:
+        with pytest.raises(error, match=message):
+            ra_lens.reversed_attention(model, PROMPT, metric, **kwargs)
+    with pytest.raises(ValueError, match="one value per prompt"):
+        ra_lens.reversed_attention(model, PROMPT, lambda logits: logits[:, -1])
+    with pytest.raises(ValueError, match="no gradient path"):
+        ra_lens.reversed_attention(model, PROMPT, lambda logits: logits[:, -1, 0].detach())
+    with pytest.raises(ValueError, match="empty batch"):
+        ra_lens.reversed_attention(model, [], metric)
+    with pytest.raises(ValueError, match="exceed the model's context"):
+        ra_lens.reversed_attention(model, torch.zeros(1, 65, dtype=torch.long), metric)
+    with pytest.raises(ValueError, match="cannot know where each one ends"):
+        ra_lens.reversed_attention(model, PROMPTS, lambda logits: logits[:, -1, 0])
+    with pytest.raises(TypeError, match="TransformerLens model"):
+        ra_lens.reversed_attention(torch.nn.Linear(2, 2), PROMPT, metric)
+    assert snapshot(model)[:2] == before[:2] and snapshot(model)[3] == before[3]

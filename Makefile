@@ -26,7 +26,7 @@ $(VENV_TL2)/.installed: pyproject.toml
 	test -x $(PY_TL2) || $(PYTHON) -m venv $(VENV_TL2)
 	$(PY_TL2) -m pip install $(PIP_FLAGS) "torch==$(TORCH_VERSION)"
 	$(PY_TL2) -m pip install $(PIP_FLAGS) -e ".[dev]" "transformer-lens==2.18.0" \
-		"transformers>=4.57,<4.58" "huggingface-hub<1.0"
+		"transformers>=4.57,<4.58" "huggingface-hub<1.0" "numpy<2" "pyarrow<20"
 	touch $@
 
 test: test-tl4 test-tl2

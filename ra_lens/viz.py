@@ -89,7 +89,7 @@ def _save(fig: Figure, save: PathLike | None) -> Figure:
     if save is not None:
         path = Path(save)
         path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=150)
+        fig.savefig(path, dpi=150, bbox_inches="tight", pad_inches=0.1)
     return fig
 
 
@@ -215,7 +215,7 @@ def _pair_size(labels: list[str]) -> tuple[float, float]:
     side = min(10.0, max(3.6, 0.2 * n + 1.8))
     longest = max((len(label) for label in labels), default=1)
     label = min(2.5, longest * _token_fontsize(n) * 0.62 / 72) + 0.35
-    return 2 * (side + label + 0.9), side + label + 0.75
+    return 2 * (side + label + 0.9), side + label + 0.95
 
 
 def _layer_head_panel(

@@ -60,11 +60,16 @@ def answer_ranks(
     lengths: Int[Tensor, " batch"],
     answers: Int[Tensor, " batch"],
 ) -> Int[Tensor, " batch"]:
-    """Rank of each answer token among the logits at each row's last real position."""
+    """Rank of each answer token among the logits at each row's last real position.
+
+    A NaN answer logit (e.g. a patch that broke the forward pass) gets the worst rank, vocab - 1,
+    instead of the 0 that comparisons with NaN would give.
+    """
     rows = torch.arange(logits.shape[0], device=logits.device)
     last: Float[Tensor, "batch vocab"] = logits[rows, lengths.to(logits.device) - 1].float()
     target = last[rows, answers.to(logits.device)]
-    return (last > target[:, None]).sum(-1)
+    ranks = (last > target[:, None]).sum(-1)
+    return torch.where(target.isnan(), last.shape[-1] - 1, ranks)
 
 
 def evaluate(

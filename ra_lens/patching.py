@@ -1,0 +1,250 @@
+"""TransformerLens hook functions: attention patching with RA, its forward baseline, head ablation.
+
+Every function returns a plain list of `(hook_name, hook_fn)` pairs, so it composes with
+`model.hooks(fwd_hooks=...)`, `model.run_with_hooks(...)`, `transformer_lens.patching` and other
+people's hooks on the same points:
+
+    >>> hooks = attention_patch_hooks(ra.mean_maps(), -16.0)          # doctest: +SKIP
+    >>> with model.hooks(fwd_hooks=hooks):                             # doctest: +SKIP
+    ...     logits = model(tokens)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Literal
+
+import torch
+from jaxtyping import Bool, Float
+from torch import Tensor
+
+from ra_lens import capture
+from ra_lens.capture import PATTERN, Z
+from ra_lens.result import ReversedAttention
+
+Hook = tuple[str, Callable]
+Align = Literal["right", "strict"]
+Heads = Iterable[tuple[int, int]] | Bool[Tensor, "layer head"]
+
+
+def attention_patch_hooks(
+    maps: Float[Tensor, "layer head query key"] | ReversedAttention,
+    scale: float | Float[Tensor, "layer head"],
+    *,
+    layers: Sequence[int] | None = None,
+    heads: Heads | None = None,
+    align: Align = "right",
+    model: Any | None = None,
+) -> list[Hook]:
+    """Hooks adding `scale * maps[l, h]` to `blocks.{l}.attn.hook_pattern`, after the softmax.
+
+    This is the paper's attention patching: with RA maps (dL/d(QK^T) of the loss), a negative
+    scale moves attention in the gradient-descent direction; rows keep summing to one because
+    RA rows sum to zero. Nothing is renormalised.
+
+    Args:
+        maps: Float[Tensor, "layer head query key"] covering every layer of the model (e.g.
+            `ra.mean_maps()` of a call with all layers), or a ReversedAttention (its mean maps,
+            placed at its own layers).
+        scale: one number, or Float[Tensor, "layer head"] per head.
+        layers: patch only these layers (default: all the maps cover).
+        heads: patch only these (layer, head) pairs, or a Bool[Tensor, "layer head"] mask.
+        align: prompts shorter or longer than the maps: "right" lines up the last positions
+            (the paper's prompts end where the answer is predicted); "strict" raises.
+        model: if given, first check that edits at hook_pattern reach the output (they do not
+            on adapters that delegate attention to HuggingFace, such as OPT) and raise if not.
+
+    Returns:
+        [(hook_name, hook_fn)] for `model.hooks(fwd_hooks=...)` or `run_with_hooks`.
+    """
+    if model is not None and isinstance(maps, Tensor) and maps.ndim == 4:
+        n_layers = capture.model_shape(model).n_layers
+        if maps.shape[0] != n_layers:
+            raise ValueError(
+                f"maps cover {maps.shape[0]} layers but the model has {n_layers}: pass maps for "
+                "every layer (ra.mean_maps() of a call with all layers) or the ReversedAttention"
+            )
+    return _patch_hooks(_maps_by_layer(maps), scale, layers, heads, align, model)
+
+
+def forward_patch_hooks(
+    ra: ReversedAttention,
+    scale: float | Float[Tensor, "layer head"],
+    *,
+    layers: Sequence[int] | None = None,
+    heads: Heads | None = None,
+    align: Align = "right",
+    model: Any | None = None,
+) -> list[Hook]:
+    """The paper's baseline: add `scale * mean forward pattern` instead of RA (rows then sum to
+    1 + scale). Same arguments as attention_patch_hooks."""
+    by_layer = _at_layers(ra.mean_patterns(), ra.layers)
+    return _patch_hooks(by_layer, scale, layers, heads, align, model)
+
+
+def _patch_hooks(
+    by_layer: dict[int, Tensor],
+    scale: float | Tensor,
+    layers: Sequence[int] | None,
+    heads: Heads | None,
+    align: Align,
+    model: Any | None,
+) -> list[Hook]:
+    if align not in ("right", "strict"):
+        raise ValueError(f"unknown align {align!r}: choose 'right' or 'strict'")
+    chosen = sorted(by_layer) if layers is None else sorted(set(layers))
+    missing = [layer for layer in chosen if layer not in by_layer]
+    if missing:
+        raise ValueError(f"no maps for layers {missing}: the maps cover {sorted(by_layer)}")
+    n_heads = next(iter(by_layer.values())).shape[0]
+    scales = _per_head(scale, max(by_layer) + 1, n_heads, "scale")
+    mask = _head_mask(heads, max(by_layer) + 1, n_heads)
+    if model is not None:
+        _check_shapes_and_liveness(model, by_layer, chosen)
+    hooks = []
+    for layer in chosen:
+        delta = by_layer[layer] * (scales[layer] * mask[layer])[:, None, None]
+        hooks.append((PATTERN.format(layer), _add_to_pattern(delta, align)))
+    return hooks
+
+
+def head_ablation_hooks(
+    heads: Heads,
+    *,
+    mode: Literal["zero", "mean"] = "zero",
+    means: Float[Tensor, "layer head d_head"] | None = None,
+) -> list[Hook]:
+    """Hooks that replace chosen heads' outputs at `blocks.{l}.attn.hook_z`.
+
+    Args:
+        heads: (layer, head) pairs or a Bool[Tensor, "layer head"] mask of heads to ablate.
+        mode: "zero" sets the head output to zero; "mean" replaces it by `means[l, h]`
+            (see `mean_head_outputs`).
+    """
+    if mode not in ("zero", "mean"):
+        raise ValueError(f"unknown mode {mode!r}: choose 'zero' or 'mean'")
+    if mode == "mean" and means is None:
+        raise ValueError("mode='mean' needs means: pass means=mean_head_outputs(model, tokens)")
+    pairs = _pairs(heads)
+    by_layer: dict[int, list[int]] = {}
+    for layer, head in pairs:
+        by_layer.setdefault(layer, []).append(head)
+
+    def ablate(layer: int, chosen: list[int]):
+        index = torch.tensor(chosen)
+
+        def hook(z: Tensor, hook: Any) -> Tensor:
+            z = z.clone()
+            if mode == "zero":
+                z[:, :, index] = 0.0
+            else:
+                assert means is not None
+                z[:, :, index] = means[layer, index].to(z.device, z.dtype)
+            return z
+
+        return hook
+
+    return [(Z.format(layer), ablate(layer, chosen)) for layer, chosen in sorted(by_layer.items())]
+
+
+def mean_head_outputs(model: Any, tokens: Any) -> Float[Tensor, "layer head d_head"]:
+    """Each head's output at hook_z, averaged over prompts and real positions (for mean ablation)."""
+    shape = capture.model_shape(model)
+    batch = capture.to_batch(model, tokens)
+    real = (torch.arange(batch.tokens.shape[1], device=batch.tokens.device) < batch.lengths[:, None])
+    sums: dict[int, Tensor] = {}
+
+    def collect(layer: int):
+        def hook(z: Tensor, hook: Any) -> None:
+            sums[layer] = (z.float() * real[:, :, None, None]).sum((0, 1)) / real.sum()
+
+        return hook
+
+    hooks = [(Z.format(layer), collect(layer)) for layer in range(shape.n_layers)]
+    with torch.no_grad(), model.hooks(fwd_hooks=hooks):
+        model(batch.tokens)
+    return torch.stack([sums[layer] for layer in range(shape.n_layers)]).cpu()
+
+
+def _maps_by_layer(maps: Tensor | ReversedAttention) -> dict[int, Tensor]:
+    if isinstance(maps, ReversedAttention):
+        return _at_layers(maps.mean_maps(), maps.layers)
+    if not isinstance(maps, Tensor) or maps.ndim != 4:
+        shape = tuple(maps.shape) if isinstance(maps, Tensor) else type(maps).__name__
+        raise ValueError(f"maps must be Float[Tensor, 'layer head query key'], got {shape}")
+    return _at_layers(maps, list(range(maps.shape[0])))
+
+
+def _at_layers(maps: Tensor, layers: list[int]) -> dict[int, Tensor]:
+    if not torch.isfinite(maps).all():
+        raise ValueError("maps contain NaN or inf: refusing to patch them into the model")
+    return {layer: maps[i].float() for i, layer in enumerate(layers)}
+
+
+def _per_head(value: float | Tensor, n_layers: int, n_heads: int, name: str) -> Tensor:
+    if isinstance(value, Tensor):
+        if value.shape != (n_layers, n_heads):
+            raise ValueError(f"{name} must be a number or [{n_layers}, {n_heads}], got {tuple(value.shape)}")
+        return value.float()
+    return torch.full((n_layers, n_heads), float(value))
+
+
+def _head_mask(heads: Heads | None, n_layers: int, n_heads: int) -> Tensor:
+    if heads is None:
+        return torch.ones(n_layers, n_heads)
+    mask = torch.zeros(n_layers, n_heads)
+    for layer, head in _pairs(heads):
+        if not (0 <= layer < n_layers and 0 <= head < n_heads):
+            raise ValueError(f"head ({layer}, {head}) outside the maps' {n_layers} x {n_heads}")
+        mask[layer, head] = 1.0
+    return mask
+
+
+def _pairs(heads: Heads) -> list[tuple[int, int]]:
+    if isinstance(heads, Tensor):
+        if heads.ndim != 2:
+            raise ValueError(f"a head mask must be Bool[Tensor, 'layer head'], got {tuple(heads.shape)}")
+        return [(int(la), int(h)) for la, h in heads.nonzero().tolist()]
+    return [(int(la), int(h)) for la, h in heads]
+
+
+def _check_shapes_and_liveness(model: Any, by_layer: dict[int, Tensor], chosen: list[int]) -> None:
+    shape = capture.model_shape(model)
+    n_heads = next(iter(by_layer.values())).shape[0]
+    if max(by_layer) >= shape.n_layers or n_heads != shape.n_heads:
+        raise ValueError(
+            f"maps cover layers up to {max(by_layer)} with {n_heads} heads, but the model has "
+            f"{shape.n_layers} layers of {shape.n_heads} heads: compute them on this model"
+        )
+    live = capture.live_pattern_layers(model)
+    dead = [layer for layer in chosen if not live[layer]]
+    if dead:
+        raise RuntimeError(
+            f"edits at hook_pattern of layers {dead} do not reach the output on this adapter "
+            "(it delegates attention to HuggingFace): attention patching would silently do "
+            "nothing; use an architecture whose bridge computes attention itself (GPT-2, Llama)"
+        )
+
+
+def _add_to_pattern(delta: Tensor, align: Align):
+    """delta: [head, m, m]; added to the last min(n, m) query/key positions of the pattern."""
+    m = delta.shape[-1]
+
+    def hook(pattern: Tensor, hook: Any) -> Tensor:
+        n = pattern.shape[-1]
+        if pattern.shape[1] != delta.shape[0]:
+            raise ValueError(
+                f"maps have {delta.shape[0]} heads but the model's pattern has {pattern.shape[1]}: "
+                "compute the maps on this model"
+            )
+        if n != m and align == "strict":
+            raise ValueError(
+                f"prompt of {n} tokens but maps of {m} (align='strict'): use prompts of the maps' "
+                "length or align='right'"
+            )
+        k = min(n, m)
+        patched = pattern.clone()
+        patched[..., n - k :, n - k :] += delta[:, m - k :, m - k :].to(pattern.device, pattern.dtype)
+        return patched
+
+    return hook

@@ -72,8 +72,8 @@ class EditDynamics:
     second_order: Float[Tensor, "batch layer head query key"]
     predicted_pattern: Float[Tensor, "batch layer head query key"]
     actual_pattern: Float[Tensor, "batch layer head query key"]
-    grad_error: Float[Tensor, "layer"]
-    lengths: Int[Tensor, "batch"]
+    grad_error: Float[Tensor, " layer"]
+    lengths: Int[Tensor, " batch"]
     layers: list[int]
     lr: float
     scales: list[float]
@@ -133,8 +133,8 @@ def edit_dynamics(
         NotImplementedError: an architecture whose attention is not softmax(rot(X W_q + b_q)
             rot(X W_k + b_k)^T / s) with separate q/k nn.Linear projections.
 
-    >>> dyn = edit_dynamics(model, "The capital of France is", target_nll([paris]), 1e-3)  # doctest: +SKIP
-    >>> dyn.cosine.min()                                                                 # doctest: +SKIP
+    >>> dyn = edit_dynamics(model, "The capital of", target_nll([paris]), 1e-3)  # doctest: +SKIP
+    >>> dyn.cosine.min()                                                       # doctest: +SKIP
     tensor(0.9999, dtype=torch.float64)
     """
     if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0:
@@ -239,7 +239,9 @@ def _autograd_grads(
     with torch.enable_grad():
         loss = _to_loss(_call_metric(metric, clone(batch.tokens), batch), batch)
         found = torch.autograd.grad(loss, flat, allow_unused=True)
-        grads = iter([torch.zeros_like(p) if g is None else g for p, g in zip(flat, found)])
+        grads = iter(
+            [torch.zeros_like(p) if g is None else g for p, g in zip(flat, found, strict=True)]
+        )
     for p in flat:
         p.requires_grad_(False)
     return {
@@ -256,13 +258,13 @@ def _stepped(
     saved = [None if p is None else p.detach().clone() for p in params]
     try:
         with torch.no_grad():
-            for p, g in zip(params, grads):
+            for p, g in zip(params, grads, strict=True):
                 if p is not None and g is not None:
                     p.sub_(lr * g)
         return _capture(clone, tokens, [layer])[layer]
     finally:
         with torch.no_grad():
-            for p, s in zip(params, saved):
+            for p, s in zip(params, saved, strict=True):
                 if p is not None and s is not None:
                     p.copy_(s)
 
@@ -391,7 +393,9 @@ def _predict(
 
 def _grad_error(ra_grads: list[Tensor | None], grads: list[Tensor | None]) -> float:
     """||RA-derived - autograd|| / ||autograd|| over the layer's q/k parameters that exist."""
-    pairs = [(r, g) for r, g in zip(ra_grads, grads) if r is not None and g is not None]
+    pairs = [
+        (r, g) for r, g in zip(ra_grads, grads, strict=True) if r is not None and g is not None
+    ]
     diff = sum(float((r - g).double().pow(2).sum()) for r, g in pairs)
     norm = sum(float(g.double().pow(2).sum()) for _, g in pairs)
     return math.sqrt(diff / norm) if norm > 0 else float("nan")

@@ -1,0 +1,10 @@
+"""The paper's experiments, end to end: attention patching on ICL tasks, head ranking."""
+
+from ra_lens.experiments.patching import (
+    DEFAULT_SCALES,
+    PAPER_SCALES,
+    PatchingResult,
+    attention_patching,
+)
+
+__all__ = ["DEFAULT_SCALES", "PAPER_SCALES", "PatchingResult", "attention_patching"]

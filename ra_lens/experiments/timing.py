@@ -1,0 +1,17 @@
+"""Wall-clock spans for experiment reports (never used for assertions in tests)."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+
+
+@contextlib.contextmanager
+def timed(seconds: dict[str, float], name: str) -> Iterator[None]:
+    """Add the time spent in the block to seconds[name]."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - start

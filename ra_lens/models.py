@@ -166,7 +166,7 @@ def _find_gguf(cache: Path, workdir: Path) -> Path:
 
 
 def _convert_gguf(gguf: Path, out: Path) -> None:
-    """De-quantise the GGUF with transformers and save model (safetensors) + tokenizer to ``out``."""
+    """De-quantise the GGUF with transformers; save model (safetensors) and tokenizer to ``out``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(
@@ -185,7 +185,9 @@ def _write_manifest(folder: Path, source: str) -> None:
     import transformers
 
     files = {
-        p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file() and p.name != _MANIFEST
+        p.name: p.stat().st_size
+        for p in sorted(folder.iterdir())
+        if p.is_file() and p.name != _MANIFEST
     }
     manifest = {
         "format": _CACHE_FORMAT,
@@ -222,13 +224,10 @@ def _build_cache(cache: Path, target: Path) -> None:
         _say(f"converting SmolLM2-135M-Instruct from GGUF (about 40 s, once) into {target}")
         _convert_gguf(gguf, out)
         _write_manifest(out, source=f"{PACKAGE_SPEC}:{_GGUF_MEMBER}")
-        if target.exists():
-            shutil.rmtree(target)
-        try:
-            os.replace(out, target)
-        except OSError:
-            if not _manifest_ok(target):  # another process finished first: use its copy
-                raise
+        if _manifest_ok(target):  # another process finished first: keep its copy
+            return
+        shutil.rmtree(target, ignore_errors=True)
+        os.replace(out, target)
     finally:
         shutil.rmtree(build, ignore_errors=True)
 
@@ -251,7 +250,9 @@ def smollm2_hf_dir(cache: str | os.PathLike[str] | None = None, *, rebuild: bool
     target = root / _CONVERTED_DIR
     if rebuild or not _manifest_ok(target):
         if target.exists():
-            _say(f"cached model at {target} is incomplete or damaged; rebuilding it")
+            if not rebuild:
+                _say(f"cached model at {target} is incomplete or damaged; rebuilding it")
+            shutil.rmtree(target)
         _build_cache(root, target)
     return target
 
@@ -288,8 +289,9 @@ def _bridge_class() -> Any:
         from transformer_lens.model_bridge import TransformerBridge
     except ImportError as error:
         raise ImportError(
-            "ra_lens.load_model needs TransformerLens >= 3 (TransformerBridge). With TransformerLens"
-            " 2.x load the converted SmolLM2 yourself: folder = ra_lens.models.smollm2_hf_dir(), "
+            "ra_lens.load_model needs TransformerLens >= 3 (TransformerBridge). With "
+            "TransformerLens 2.x load the converted SmolLM2 yourself: "
+            "folder = ra_lens.models.smollm2_hf_dir(), "
             "then HookedTransformer.from_pretrained('HuggingFaceTB/SmolLM2-135M-Instruct', "
             "hf_model=AutoModelForCausalLM.from_pretrained(folder), "
             "tokenizer=AutoTokenizer.from_pretrained(folder))"

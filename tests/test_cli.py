@@ -1,0 +1,61 @@
+"""The ra-lens command on a tiny offline model: outputs exist, JSON parses and agrees with the API."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import ra_lens
+from ra_lens.cli import main
+from ra_lens.toy_models import tiny_model
+
+pytest.importorskip("transformer_lens.model_bridge")
+
+PROMPT = "I like Italy and France. I visited the city of"
+
+
+def test_maps_writes_files_and_json_matching_the_api(tmp_path, capsys):
+    out = tmp_path / "out"
+    code = main(
+        ["maps", "--prompt", PROMPT, "--target", " the", "--model", "tiny-gpt2", "--top", "3",
+         "--out", str(out), "--json", str(out / "maps.json")]
+    )  # fmt: skip
+    assert code == 0
+    for name in ("head_norms.png", "top_heads.png", "reversed_attention.html"):
+        assert (out / name).stat().st_size > 1000
+    report = json.loads((out / "maps.json").read_text())
+    model = tiny_model("gpt2")
+    target = model.to_tokens(" the", prepend_bos=False)[0, 0].item()
+    ra = ra_lens.reversed_attention(model, PROMPT, ra_lens.metrics.target_nll([target]))
+    expected = ra.top_heads(3)
+    assert [(h["layer"], h["head"]) for h in report["top_heads"]] == [(la, h) for la, h, _ in expected]
+    assert report["top_heads"][0]["ra_norm"] == pytest.approx(expected[0][2], rel=1e-5)
+    torch.testing.assert_close(torch.tensor(report["ra_norms"]), ra.head_norms())
+    assert len(report["predictions"]) == 5 and "reversed_attention" in report["seconds"]
+    printed = capsys.readouterr().out
+    assert "RA norm" in printed and f"{expected[0][2]:.5f}" in printed
+
+
+def test_maps_json_to_stdout_is_pure_json(capsys):
+    assert main(["maps", "--prompt", PROMPT, "--target", " the", "--model", "tiny-llama",
+                 "--json", "-", "--completion"]) == 0  # fmt: skip
+    report = json.loads(capsys.readouterr().out)
+    assert report["metric"] > 0 and len(report["ra_norms"]) == 2
+
+
+def test_bad_input_gives_a_clear_error(capsys):
+    assert main(["maps", "--prompt", PROMPT, "--target", "", "--model", "tiny-gpt2"]) == 2
+    assert "--target is empty" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["maps", "--prompt", PROMPT])  # argparse: --target is required
+    assert main(["patch", "--task", "nope", "--model", "tiny-gpt2"]) == 2
+    assert "available tasks" in capsys.readouterr().err
+
+
+def test_help_lists_subcommands(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = capsys.readouterr().out
+    assert all(word in text for word in ("maps", "patch", "rank"))

@@ -17,6 +17,9 @@ import torch
 
 from ra_lens import models
 
+# Tiny TransformerBridge models: TransformerLens >= 3 only (the TL 2 run deselects these).
+pytestmark = pytest.mark.tl4
+
 HAS_BRIDGE = importlib.util.find_spec("transformer_lens.model_bridge") is not None
 REAL_PACKAGED_GGUF = models._packaged_gguf
 needs_bridge = pytest.mark.skipif(

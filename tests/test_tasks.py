@@ -12,6 +12,9 @@ import torch
 from ra_lens import tasks
 from ra_lens.tasks import Prompt, Task
 
+# Tiny TransformerBridge models: TransformerLens >= 3 only (the TL 2 run deselects these).
+pytestmark = pytest.mark.tl4
+
 REQUIRED = {
     "antonym",
     "country-capital",

@@ -263,7 +263,7 @@ def smollm2_hf_dir(cache: str | os.PathLike[str] | None = None, *, rebuild: bool
 
 
 @contextlib.contextmanager
-def _hub_offline() -> Iterator[None]:
+def hub_offline() -> Iterator[None]:
     """Scoped HF offline mode: any accidental hub request fails fast instead of going online.
 
     huggingface_hub reads HF_HUB_OFFLINE once at import, so the constant is patched too, and
@@ -325,7 +325,7 @@ def _load_smollm2(device: str | torch.device, dtype: torch.dtype) -> Transformer
         folder = smollm2_hf_dir(rebuild=True)
         hf_model, tokenizer = _load_hf(folder, dtype)
     hf_model = hf_model.to(device)
-    with _hub_offline():
+    with hub_offline():
         bridge = bridge_class.boot_transformers(
             SMOLLM2_HUB_NAME, hf_model=hf_model, tokenizer=tokenizer, device=device, dtype=dtype
         )

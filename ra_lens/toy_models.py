@@ -7,7 +7,6 @@ and booted as TransformerBridge, so they exercise the same adapters as real chec
 
 from __future__ import annotations
 
-import os
 import tempfile
 from functools import lru_cache
 from typing import Any, Literal
@@ -118,7 +117,6 @@ def tiny_model(
     Returns:
         A TransformerBridge (or HookedTransformer for "hooked") in eval mode.
     """
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.manual_seed(seed)
     if arch == "hooked":
         from transformer_lens import HookedTransformer, HookedTransformerConfig
@@ -168,7 +166,10 @@ def tiny_model(
         hf_model.save_pretrained(folder)
         tok = AutoTokenizer.from_pretrained(tiny_tokenizer_dir())
         tok.save_pretrained(folder)
-        model = TransformerBridge.boot_transformers(folder, hf_model=hf_model, tokenizer=tok)
+        from ra_lens.models import hub_offline
+
+        with hub_offline():
+            model = TransformerBridge.boot_transformers(folder, hf_model=hf_model, tokenizer=tok)
     if dtype != torch.float32:
         model = model.to(dtype)
     model.eval()

@@ -13,11 +13,11 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import torch
-from jaxtyping import Float, Int
+from jaxtyping import Int
 from torch import Tensor
 
 from ra_lens import capture
-from ra_lens.capture import PATTERN, RESID_PRE, V, Z, Batch
+from ra_lens.capture import PATTERN, RESID_PRE, Batch, V, Z
 from ra_lens.math import (
     CONVENTIONS,
     Convention,
@@ -83,8 +83,7 @@ def reversed_attention(
     with capture.preserved_state(model), torch.enable_grad():
         with model.hooks(fwd_hooks=fwd, bwd_hooks=collector.bwd_hooks()):
             logits = model(batch.tokens)
-            values = _call_metric(metric, logits, batch)
-            loss = _to_loss(values, batch)
+            values, loss = metric_loss(metric, logits, batch)
             (leaf_grad,) = torch.autograd.grad(loss, [store["leaf"]], allow_unused=True)
     if leaf_grad is None:
         raise ValueError(
@@ -102,6 +101,12 @@ def _check_z_route(model: Any, layers: list[int]) -> None:
             f"route is unavailable (missing {missing[:2]}): this adapter cannot give Reversed "
             "Attention; boot the model with an adapter that computes attention itself"
         )
+
+
+def metric_loss(metric: MetricFn, logits: Tensor, batch: Batch) -> tuple[Tensor, Tensor]:
+    """(per-prompt values, the scalar to differentiate): the metric checked and summed."""
+    values = _call_metric(metric, logits, batch)
+    return values, _to_loss(values, batch)
 
 
 def _call_metric(metric: MetricFn, logits: Tensor, batch: Batch) -> Tensor:
@@ -230,7 +235,9 @@ class _Collector:
             self.maps[layer] = maps.to("cpu", torch.float32)
             self.kept_patterns[layer] = pattern.to("cpu", torch.float32)
 
-    def result(self, metric_values: Tensor, str_tokens: list[list[str]] | None) -> ReversedAttention:
+    def result(
+        self, metric_values: Tensor, str_tokens: list[list[str]] | None
+    ) -> ReversedAttention:
         missing = [layer for layer in self.layers if layer not in self.norms]
         if missing:
             raise RuntimeError(

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from ra_lens import capture
 from ra_lens.capture import PATTERN, Batch
-from ra_lens.core import MetricFn, _call_metric, _to_loss, reversed_attention
+from ra_lens.core import MetricFn, metric_loss, reversed_attention
 from ra_lens.math import causal_mask
 
 SUPPORTED = (
@@ -237,7 +237,7 @@ def _autograd_grads(
     for p in flat:
         p.requires_grad_(True)
     with torch.enable_grad():
-        loss = _to_loss(_call_metric(metric, clone(batch.tokens), batch), batch)
+        _, loss = metric_loss(metric, clone(batch.tokens), batch)
         found = torch.autograd.grad(loss, flat, allow_unused=True)
         grads = iter(
             [torch.zeros_like(p) if g is None else g for p, g in zip(flat, found, strict=True)]

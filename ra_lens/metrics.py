@@ -158,4 +158,3 @@ def completion(
     full = to_batch(model, [p + c for p, c in zip(prompts, completions)])
     prompt_lengths = to_batch(model, prompts).lengths
     return full, CompletionNLL(full.tokens, prompt_lengths)
-

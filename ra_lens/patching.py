@@ -151,7 +151,7 @@ def mean_head_outputs(model: Any, tokens: Any) -> Float[Tensor, "layer head d_he
     """Each head's output at hook_z, averaged over prompts and real positions (for mean ablation)."""
     shape = capture.model_shape(model)
     batch = capture.to_batch(model, tokens)
-    real = (torch.arange(batch.tokens.shape[1], device=batch.tokens.device) < batch.lengths[:, None])
+    real = torch.arange(batch.tokens.shape[1], device=batch.tokens.device) < batch.lengths[:, None]
     sums: dict[int, Tensor] = {}
 
     def collect(layer: int):
@@ -184,7 +184,9 @@ def _at_layers(maps: Tensor, layers: list[int]) -> dict[int, Tensor]:
 def _per_head(value: float | Tensor, n_layers: int, n_heads: int, name: str) -> Tensor:
     if isinstance(value, Tensor):
         if value.shape != (n_layers, n_heads):
-            raise ValueError(f"{name} must be a number or [{n_layers}, {n_heads}], got {tuple(value.shape)}")
+            raise ValueError(
+                f"{name} must be a number or [{n_layers}, {n_heads}], got {tuple(value.shape)}"
+            )
         return value.float()
     return torch.full((n_layers, n_heads), float(value))
 
@@ -203,7 +205,9 @@ def _head_mask(heads: Heads | None, n_layers: int, n_heads: int) -> Tensor:
 def _pairs(heads: Heads) -> list[tuple[int, int]]:
     if isinstance(heads, Tensor):
         if heads.ndim != 2:
-            raise ValueError(f"a head mask must be Bool[Tensor, 'layer head'], got {tuple(heads.shape)}")
+            raise ValueError(
+                f"a head mask must be Bool[Tensor, 'layer head'], got {tuple(heads.shape)}"
+            )
         return [(int(la), int(h)) for la, h in heads.nonzero().tolist()]
     return [(int(la), int(h)) for la, h in heads]
 
@@ -244,7 +248,9 @@ def _add_to_pattern(delta: Tensor, align: Align):
             )
         k = min(n, m)
         patched = pattern.clone()
-        patched[..., n - k :, n - k :] += delta[:, m - k :, m - k :].to(pattern.device, pattern.dtype)
+        patched[..., n - k :, n - k :] += delta[:, m - k :, m - k :].to(
+            pattern.device, pattern.dtype
+        )
         return patched
 
     return hook

@@ -92,7 +92,9 @@ class ReversedAttention:
 
     def save(self, path: str | Path) -> None:
         """Write tensors to a safetensors file, with the rest as JSON metadata in its header."""
-        tensors = {n: getattr(self, n).contiguous() for n in _TENSORS if getattr(self, n) is not None}
+        tensors = {
+            n: getattr(self, n).contiguous() for n in _TENSORS if getattr(self, n) is not None
+        }
         meta = {
             "layers": self.layers,
             "convention": self.convention,

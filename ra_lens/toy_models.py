@@ -120,7 +120,6 @@ def tiny_model(
     torch.manual_seed(seed)
     if arch == "hooked":
         from transformer_lens import HookedTransformer, HookedTransformerConfig
-
         from transformers import AutoTokenizer
 
         cfg = HookedTransformerConfig(
@@ -134,11 +133,12 @@ def tiny_model(
             normalization_type="LN",
             seed=seed,
         )
-        model = HookedTransformer(cfg, tokenizer=AutoTokenizer.from_pretrained(tiny_tokenizer_dir()))
+        model = HookedTransformer(
+            cfg, tokenizer=AutoTokenizer.from_pretrained(tiny_tokenizer_dir())
+        )
     elif arch == "native":
         from transformer_lens.config import TransformerBridgeConfig
         from transformer_lens.model_bridge import TransformerBridge
-
         from transformers import AutoTokenizer
 
         cfg = TransformerBridgeConfig(
@@ -156,7 +156,6 @@ def tiny_model(
         )
     else:
         from transformer_lens.model_bridge import TransformerBridge
-
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         hf_cfg = _hf_config(arch, 300, d_model, n_layers, n_heads, n_ctx)

@@ -30,7 +30,9 @@ def test_maps_writes_files_and_json_matching_the_api(tmp_path, capsys):
     target = model.to_tokens(" the", prepend_bos=False)[0, 0].item()
     ra = ra_lens.reversed_attention(model, PROMPT, ra_lens.metrics.target_nll([target]))
     expected = ra.top_heads(3)
-    assert [(h["layer"], h["head"]) for h in report["top_heads"]] == [(la, h) for la, h, _ in expected]
+    assert [(h["layer"], h["head"]) for h in report["top_heads"]] == [
+        (la, h) for la, h, _ in expected
+    ]
     assert report["top_heads"][0]["ra_norm"] == pytest.approx(expected[0][2], rel=1e-5)
     torch.testing.assert_close(torch.tensor(report["ra_norms"]), ra.head_norms())
     assert len(report["predictions"]) == 5 and "reversed_attention" in report["seconds"]

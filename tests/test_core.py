@@ -161,7 +161,9 @@ def test_conventions_are_related(arch):
     scale = torch.tensor(qk.scales)[None, :, None, None, None]
     torch.testing.assert_close(scores.maps, qk.maps * scale.float())
     a, r = pattern.patterns, pattern.maps
-    torch.testing.assert_close(scores.maps, a * (r - (a * r).sum(-1, keepdim=True)), atol=1e-8, rtol=1e-4)
+    torch.testing.assert_close(
+        scores.maps, a * (r - (a * r).sum(-1, keepdim=True)), atol=1e-8, rtol=1e-4
+    )
 
 
 def test_hook_z_route_equals_hook_pattern_route(arch, monkeypatch):
@@ -239,7 +241,9 @@ def test_batched_equals_per_prompt_and_padded_equals_unpadded(arch):
     for i, prompt in enumerate(PROMPTS):
         alone = ra_lens.reversed_attention(model, prompt, target_nll([targets[i]]))
         n = int(batched.lengths[i])
-        torch.testing.assert_close(batched.maps[i, ..., :n, :n], alone.maps[0], atol=1e-8, rtol=1e-4)
+        torch.testing.assert_close(
+            batched.maps[i, ..., :n, :n], alone.maps[0], atol=1e-8, rtol=1e-4
+        )
         assert batched.maps[i, ..., n:, :].abs().max() == 0 if n < batched.maps.shape[-1] else True
         assert batched.maps[i, ..., :, n:].abs().max() == 0 if n < batched.maps.shape[-1] else True
         torch.testing.assert_close(batched.norms[i], alone.norms[0], atol=1e-8, rtol=1e-4)
@@ -345,7 +349,9 @@ def test_save_and_load_round_trip(tmp_path):
     back = ra_lens.ReversedAttention.load(tmp_path / "ra.safetensors")
     for name in ("maps", "patterns", "norms", "tokens", "lengths", "metric_values"):
         assert torch.equal(getattr(back, name), getattr(ra, name))
-    assert back.layers == ra.layers and back.scales == ra.scales and back.str_tokens == ra.str_tokens
+    assert (
+        back.layers == ra.layers and back.scales == ra.scales and back.str_tokens == ra.str_tokens
+    )
     assert back.top_heads(3) == ra.top_heads(3)
 
 

@@ -150,7 +150,10 @@ def test_alignment_for_shorter_and_longer_prompts(model, ra):
         expected[..., n - k :, n - k :] += 2.0 * maps[0, :, m - k :, m - k :]
         torch.testing.assert_close(patched[0], expected)
     with pytest.raises(ValueError, match="align='strict'"):
-        with torch.no_grad(), model.hooks(fwd_hooks=attention_patch_hooks(maps, 1.0, align="strict")):
+        with (
+            torch.no_grad(),
+            model.hooks(fwd_hooks=attention_patch_hooks(maps, 1.0, align="strict")),
+        ):
             model(short)
 
 
@@ -202,7 +205,9 @@ def test_zero_ablation_really_zeroes_head_outputs(model):
     mask = torch.zeros(3, 4, dtype=torch.bool)
     mask[1, 0] = mask[1, 3] = True
     with torch.no_grad():
-        torch.testing.assert_close(model.run_with_hooks(tokens, fwd_hooks=head_ablation_hooks(mask)), ablated)
+        torch.testing.assert_close(
+            model.run_with_hooks(tokens, fwd_hooks=head_ablation_hooks(mask)), ablated
+        )
 
 
 def test_mean_ablation(model):
@@ -214,7 +219,9 @@ def test_mean_ablation(model):
     def record(z, hook):
         seen["z"] = z.detach().clone()
 
-    hooks = head_ablation_hooks([(2, 1)], mode="mean", means=means) + [(capture.Z.format(2), record)]
+    hooks = head_ablation_hooks([(2, 1)], mode="mean", means=means) + [
+        (capture.Z.format(2), record)
+    ]
     with torch.no_grad(), model.hooks(fwd_hooks=hooks):
         model(tokens)
     torch.testing.assert_close(seen["z"][:, :, 1], means[2, 1].expand_as(seen["z"][:, :, 1]))

@@ -168,7 +168,9 @@ def evaluate_by_length(
     ranks = torch.empty(len(prompts), dtype=torch.long)
     for n in sorted(set(lengths)):
         idx = [i for i, m in enumerate(lengths) if m == n]
-        acc = tasks.evaluate(model, [prompts[i] for i in idx], fwd_hooks=hooks, batch_size=batch_size)
+        acc = tasks.evaluate(
+            model, [prompts[i] for i in idx], fwd_hooks=hooks, batch_size=batch_size
+        )
         ranks[idx] = acc.ranks
     return Accuracy.from_ranks(ranks)
 

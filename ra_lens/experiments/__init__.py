@@ -6,5 +6,13 @@ from ra_lens.experiments.patching import (
     PatchingResult,
     attention_patching,
 )
+from ra_lens.experiments.ranking import HeadRankingResult, head_ranking
 
-__all__ = ["DEFAULT_SCALES", "PAPER_SCALES", "PatchingResult", "attention_patching"]
+__all__ = [
+    "DEFAULT_SCALES",
+    "PAPER_SCALES",
+    "HeadRankingResult",
+    "PatchingResult",
+    "attention_patching",
+    "head_ranking",
+]

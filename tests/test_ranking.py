@@ -1,0 +1,458 @@
+"""Head rankings against brute-force references, ablation curves, comparisons, the experiment."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+import ra_lens
+from ra_lens import ranking as rk
+from ra_lens import tasks
+from ra_lens.capture import Z
+from ra_lens.experiments import HeadRankingResult, head_ranking
+from ra_lens.experiments.patching import task_prompts
+from ra_lens.experiments.ranking import RANKINGS, check_rankings, shuffled_label_prompts
+from ra_lens.metrics import target_nll
+from ra_lens.patching import head_ablation_hooks, mean_head_outputs
+from ra_lens.tasks import Accuracy
+from ra_lens.toy_models import tiny_model
+
+# Inputs and answers that are one token (with their leading space) for the tiny tokenizer, so
+# every n-shot prompt of this task has the same token length.
+TOY_PAIRS = [
+    ("b", "of"), ("c", "is"), ("d", "to"), ("l", "an"), ("o", "and"), ("s", "the"),
+    ("t", "cap"), ("F", "Par"), ("I", "Mar"), ("of", "Ital"), ("is", "Fran"), ("to", "Jo"),
+    ("an", "b"), ("and", "c"), ("the", "d"), ("cap", "l"), ("Par", "o"), ("Mar", "s"),
+    ("Ital", "t"), ("Fran", "F"),
+]  # fmt: skip
+TOY = tasks.Task(name="toy", pairs=TOY_PAIRS)
+
+# Different lengths on purpose: padding must not change any ranking.
+CLEAN = [
+    "Q: b\nA: of\n\nQ: c\nA: is\n\nQ: d\nA:",
+    "Q: c\nA: is\n\nQ: d\nA: to\n\nQ: b\nA:",
+    "Q: the city of\nA:",
+]
+CORRUPTED = [
+    "Q: b\nA: is\n\nQ: c\nA: of\n\nQ: d\nA:",
+    "Q: c\nA: to\n\nQ: d\nA: is\n\nQ: b\nA:",
+    "Q: the city to\nA:",
+]
+TARGETS = [5, 6, 7]
+
+
+@pytest.fixture(scope="module", params=["llama", "gpt2"])
+def model(request):
+    return tiny_model(request.param, n_layers=2)
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return tiny_model("llama", n_layers=2)
+
+
+def prob_last(logits: torch.Tensor, target: int) -> float:
+    return float(logits[0, -1].double().softmax(-1)[target])
+
+
+def z_setter(head: int, value: torch.Tensor | None = None):
+    """A hand-written hook writing zeros (or `value`) into one head of hook_z."""
+
+    def hook(z, hook):
+        z = z.clone()
+        z[:, :, head] = 0.0 if value is None else value[:, :, head]
+        return z
+
+    return hook
+
+
+def clean_z(model, tokens):
+    seen = {}
+
+    def keep(layer):
+        def hook(z, hook):
+            seen[layer] = z.detach().clone()
+
+        return hook
+
+    hooks = [(Z.format(la), keep(la)) for la in range(model.cfg.n_layers)]
+    with torch.no_grad(), model.hooks(fwd_hooks=hooks):
+        model(tokens)
+    return seen
+
+
+# --------------------------------------------------------------------------------------------
+# rankings against brute force
+
+
+def test_ra_ranking_equals_reversed_attention_head_norms(model):
+    reference = ra_lens.reversed_attention(model, CLEAN, target_nll(TARGETS)).head_norms()
+    scores = rk.ra_ranking(model, CLEAN, TARGETS, batch_size=2)
+    assert scores.shape == (model.cfg.n_layers, model.cfg.n_heads)
+    assert scores.dtype == torch.float32
+    torch.testing.assert_close(scores, reference, rtol=1e-5, atol=1e-8)
+
+
+def test_ra_loss_row_is_the_norm_of_the_last_row(model):
+    expected = []
+    for text, target in zip(CLEAN, TARGETS, strict=True):
+        ra = ra_lens.reversed_attention(model, text, target_nll([target]), keep="maps")
+        expected.append(ra.maps[0, :, :, -1, :].double().norm(dim=-1).float())
+    scores = rk.ra_ranking(model, CLEAN, TARGETS, loss_row=True, batch_size=2)
+    torch.testing.assert_close(scores, torch.stack(expected).mean(0), rtol=1e-5, atol=1e-8)
+    full = rk.ra_ranking(model, CLEAN, TARGETS)
+    assert (scores <= full + 1e-6).all()  # one row of a map is never larger than the whole map
+
+
+def test_forward_ranking_equals_forward_norms(model):
+    reference = ra_lens.reversed_attention(model, CLEAN, target_nll(TARGETS)).forward_norms()
+    scores = rk.forward_ranking(model, CLEAN, batch_size=2)
+    torch.testing.assert_close(scores, reference, rtol=1e-5, atol=1e-6)
+
+
+def test_causal_mediation_equals_a_hand_written_loop(model):
+    n_layers, n_heads = model.cfg.n_layers, model.cfg.n_heads
+    expected = torch.zeros(n_layers, n_heads, dtype=torch.float64)
+    with torch.no_grad():
+        for text, target in zip(CLEAN, TARGETS, strict=True):
+            tokens = model.to_tokens(text)
+            before = prob_last(model(tokens), target)
+            for layer in range(n_layers):
+                for head in range(n_heads):
+                    with model.hooks(fwd_hooks=[(Z.format(layer), z_setter(head))]):
+                        after = prob_last(model(tokens), target)
+                    expected[layer, head] += (before - after) / len(CLEAN)
+    scores = rk.causal_mediation(model, CLEAN, TARGETS, batch_size=2)
+    assert scores.shape == (n_layers, n_heads)
+    torch.testing.assert_close(scores, expected.float(), rtol=1e-4, atol=1e-7)
+
+
+def test_activation_patching_with_transformer_lens_equals_a_hand_written_loop(model):
+    n_layers, n_heads = model.cfg.n_layers, model.cfg.n_heads
+    expected = torch.zeros(n_layers, n_heads, dtype=torch.float64)
+    with torch.no_grad():
+        for clean, corrupted, target in zip(CLEAN, CORRUPTED, TARGETS, strict=True):
+            source = clean_z(model, model.to_tokens(clean))
+            tokens = model.to_tokens(corrupted)
+            base = prob_last(model(tokens), target)
+            for layer in range(n_layers):
+                for head in range(n_heads):
+                    hook = z_setter(head, source[layer])
+                    with model.hooks(fwd_hooks=[(Z.format(layer), hook)]):
+                        patched = prob_last(model(tokens), target)
+                    expected[layer, head] += (patched - base) / len(CLEAN)
+    scores = rk.activation_patching(model, CLEAN, CORRUPTED, TARGETS, batch_size=2)
+    assert scores.shape == (n_layers, n_heads)
+    torch.testing.assert_close(scores, expected.float(), rtol=1e-4, atol=1e-8)
+
+
+def test_attribution_patching_equals_grad_times_difference_by_hand(model):
+    n_layers = model.cfg.n_layers
+    expected = torch.zeros(n_layers, model.cfg.n_heads, dtype=torch.float64)
+    for clean, corrupted, target in zip(CLEAN, CORRUPTED, TARGETS, strict=True):
+        source = clean_z(model, model.to_tokens(clean))
+        tokens = model.to_tokens(corrupted)
+        base = clean_z(model, tokens)
+        for layer in range(n_layers):
+            # One layer at a time: its hook_z becomes a leaf, later layers still see its effect.
+            leaf = base[layer].clone().requires_grad_(True)
+            hook = (Z.format(layer), lambda z, hook, leaf=leaf: leaf)
+            with torch.enable_grad(), model.hooks(fwd_hooks=[hook]):
+                p = model(tokens)[0, -1].softmax(-1)[target]
+                (grad,) = torch.autograd.grad(p, [leaf])
+            diff = source[layer] - base[layer]
+            expected[layer] += (grad * diff).sum((0, 1, 3)).double() / len(CLEAN)
+    scores = rk.attribution_patching(model, CLEAN, CORRUPTED, TARGETS, batch_size=2)
+    torch.testing.assert_close(scores, expected.float(), rtol=1e-4, atol=1e-9)
+    assert not any(p.grad is not None for p in model.parameters())
+
+
+def test_patching_rankings_vanish_without_corruption(llama):
+    same = rk.activation_patching(llama, CLEAN, CLEAN, TARGETS)
+    torch.testing.assert_close(same, torch.zeros_like(same))
+    attribution = rk.attribution_patching(llama, CLEAN, CLEAN, TARGETS)
+    torch.testing.assert_close(attribution, torch.zeros_like(attribution))
+
+
+def test_attribution_patching_approximates_activation_patching(llama):
+    exact = rk.activation_patching(llama, CLEAN, CORRUPTED, TARGETS)
+    approx = rk.attribution_patching(llama, CLEAN, CORRUPTED, TARGETS)
+    assert rk.spearman(exact, approx) > 0.8
+
+
+def test_random_ranking_is_seeded():
+    a = rk.random_ranking(3, 4, seed=1)
+    torch.manual_seed(123)
+    b = rk.random_ranking(3, 4, seed=1)
+    assert a.shape == (3, 4)
+    torch.testing.assert_close(a, b)
+    assert not torch.equal(a, rk.random_ranking(3, 4, seed=2))
+
+
+def test_layer_ranking_and_head_order():
+    scores = rk.layer_ranking(3, 2)
+    assert scores.tolist() == [[0, 0], [1, 1], [2, 2]]
+    assert rk.head_order(scores) == [(2, 0), (2, 1), (1, 0), (1, 1), (0, 0), (0, 1)]
+    assert rk.head_order(scores, reverse=True) == [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)]
+    scores = torch.tensor([[0.1, 0.9], [0.5, -1.0]])
+    assert rk.head_order(scores) == [(0, 1), (1, 0), (0, 0), (1, 1)]
+    assert rk.kept_heads(scores, 0.5) == [(0, 1), (1, 0)]
+    assert rk.kept_heads(scores, 0.5, reverse=True) == [(1, 1), (0, 0)]
+
+
+# --------------------------------------------------------------------------------------------
+# comparisons
+
+
+def test_spearman_matches_scipy_with_ties():
+    stats = pytest.importorskip("scipy.stats")
+    gen = torch.Generator().manual_seed(0)
+    a = torch.rand(5, 4, generator=gen)
+    b = (torch.rand(5, 4, generator=gen) * 3).round()  # many ties
+    expected = stats.spearmanr(a.flatten().numpy(), b.flatten().numpy()).statistic
+    assert rk.spearman(a, b) == pytest.approx(expected, abs=1e-9)
+    assert rk.spearman(a, a) == pytest.approx(1.0)
+    assert rk.spearman(a, -a) == pytest.approx(-1.0)
+    assert math.isnan(rk.spearman(a, torch.zeros_like(a)))
+
+
+def test_top_k_overlap():
+    a = torch.arange(12.0).reshape(3, 4)
+    assert rk.top_k_overlap(a, a, k=3) == 1.0
+    assert rk.top_k_overlap(a, -a, k=3) == 0.0
+    b = a.clone()
+    b[2, 3] = -1.0  # a's best head drops to the bottom of b
+    assert rk.top_k_overlap(a, b, k=4) == pytest.approx(3 / 4)
+    with pytest.raises(ValueError, match="k must be"):
+        rk.top_k_overlap(a, b, k=13)
+    with pytest.raises(ValueError, match="different shapes"):
+        rk.spearman(a, a[:2])
+
+
+# --------------------------------------------------------------------------------------------
+# ablation
+
+
+def test_ablation_hooks_really_zero_the_heads(llama):
+    scores = rk.random_ranking(2, llama.cfg.n_heads, seed=3)
+    kept = rk.kept_heads(scores, 0.5)
+    ablated = [h for h in rk.head_order(scores) if h not in kept]
+    seen = clean_z(llama, llama.to_tokens(CLEAN[0]))  # unablated
+    after = {}
+
+    def record(layer):
+        def hook(z, hook):
+            after[layer] = z.detach().clone()
+
+        return hook
+
+    hooks = head_ablation_hooks(ablated) + [(Z.format(la), record(la)) for la in range(2)]
+    with torch.no_grad(), llama.hooks(fwd_hooks=hooks):
+        llama(llama.to_tokens(CLEAN[0]))
+    for layer, head in ablated:
+        assert after[layer][:, :, head].abs().max() == 0
+    for layer, head in kept:
+        assert after[layer][:, :, head].abs().max() > 0
+    # Layer 0 sees the unablated input, so its kept heads are untouched.
+    for layer, head in kept:
+        if layer == 0:
+            torch.testing.assert_close(after[0][:, :, head], seen[0][:, :, head])
+    # Every head ablated: the attention blocks add nothing (the tiny Llama has no o bias).
+    everything = head_ablation_hooks(torch.ones(2, llama.cfg.n_heads, dtype=torch.bool))
+    out = {}
+
+    def attn_out(layer):
+        def hook(x, hook):
+            out[layer] = x.detach().clone()
+
+        return hook
+
+    with (
+        torch.no_grad(),
+        llama.hooks(
+            fwd_hooks=everything + [(f"blocks.{la}.hook_attn_out", attn_out(la)) for la in range(2)]
+        ),
+    ):
+        llama(llama.to_tokens(CLEAN[0]))
+    assert all(out[la].abs().max() == 0 for la in range(2))
+
+
+def test_ablation_curve_ablates_the_complement(llama):
+    n_heads = llama.cfg.n_heads
+    scores = torch.arange(2.0 * n_heads).reshape(2, n_heads)  # later heads score higher
+    calls = []
+
+    def fake(ablated):
+        calls.append(list(ablated))
+        return Accuracy.from_ranks(torch.tensor([len(ablated)]))
+
+    curve = rk.ablation_curve(llama, ["unused"], scores, (0.0, 0.25, 1.0), evaluate=fake)
+    total = 2 * n_heads
+    assert curve.n_kept == [0, round(0.25 * total), total]
+    assert calls[0] == sorted(rk.head_order(scores)) and calls[-1] == []
+    assert set(calls[1]) == set(rk.head_order(scores)[curve.n_kept[1] :])
+    reverse = rk.ablation_curve(llama, ["x"], scores, (0.25,), reverse=True, evaluate=fake)
+    assert set(calls[-1]) == set(rk.head_order(scores, reverse=True)[reverse.n_kept[0] :])
+
+
+def test_ablation_curve_on_the_task(llama):
+    _, test = _toy_prompts(llama)
+    scores = rk.random_ranking(2, llama.cfg.n_heads)
+    curve = rk.ablation_curve(llama, test, scores, (0.0, 1.0))
+    unablated = tasks.evaluate(llama, test)
+    assert curve.accuracies[1].ranks.tolist() == unablated.ranks.tolist()
+    everything = head_ablation_hooks(torch.ones(2, llama.cfg.n_heads, dtype=torch.bool))
+    none_kept = tasks.evaluate(llama, test, fwd_hooks=everything)
+    assert curve.accuracies[0].ranks.tolist() == none_kept.ranks.tolist()
+    means = mean_head_outputs(llama, [p.text for p in test])
+    mean_curve = rk.ablation_curve(llama, test, scores, (0.5,), mode="mean", means=means)
+    ablated = sorted(rk.head_order(scores)[mean_curve.n_kept[0] :])
+    hooks = head_ablation_hooks(ablated, mode="mean", means=means)
+    expected = tasks.evaluate(llama, test, fwd_hooks=hooks)
+    assert mean_curve.accuracies[0].ranks.tolist() == expected.ranks.tolist()
+    with pytest.raises(ValueError, match="means"):
+        rk.ablation_curve(llama, test, scores, (0.5,), mode="mean")
+
+
+def test_auc_of_known_curves():
+    fractions = [0.0, 0.25, 0.5, 0.75, 1.0]
+
+    def curve(values):
+        # n = 4 prompts; a top-1 accuracy of v means round(4 v) prompts ranked 0.
+        accs = [
+            Accuracy.from_ranks(torch.tensor([0] * round(4 * v) + [5] * (4 - round(4 * v))))
+            for v in values
+        ]
+        return rk.AblationCurve(fractions, [0] * 5, accs)
+
+    assert curve([0, 0.25, 0.5, 0.75, 1.0]).auc == pytest.approx(0.5)
+    assert curve([1.0] * 5).auc == pytest.approx(1.0)
+    assert curve([0, 1, 1, 1, 1]).auc == pytest.approx(0.875)
+    assert curve([0, 1, 1, 1, 1]).auc_top3 == pytest.approx(0.875)
+    assert curve([0] * 5).to_dict()["auc"] == 0.0
+
+
+# --------------------------------------------------------------------------------------------
+# bad input
+
+
+def test_bad_input_gives_clear_errors(llama):
+    n_heads = llama.cfg.n_heads
+    scores = torch.zeros(2, n_heads)
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        rk.ablation_curve(llama, ["x"], scores, (0.0, 1.5))
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        rk.kept_heads(scores, -0.1)
+    with pytest.raises(ValueError, match="shape"):
+        rk.ablation_curve(llama, ["x"], torch.zeros(3, n_heads), (0.5,))
+    with pytest.raises(ValueError, match="NaN"):
+        rk.ablation_curve(llama, ["x"], torch.full((2, n_heads), float("nan")), (0.5,))
+    with pytest.raises(TypeError, match="Tensor"):
+        rk.ablation_curve(llama, ["x"], [[0.0] * n_heads] * 2, (0.5,))
+    with pytest.raises(ValueError, match="unknown ranking 'gradient'"):
+        check_rankings(["ra", "gradient"])
+    with pytest.raises(ValueError, match="same token length"):
+        rk.activation_patching(llama, CLEAN[:2], ["Q: b\nA:", "Q: c\nA:"], TARGETS[:2])
+    with pytest.raises(ValueError, match="targets for"):
+        rk.causal_mediation(llama, CLEAN, TARGETS[:2])
+    with pytest.raises(ValueError, match="unknown ranking"):
+        head_ranking(llama, TOY, shots=2, n_prompts=2, rankings=("ra", "nope"))
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        head_ranking(llama, TOY, shots=2, n_prompts=2, fractions=(0.0, 2.0))
+
+
+# --------------------------------------------------------------------------------------------
+# the experiment
+
+
+def _toy_prompts(model):
+    return task_prompts(model, TOY, shots=2)
+
+
+def test_shuffled_label_prompts_keep_queries_and_move_every_label(llama):
+    train, _ = _toy_prompts(llama)
+    corrupted = shuffled_label_prompts(train, seed=0)
+    for clean, bad in zip(train, corrupted, strict=True):
+        assert (bad.query, bad.answer) == (clean.query, clean.answer)
+        assert [x for x, _ in bad.demos] == [x for x, _ in clean.demos]
+        assert sorted(y for _, y in bad.demos) == sorted(y for _, y in clean.demos)
+        assert all(a != b for (_, a), (_, b) in zip(bad.demos, clean.demos, strict=True))
+        assert bad.text == tasks.format_prompt(bad.demos, bad.query)
+    assert tasks.prompt_lengths(corrupted, llama) == tasks.prompt_lengths(train, llama)
+    one_shot = tasks.build_prompts(TOY, shots=1)
+    moved = shuffled_label_prompts(one_shot)
+    assert all(a.demos[0][1] != b.demos[0][1] for a, b in zip(moved, one_shot, strict=True))
+    with pytest.raises(ValueError, match="demonstrations"):
+        shuffled_label_prompts(tasks.build_prompts(TOY, shots=0))
+
+
+@pytest.fixture(scope="module")
+def result(llama):
+    return head_ranking(llama, TOY, shots=2, n_prompts=6, fractions=(0.0, 0.5, 1.0), progress=False)
+
+
+def test_head_ranking_end_to_end(llama, result, tmp_path):
+    assert isinstance(result, HeadRankingResult)
+    assert list(result.scores) == list(RANKINGS)
+    shape = (llama.cfg.n_layers, llama.cfg.n_heads)
+    assert all(tuple(s.shape) == shape for s in result.scores.values())
+    assert result.n_prompts == 6 and result.n_patching == 6
+    # Fraction 0 ablates everything and fraction 1 nothing, whatever the ranking.
+    for curves in (result.curves, result.reverse_curves):
+        for curve in curves.values():
+            assert curve.accuracies[-1].ranks.tolist() == result.unablated.ranks.tolist()
+            assert curve.top1[0] == result.curves["ra"].top1[0]
+    data = json.loads(json.dumps(result.to_dict()))
+    assert set(data["rankings"]) == set(RANKINGS)
+    for entry in data["rankings"].values():
+        assert len(entry["curve"]) == len(entry["reverse_curve_top3"]) == 3
+        assert entry["seconds"] >= 0
+        assert 0 <= entry["auc"] <= 1 and 0 <= entry["reverse_auc_top3"] <= 1
+    assert set(data["spearman"]) == set(RANKINGS) - {"ra"}
+    assert data["top10_overlap"]["ra_loss_row"] >= 0
+    assert all(-1 <= rho <= 1 for rho in data["spearman"].values())
+    nan_result = HeadRankingResult(**{**result.__dict__, "spearman": {"random": float("nan")}})
+    assert json.loads(json.dumps(nan_result.to_dict(), allow_nan=False))["spearman"] == {
+        "random": None
+    }
+    table = result.table()
+    assert "causal_mediation" in table and "faster than causal mediation" in table
+    result.save_json(tmp_path / "out" / "ranking.json")
+    assert json.loads((tmp_path / "out" / "ranking.json").read_text())["task"] == "toy"
+    paths = result.plot(tmp_path / "figs")
+    names = {p.name for p in paths}
+    assert {"ablation_curves.png", "ranking_maps.png"} <= names
+    assert all(p.stat().st_size > 0 for p in paths)
+
+
+def test_head_ranking_rankings_match_the_library(llama, result):
+    train, _ = task_prompts(llama, TOY, shots=2)
+    train = train[:6]
+    texts = [p.text for p in train]
+    targets = [tasks.answer_token(llama, p.answer) for p in train]
+    torch.testing.assert_close(result.scores["ra"], rk.ra_ranking(llama, texts, targets))
+    torch.testing.assert_close(result.scores["random"], rk.random_ranking(2, llama.cfg.n_heads, 42))
+    assert result.spearman["ra_loss_row"] == pytest.approx(
+        rk.spearman(result.scores["ra"], result.scores["ra_loss_row"])
+    )
+
+
+def test_head_ranking_zero_shot_skips_patching_and_mean_ablates(llama):
+    res = head_ranking(
+        llama, TOY, shots=0, n_prompts=3, fractions=(0.0, 1.0), ablation="mean",
+        rankings=("ra", "activation_patching", "random"), progress=False,
+    )  # fmt: skip
+    assert list(res.scores) == ["ra", "random"]
+    assert any("zero-shot" in note for note in res.notes)
+    assert res.ablation == "mean" and res.to_dict()["ablation"] == "mean"
+    train, test = task_prompts(llama, TOY, shots=0)
+    means = mean_head_outputs(llama, [p.text for p in train[:3]])
+    everything = torch.ones(2, llama.cfg.n_heads, dtype=torch.bool)
+    hooks = head_ablation_hooks(everything, mode="mean", means=means)
+    expected = tasks.evaluate(llama, test, fwd_hooks=hooks)
+    assert res.curves["ra"].accuracies[0].ranks.tolist() == expected.ranks.tolist()
+    with pytest.raises(ValueError, match="unknown ablation"):
+        head_ranking(llama, TOY, shots=0, n_prompts=2, ablation="resample")

@@ -78,11 +78,18 @@ def _parser() -> argparse.ArgumentParser:
         "rank",
         help="rank heads by RA against causal mediation, activation and attribution patching",
         description="Rank attention heads for an ICL task by RA norm and by the baselines, then "
-        "keep the top p%% of heads (ablating the rest) and measure accuracy.",
+        "keep the top p% of heads (ablating the rest) and measure accuracy.",
     )
     _task_args(rank)
     rank.add_argument("--shots", type=int, default=5, help="demonstrations per prompt (5)")
     rank.add_argument("--n-prompts", type=int, default=25, help="prompts per ranking (25)")
+    rank.add_argument("--n-test", type=int, default=None, help="cap on test prompts (all)")
+    rank.add_argument(
+        "--ablation", default="zero", choices=["zero", "mean"], help="how heads are removed (zero)"
+    )
+    rank.add_argument(
+        "--fractions", default=None, help="comma-separated fractions of heads kept (0,0.1,...,1)"
+    )
     _common(rank)
     rank.set_defaults(run=_run_rank)
     return parser
@@ -256,7 +263,16 @@ def _run_rank(args: argparse.Namespace) -> int:
     from ra_lens.experiments import head_ranking
 
     model = _load(args.model)
-    result = head_ranking(model, args.task, shots=args.shots, n_prompts=args.n_prompts)
+    extra = {} if args.fractions is None else {"fractions": _floats(args.fractions)}
+    result = head_ranking(
+        model,
+        args.task,
+        shots=args.shots,
+        n_prompts=args.n_prompts,
+        n_test=args.n_test,
+        ablation=args.ablation,
+        **extra,
+    )
     _say(args, result.table())
     if args.out is not None:
         for path in result.plot(args.out):
@@ -269,7 +285,7 @@ def _floats(text: str) -> list[float]:
     try:
         return [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise ValueError(f"--scales must be comma-separated numbers, got {text!r}") from None
+        raise ValueError(f"expected comma-separated numbers, got {text!r}") from None
 
 
 if __name__ == "__main__":

@@ -107,6 +107,8 @@ def preserved_state(model: Any) -> Iterator[None]:
     params = list(model.parameters())
     flags = [p.requires_grad for p in params]
     grads = [p.grad for p in params]
+    # TL 4's GPT-2 attention bridge caches its last pattern; ours would keep our graph alive.
+    cached = {m: m._pattern for m in model.modules() if hasattr(m, "_pattern")}
     model.eval()
     try:
         yield
@@ -114,6 +116,8 @@ def preserved_state(model: Any) -> Iterator[None]:
         for p, flag, grad in zip(params, flags, grads):
             p.requires_grad_(flag)
             p.grad = grad
+        for module, pattern in cached.items():
+            module._pattern = pattern
         model.train(was_training)
 
 

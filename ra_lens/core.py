@@ -167,10 +167,12 @@ class _Collector:
         self.convention, self.keep = convention, keep
         self.patterns: dict[int, Tensor] = {}
         self.values: dict[int, Tensor] = {}
-        self.maps: dict[int, Tensor] = {}
         self.norms: dict[int, Tensor] = {}
         self.pattern_norms: dict[int, Tensor] = {}
-        self.kept_patterns: dict[int, Tensor] = {}
+        # keep="maps": filled layer by layer, allocated at the first layer's backward hook;
+        # stacking per-layer maps at the end would copy every map once more.
+        self.maps: Tensor | None = None
+        self.kept_patterns: Tensor | None = None
         n_pos = batch.tokens.shape[1]
         positions = torch.arange(n_pos, device=batch.tokens.device)
         # Real (non-pad) positions; RA at pads is zero by causality, the mask makes it exact.
@@ -232,8 +234,12 @@ class _Collector:
         self.norms[layer] = frobenius_norms(maps).to("cpu", torch.float32)
         self.pattern_norms[layer] = frobenius_norms(pattern).to("cpu", torch.float32)
         if self.keep == "maps":
-            self.maps[layer] = maps.to("cpu", torch.float32)
-            self.kept_patterns[layer] = pattern.to("cpu", torch.float32)
+            if self.maps is None or self.kept_patterns is None:
+                shape = (maps.shape[0], len(self.layers), *maps.shape[1:])
+                self.maps = torch.empty(shape, dtype=torch.float32)
+                self.kept_patterns = torch.empty(shape, dtype=torch.float32)
+            self.maps[:, i].copy_(maps)
+            self.kept_patterns[:, i].copy_(pattern)
 
     def result(
         self, metric_values: Tensor, str_tokens: list[list[str]] | None
@@ -244,10 +250,6 @@ class _Collector:
                 f"no gradient reached the attention of layers {missing}: the metric must depend "
                 "on the logits at positions these layers feed"
             )
-        maps = patterns = None
-        if self.keep == "maps":
-            maps = stack_layers([self.maps[la] for la in self.layers])
-            patterns = stack_layers([self.kept_patterns[la] for la in self.layers])
         return ReversedAttention(
             norms=stack_layers([self.norms[la] for la in self.layers]),
             pattern_norms=stack_layers([self.pattern_norms[la] for la in self.layers]),
@@ -258,7 +260,7 @@ class _Collector:
             convention=self.convention,
             scales=list(self.scales),
             routes=list(self.routes),
-            maps=maps,
-            patterns=patterns,
+            maps=self.maps,
+            patterns=self.kept_patterns,
             str_tokens=str_tokens,
         )

@@ -32,8 +32,9 @@ def softmax_vjp(
 ) -> Float[Tensor, "... query key"]:
     """dL/dS from the softmax output A and dL/dA: A * (R - rowsum(A * R)), at least in float32."""
     a = upcast(pattern)
-    weighted = a * upcast(pattern_grad)
-    return weighted - a * weighted.sum(dim=-1, keepdim=True)
+    out = a * upcast(pattern_grad)
+    # In place: at long lengths each fresh [head, q, k] temporary costs more than the arithmetic.
+    return out.addcmul_(a, out.sum(dim=-1, keepdim=True), value=-1.0)
 
 
 def causal_mask(n_query: int, n_key: int, device: torch.device | str | None = None) -> Tensor:
@@ -61,7 +62,7 @@ def convert(
         mask = causal_mask(pattern.shape[-2], pattern.shape[-1], pattern.device)
         return upcast(pattern_grad).masked_fill(~mask, 0.0)
     scores_grad = softmax_vjp(pattern, pattern_grad)
-    return scores_grad if convention == "scores" else scores_grad / scale
+    return scores_grad if convention == "scores" else scores_grad.div_(scale)
 
 
 def pattern_grad_from_z(

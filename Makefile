@@ -9,6 +9,9 @@ VENV_TL2 := .venv-tl2
 PY := $(VENV)/bin/python
 PY_TL2 := $(VENV_TL2)/bin/python
 PIP_FLAGS := --disable-pip-version-check -q
+# One BLAS/OpenMP thread unless told otherwise: on a small shared machine two threads fighting
+# another process are several times slower than one.
+export OMP_NUM_THREADS ?= 1
 
 .PHONY: setup setup-tl2 test test-tl4 test-tl2 demo bench notebooks lint clean
 

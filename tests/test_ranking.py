@@ -22,6 +22,9 @@ from ra_lens.toy_models import tiny_model
 
 # Inputs and answers that are one token (with their leading space) for the tiny tokenizer, so
 # every n-shot prompt of this task has the same token length.
+# Tiny TransformerBridge models: TransformerLens >= 3 only (the TL 2 run deselects these).
+pytestmark = pytest.mark.tl4
+
 TOY_PAIRS = [
     ("b", "of"), ("c", "is"), ("d", "to"), ("l", "an"), ("o", "and"), ("s", "the"),
     ("t", "cap"), ("F", "Par"), ("I", "Mar"), ("of", "Ital"), ("is", "Fran"), ("to", "Jo"),

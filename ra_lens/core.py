@@ -225,7 +225,8 @@ class _Collector:
     def _finish(self, layer: int, pattern_grad: Tensor) -> None:
         pattern = self.patterns.pop(layer)
         i = self.layers.index(layer)
-        maps = convert(pattern, pattern_grad, self.convention, self.scales[i])
+        slot = self._slot(i, pattern)
+        maps = convert(pattern, pattern_grad, self.convention, self.scales[i], out=slot)
         pattern = upcast(pattern)
         if self.real is not None:
             keep = self.real[:, None, :, None] & self.real[:, None, None, :]
@@ -233,13 +234,26 @@ class _Collector:
             pattern = pattern * keep
         self.norms[layer] = frobenius_norms(maps).to("cpu", torch.float32)
         self.pattern_norms[layer] = frobenius_norms(pattern).to("cpu", torch.float32)
-        if self.keep == "maps":
-            if self.maps is None or self.kept_patterns is None:
-                shape = (maps.shape[0], len(self.layers), *maps.shape[1:])
-                self.maps = torch.empty(shape, dtype=torch.float32)
-                self.kept_patterns = torch.empty(shape, dtype=torch.float32)
-            self.maps[:, i].copy_(maps)
+        if self.maps is not None and self.kept_patterns is not None:
+            if maps is not slot:
+                self.maps[:, i].copy_(maps)
             self.kept_patterns[:, i].copy_(pattern)
+
+    def _slot(self, i: int, pattern: Tensor) -> Tensor | None:
+        """With keep="maps", the buffer slice for layer i when RA can be written into it directly
+        (CPU, float32): one copy of every map fewer."""
+        if self.keep != "maps":
+            return None
+        if self.maps is None:
+            shape = (pattern.shape[0], len(self.layers), *pattern.shape[1:])
+            self.maps = torch.empty(shape, dtype=torch.float32)
+            self.kept_patterns = torch.empty(shape, dtype=torch.float32)
+        direct = (
+            pattern.device.type == "cpu"
+            and upcast(pattern).dtype == torch.float32
+            and self.convention != "pattern"
+        )
+        return self.maps[:, i] if direct else None
 
     def result(
         self, metric_values: Tensor, str_tokens: list[list[str]] | None

@@ -28,11 +28,16 @@ def upcast(x: Tensor) -> Tensor:
 
 
 def softmax_vjp(
-    pattern: Float[Tensor, "... query key"], pattern_grad: Float[Tensor, "... query key"]
+    pattern: Float[Tensor, "... query key"],
+    pattern_grad: Float[Tensor, "... query key"],
+    out: Tensor | None = None,
 ) -> Float[Tensor, "... query key"]:
-    """dL/dS from the softmax output A and dL/dA: A * (R - rowsum(A * R)), at least in float32."""
+    """dL/dS from the softmax output A and dL/dA: A * (R - rowsum(A * R)), at least in float32.
+
+    `out`, if given, receives the result (e.g. a slice of a preallocated [batch, layer, ...] buffer).
+    """
     a = upcast(pattern)
-    out = a * upcast(pattern_grad)
+    out = torch.mul(a, upcast(pattern_grad), out=out)
     # In place: at long lengths each fresh [head, q, k] temporary costs more than the arithmetic.
     return out.addcmul_(a, out.sum(dim=-1, keepdim=True), value=-1.0)
 
@@ -48,6 +53,7 @@ def convert(
     pattern_grad: Float[Tensor, "... query key"],
     convention: Convention,
     scale: float,
+    out: Tensor | None = None,
 ) -> Float[Tensor, "... query key"]:
     """Turn the gradient at hook_pattern into the requested convention.
 
@@ -57,11 +63,12 @@ def convert(
         convention: "qk" (dL/d(QK^T), the paper's RA), "scores" (dL/d pre-softmax scores) or
             "pattern" (dL/dA masked to the causal triangle; A's own gradient is dense).
         scale: the attention scale s that divides QK^T (sqrt(d_head) for GPT-2 and Llama).
+        out: optional destination for the "qk" and "scores" conventions.
     """
     if convention == "pattern":
         mask = causal_mask(pattern.shape[-2], pattern.shape[-1], pattern.device)
         return upcast(pattern_grad).masked_fill(~mask, 0.0)
-    scores_grad = softmax_vjp(pattern, pattern_grad)
+    scores_grad = softmax_vjp(pattern, pattern_grad, out=out)
     return scores_grad if convention == "scores" else scores_grad.div_(scale)
 
 

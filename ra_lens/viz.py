@@ -505,8 +505,14 @@ def scale_sweep(
     order = np.argsort(xs, kind="stable")
     fig = _new_figure(7.0, 4.2)
     ax = fig.subplots()
-    for name, ys in data.items():
-        ax.plot(xs[order], ys[order], marker="o", markersize=3.5, linewidth=1.5, label=name)
+    for i, (name, ys) in enumerate(data.items()):
+        # Baselines often sit on top of each other (e.g. all at zero): vary the dash and marker.
+        style = ("-", ":", "-.")[i % 3]  # "--" is kept for the unpatched baseline
+        marker = ("o", "s", "^", "D")[i % 4]
+        ax.plot(
+            xs[order], ys[order], linestyle=style, marker=marker, markersize=3.5, linewidth=1.5,
+            label=name,
+        )  # fmt: skip
     if baseline is not None:
         ax.axhline(
             float(baseline),

@@ -90,6 +90,30 @@ class ReversedAttention:
             raise ValueError(f"{name} were not kept: call reversed_attention(..., keep='maps')")
         return value
 
+    @classmethod
+    def concat(cls, parts: list[ReversedAttention]) -> ReversedAttention:
+        """Join results of equal-length batches (same layers and convention) along the batch."""
+        first = parts[0]
+        if len({p.tokens.shape[1] for p in parts}) > 1:
+            raise ValueError("results must share one token length to be joined")
+        if any(p.layers != first.layers or p.convention != first.convention for p in parts):
+            raise ValueError("results must cover the same layers in the same convention")
+
+        def cat(name: str) -> Tensor | None:
+            values = [getattr(p, name) for p in parts]
+            return None if any(v is None for v in values) else torch.cat(values)
+
+        return cls(
+            **{name: cat(name) for name in _TENSORS},
+            layers=first.layers,
+            convention=first.convention,
+            scales=first.scales,
+            routes=first.routes,
+            str_tokens=None
+            if any(p.str_tokens is None for p in parts)
+            else sum((p.str_tokens or [] for p in parts), []),
+        )
+
     def save(self, path: str | Path) -> None:
         """Write tensors to a safetensors file, with the rest as JSON metadata in its header."""
         tensors = {

@@ -395,3 +395,20 @@ def test_errors(arch):
     with pytest.raises(TypeError, match="TransformerLens model"):
         ra_lens.reversed_attention(torch.nn.Linear(2, 2), PROMPT, metric)
     assert snapshot(model)[:2] == before[:2] and snapshot(model)[3] == before[3]
+
+
+def test_concat_joins_batches_like_one_call():
+    model = tiny_model(all_archs()[0])
+    tokens = model.to_tokens([PROMPT, PROMPT])
+    whole = ra_lens.reversed_attention(model, tokens, target_nll([5, 6]))
+    parts = [
+        ra_lens.reversed_attention(model, tokens[i : i + 1], target_nll([t]))
+        for i, t in ((0, 5), (1, 6))
+    ]
+    joined = ra_lens.ReversedAttention.concat(parts)
+    torch.testing.assert_close(joined.maps, whole.maps, atol=1e-8, rtol=1e-4)
+    assert joined.str_tokens == whole.str_tokens and joined.layers == whole.layers
+    with pytest.raises(ValueError, match="one token length"):
+        ra_lens.ReversedAttention.concat(
+            [whole, ra_lens.reversed_attention(model, "I like", target_nll([1]))]
+        )

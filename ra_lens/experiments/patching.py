@@ -139,24 +139,7 @@ def mean_reversed_attention(
         chunk = prompts[i : i + batch_size]
         targets = [tasks.answer_token(model, p.answer) for p in chunk]
         parts.append(reversed_attention(model, [p.text for p in chunk], target_nll(targets)))
-    if len({part.tokens.shape[1] for part in parts}) > 1:
-        raise ValueError("prompts must share one token length to average their maps")
-    first = parts[0]
-    cat = lambda name: torch.cat([getattr(p, name) for p in parts])  # noqa: E731
-    return ReversedAttention(
-        norms=cat("norms"),
-        pattern_norms=cat("pattern_norms"),
-        tokens=cat("tokens"),
-        lengths=cat("lengths"),
-        metric_values=cat("metric_values"),
-        layers=first.layers,
-        convention=first.convention,
-        scales=first.scales,
-        routes=first.routes,
-        maps=cat("maps"),
-        patterns=cat("patterns"),
-        str_tokens=sum((p.str_tokens or [] for p in parts), []),
-    )
+    return ReversedAttention.concat(parts)
 
 
 def evaluate_by_length(

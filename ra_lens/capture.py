@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,15 +65,36 @@ def model_shape(model: Any) -> ModelShape:
 
 
 def check_layers(layers: Sequence[int] | None, n_layers: int) -> list[int]:
-    """Sorted, de-duplicated layer indices; None means all layers. Raises on out-of-range."""
+    """The chosen layer indices, checked; None means all layers.
+
+    Raises:
+        TypeError, ValueError: see `check_layer_list`; also a layer outside 0..n_layers-1.
+    """
     if layers is None:
         return list(range(n_layers))
-    chosen = sorted({int(layer) for layer in layers})
+    chosen = check_layer_list(layers)
     bad = [layer for layer in chosen if not 0 <= layer < n_layers]
-    if bad or not chosen:
-        raise ValueError(
-            f"layers {list(layers)} out of range: the model has layers 0..{n_layers - 1}"
-        )
+    if bad:
+        raise ValueError(f"layers {chosen} out of range: the model has layers 0..{n_layers - 1}")
+    return chosen
+
+
+def check_layer_list(layers: Sequence[int]) -> list[int]:
+    """Layer indices as given, refused rather than silently fixed when they are not ints, empty,
+    repeated or out of order (results are laid out in the order given, and the backward pass
+    stops at the first layer)."""
+    if isinstance(layers, (int, str)) or isinstance(layers, Tensor) and layers.ndim == 0:
+        raise TypeError(f"layers must be a sequence of ints, e.g. [{layers}], got {layers!r}")
+    chosen = [layer.item() if isinstance(layer, Tensor) else layer for layer in layers]
+    not_int = [la for la in chosen if isinstance(la, bool) or not isinstance(la, int)]
+    if not_int:
+        raise TypeError(f"layers must be ints, got {not_int}: pass e.g. [0, 3, 5]")
+    if not chosen:
+        raise ValueError("layers is empty: pass at least one layer, or None for all")
+    if len(set(chosen)) != len(chosen):
+        raise ValueError(f"layers {chosen} repeat a layer: pass each layer once")
+    if chosen != sorted(chosen):
+        raise ValueError(f"layers {chosen} are not in increasing order: pass {sorted(chosen)}")
     return chosen
 
 
@@ -100,9 +122,57 @@ def attention_scale(model: Any, layer: int) -> float:
     return attn_scale if attn_scale > 0 else math.sqrt(cfg.d_head)
 
 
+_IN_USE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_IN_USE_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def exclusive(model: Any) -> Iterator[None]:
+    """Claim the model for this thread; a second thread gets a clear error instead of hooks
+    firing in the wrong call. Re-entrant within one thread (ra-lens functions call each other).
+
+    Raises:
+        RuntimeError: another thread is inside an ra-lens call on this model.
+    """
+    me = threading.get_ident()
+    with _IN_USE_LOCK:
+        owner, depth = _IN_USE.get(model, (None, 0))
+        if owner is not None and owner != me:
+            raise RuntimeError(
+                "this model is already in use by an ra-lens call in another thread: ra-lens adds "
+                "hooks to the model, so it allows one call at a time per model. Run the calls "
+                "one after another, or give each thread its own copy (copy.deepcopy(model))"
+            )
+        _IN_USE[model] = (me, depth + 1)
+    try:
+        yield
+    finally:
+        with _IN_USE_LOCK:
+            owner, depth = _IN_USE[model]
+            if depth == 1:
+                del _IN_USE[model]
+            else:
+                _IN_USE[model] = (owner, depth - 1)
+
+
 @contextlib.contextmanager
 def preserved_state(model: Any) -> Iterator[None]:
-    """Run in eval mode; afterwards restore mode, requires_grad flags and every .grad as found."""
+    """Run in eval mode; afterwards restore mode, requires_grad flags and every .grad as found.
+
+    Also claims the model for this thread (`exclusive`), and refuses inference mode, where
+    autograd cannot run.
+    """
+    if torch.is_inference_mode_enabled():
+        raise RuntimeError(
+            "ra-lens needs autograd, and this call runs inside torch.inference_mode(): call it "
+            "outside that block (torch.no_grad() around it is fine: ra-lens re-enables grad)"
+        )
+    with exclusive(model), _restored(model):
+        yield
+
+
+@contextlib.contextmanager
+def _restored(model: Any) -> Iterator[None]:
     was_training = model.training
     params = list(model.parameters())
     flags = [p.requires_grad for p in params]
@@ -119,6 +189,46 @@ def preserved_state(model: Any) -> Iterator[None]:
         for module, pattern in cached.items():
             module._pattern = pattern
         model.train(was_training)
+
+
+@contextlib.contextmanager
+def raw_input_hooks(
+    model: Any,
+    forward: dict[str, Callable[[Tensor], None]],
+    backward: dict[str, Callable[[Tensor], None]],
+) -> Iterator[None]:
+    """See what reaches a HookPoint before any TransformerLens hook on it (a user's edit
+    included) runs: `forward[name](x)` gets its input, `backward[name](grad)` the total gradient
+    of the loss with respect to that input, whatever the hooks after it do with it.
+
+    PyTorch forward pre-hooks run before every forward hook, and a tensor hook on the input
+    accumulates the gradient of all its uses. Both see the tensor in TransformerLens's layout
+    (a bridge's `hook_conversion` is applied). A gradient that never arrives (a user hook
+    replaced the tensor) means the gradient is zero. Removed on exit.
+    """
+    handles = []
+
+    def pre_hook(name: str):
+        point = model.hook_dict[name]
+
+        def hook(module: Any, args: tuple) -> None:
+            raw = args[0]
+            conversion = getattr(point, "hook_conversion", None)
+            convert = conversion.convert if conversion is not None else (lambda t: t)
+            if name in forward:
+                forward[name](convert(raw))
+            if name in backward and raw.requires_grad:
+                raw.register_hook(lambda grad: backward[name](convert(grad)))
+
+        return hook
+
+    try:
+        for name in dict.fromkeys([*forward, *backward]):
+            handles.append(model.hook_dict[name].register_forward_pre_hook(pre_hook(name)))
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def gradient_leaf_hook(store: dict[str, Tensor]):
@@ -199,7 +309,13 @@ def to_batch(
         tokens = [tokens]
     if isinstance(tokens, Batch):
         ids, lengths = tokens.tokens, tokens.lengths
+        _check_batch(ids, lengths)
     elif isinstance(tokens, Tensor):
+        if tokens.ndim not in (1, 2):
+            raise ValueError(
+                f"tokens must be Int[Tensor, 'batch pos'] (or one prompt's 'pos'), got shape "
+                f"{tuple(tokens.shape)}: pass model.to_tokens(prompts)"
+            )
         ids = tokens if tokens.ndim == 2 else tokens.unsqueeze(0)
         if ids.dtype not in (torch.long, torch.int32, torch.int64):
             raise TypeError(f"tokens must be integer ids, got {ids.dtype}")
@@ -210,7 +326,9 @@ def to_batch(
             raise TypeError("tokens must be an Int[Tensor, 'batch pos'], a string or strings")
         if not prompts:
             raise ValueError("empty batch: pass at least one prompt")
-        rows = [model.to_tokens(p, prepend_bos=prepend_bos)[0] for p in prompts]
+        # truncate=False: TransformerLens cuts long text to n_ctx by default, silently; the
+        # check below says so instead.
+        rows = [model.to_tokens(p, prepend_bos=prepend_bos, truncate=False)[0] for p in prompts]
         lengths = torch.tensor([len(r) for r in rows], dtype=torch.long)
         pad = _pad_id(model)
         ids = torch.full((len(rows), int(lengths.max())), pad, dtype=torch.long)
@@ -220,10 +338,38 @@ def to_batch(
         raise ValueError(f"empty batch: tokens have shape {tuple(ids.shape)}")
     if shape.n_ctx is not None and ids.shape[1] > shape.n_ctx:
         raise ValueError(
-            f"{ids.shape[1]} tokens exceed the model's context of {shape.n_ctx}: "
-            "shorten the prompts"
+            f"{ids.shape[1]} tokens exceed the model's context of n_ctx={shape.n_ctx}: shorten "
+            f"the prompts to at most {shape.n_ctx} tokens (nothing is cut silently)"
         )
+    check_token_ids(model, ids)
     return Batch(ids.to(_device(model)), lengths.to(_device(model)))
+
+
+def _check_batch(ids: Tensor, lengths: Tensor) -> None:
+    if ids.ndim != 2 or lengths.ndim != 1 or lengths.shape[0] != ids.shape[0]:
+        raise ValueError(
+            f"a Batch needs tokens [batch, pos] and one length per prompt, got tokens "
+            f"{tuple(ids.shape)} and lengths {tuple(lengths.shape)}: build it with ra_lens.to_batch"
+        )
+    if bool(((lengths < 1) | (lengths > ids.shape[1])).any()):
+        raise ValueError(
+            f"Batch lengths {lengths.tolist()} must lie in 1..{ids.shape[1]} (the padded token "
+            "length): build it with ra_lens.to_batch"
+        )
+
+
+def check_token_ids(model: Any, ids: Tensor) -> None:
+    """Raise a ValueError naming the vocabulary size for ids outside it (the embedding would
+    otherwise fail with 'index out of range in self')."""
+    vocab = getattr(model.cfg, "d_vocab", None)
+    if vocab is None or ids.numel() == 0:
+        return
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or high >= int(vocab):
+        raise ValueError(
+            f"token ids must lie in 0..{int(vocab) - 1} (the model's vocabulary), got ids from "
+            f"{low} to {high}: tokenise with this model's tokenizer (model.to_tokens)"
+        )
 
 
 def _pad_id(model: Any) -> int:

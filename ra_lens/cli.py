@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -24,6 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     try:
+        _check_outputs(args)
         return args.run(args)
     except (ValueError, RuntimeError, OSError) as error:
         print(f"ra-lens {args.command}: error: {error}", file=sys.stderr)
@@ -51,7 +54,9 @@ def _parser() -> argparse.ArgumentParser:
         help="teacher-force the whole target (mean NLL of all its tokens) instead of its first token",
     )
     maps.add_argument("--convention", default="qk", choices=["qk", "scores", "pattern"])
-    maps.add_argument("--top", type=int, default=10, metavar="K", help="heads in the table (10)")
+    maps.add_argument(
+        "--top", type=_positive_int, default=10, metavar="K", help="heads in the table (10)"
+    )
     _common(maps)
     maps.set_defaults(run=_run_maps)
 
@@ -121,15 +126,71 @@ def _load(name: str) -> Any:
     return load_model(name, device="cpu")
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return value
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    """Fail before the computation (which can take many minutes), not after it, when --out or
+    --json cannot be written."""
+    out: Path | None = getattr(args, "out", None)
+    if out is not None:
+        if out.exists() and not out.is_dir():
+            raise ValueError(f"--out {out} is a file: give a folder (it is created if missing)")
+        _check_writable_folder(out, "--out")
+    target = getattr(args, "json", None)
+    if target is not None and target != "-":
+        path = Path(target)
+        if path.is_dir():
+            raise ValueError(f"--json {path} is a folder: give a file name such as {path}/out.json")
+        _check_writable_folder(path.parent, "--json")
+
+
+def _check_writable_folder(folder: Path, flag: str) -> None:
+    existing = folder
+    while not existing.exists():  # the nearest existing ancestor decides whether mkdir works
+        existing = existing.parent
+    try:  # a real write: os.access says yes to root even on read-only file systems
+        if not existing.is_dir():
+            raise NotADirectoryError(existing)
+        tempfile.TemporaryFile(dir=existing).close()
+    except OSError:
+        raise ValueError(
+            f"{flag}: cannot write into {existing}: choose a writable folder"
+        ) from None
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def _emit_json(target: str | None, payload: dict[str, Any]) -> None:
     if target is None:
         return
     text = json.dumps(payload, indent=2)
     if target == "-":
         print(text)
-    else:
-        Path(target).parent.mkdir(parents=True, exist_ok=True)
-        Path(target).write_text(text)
+        return
+    path = Path(target)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Atomic: write beside the target, then rename, so a failure never leaves half a JSON file.
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
+        os.chmod(tmp, 0o666 & ~_umask())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def _say(args: argparse.Namespace, message: str) -> None:
@@ -140,14 +201,14 @@ def _say(args: argparse.Namespace, message: str) -> None:
 def _run_maps(args: argparse.Namespace) -> int:
     import torch
 
-    from ra_lens import metrics, reversed_attention
+    from ra_lens import metrics, reversed_attention, to_batch
 
     seconds: dict[str, float] = {}
     start = time.perf_counter()
     model = _load(args.model)
     seconds["load_model"] = time.perf_counter() - start
 
-    prompt_tokens = model.to_tokens(args.prompt)
+    prompt_tokens = to_batch(model, args.prompt).tokens  # refuses text longer than n_ctx
     target_ids = model.to_tokens(args.target, prepend_bos=False)[0].tolist()
     if not target_ids:
         raise ValueError("--target is empty: give the text the model should produce")

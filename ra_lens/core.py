@@ -1,8 +1,8 @@
 """reversed_attention: RA of every head from one forward and one backward pass.
 
-Hooks read the forward pattern A and the gradient R = dL/dA at `hook_pattern`; the softmax VJP
-turns R into RA inside the backward hook, layer by layer, so with keep="norms" no map outlives its
-hook. Where `hook_pattern` is not in the autograd graph (OPT-style adapters), R is rebuilt from
+Hooks read the forward pattern A and the gradient R = dL/dA on the raw input of `hook_pattern`
+(before any user hook edits it); the softmax VJP turns R into RA inside the gradient hook, layer by
+layer, so with keep="norms" no map outlives its hook. Where `hook_pattern` is not in the autograd graph (OPT-style adapters), R is rebuilt from
 the gradient at `hook_z` and the values at `hook_v` instead: R = G V^T.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any, Literal
 
 import torch
@@ -30,6 +31,7 @@ from ra_lens.result import ReversedAttention, stack_layers
 
 Keep = Literal["maps", "norms"]
 MetricFn = Callable[..., Tensor]
+RawHook = Callable[[Tensor], None]
 
 
 def reversed_attention(
@@ -81,7 +83,7 @@ def reversed_attention(
     store: dict[str, Tensor] = {}
     fwd = [(RESID_PRE.format(chosen[0]), capture.gradient_leaf_hook(store))] + collector.fwd_hooks()
     with capture.preserved_state(model), torch.enable_grad():
-        with model.hooks(fwd_hooks=fwd, bwd_hooks=collector.bwd_hooks()):
+        with capture.raw_input_hooks(model, *collector.raw_hooks()), model.hooks(fwd_hooks=fwd):
             logits = model(batch.tokens)
             values, loss = metric_loss(metric, logits, batch)
             (leaf_grad,) = torch.autograd.grad(loss, [store["leaf"]], allow_unused=True)
@@ -133,6 +135,12 @@ def _to_loss(values: Any, batch: Batch) -> Tensor:
             f"the metric returned shape {tuple(values.shape)}: it must return one value per "
             f"prompt, Float[Tensor, '{n}'], or a scalar"
         )
+    if not bool(torch.isfinite(values.detach()).all()):
+        raise ValueError(
+            f"the metric returned non-finite values {values.detach().flatten()[:8].tolist()}: RA "
+            "of a NaN or infinite loss is meaningless; check the targets and the logits (e.g. "
+            "log of a zero probability: use target_nll rather than log(target_prob))"
+        )
     if not values.requires_grad:
         raise ValueError(
             "the metric's value has no gradient path to the model: compute it from the logits "
@@ -169,6 +177,7 @@ class _Collector:
         self.values: dict[int, Tensor] = {}
         self.norms: dict[int, Tensor] = {}
         self.pattern_norms: dict[int, Tensor] = {}
+        self.finished: set[int] = set()
         # keep="maps": filled layer by layer, allocated at the first layer's backward hook;
         # stacking per-layer maps at the end would copy every map once more.
         self.maps: Tensor | None = None
@@ -181,26 +190,38 @@ class _Collector:
         )
 
     def fwd_hooks(self) -> list[tuple[str, Callable]]:
-        hooks = []
-        for layer, route in zip(self.layers, self.routes):
-            hooks.append((PATTERN.format(layer), self._save_pattern(layer)))
-            if route == "z":
-                hooks.append((V.format(layer), self._save_values(layer)))
-        return hooks
+        """TransformerLens hooks, run after any user hook: the values z was computed from."""
+        return [
+            (V.format(layer), self._save_values(layer))
+            for layer, route in zip(self.layers, self.routes)
+            if route == "z"
+        ]
 
-    def bwd_hooks(self) -> list[tuple[str, Callable]]:
-        hooks = []
+    def raw_hooks(self) -> tuple[dict[str, RawHook], dict[str, RawHook]]:
+        """(forward, backward) hooks on the raw inputs of hook_pattern (and hook_z on the z
+        route), before any user hook edits them. The gradient is read on those raw tensors, so
+        it is the true dL/dA of the softmax output (through whatever a user's hook does to it),
+        and the softmax VJP is taken at the softmax output, never at an edited pattern."""
+        forward: dict[str, RawHook] = {}
+        backward: dict[str, RawHook] = {}
         for layer, route in zip(self.layers, self.routes):
+            forward[PATTERN.format(layer)] = self._save_pattern(layer)
             if route == "pattern":
-                hooks.append((PATTERN.format(layer), self._from_pattern_grad(layer)))
+                backward[PATTERN.format(layer)] = partial(self._finish, layer)
             else:
-                hooks.append((Z.format(layer), self._from_z_grad(layer)))
-        return hooks
+                backward[Z.format(layer)] = self._from_z_grad(layer)
+        return forward, backward
 
-    def _save_pattern(self, layer: int):
-        def hook(pattern: Tensor, hook: Any) -> None:
+    def _save_pattern(self, layer: int) -> RawHook:
+        def hook(pattern: Tensor) -> None:
             # A reference, not a copy: autograd keeps the same tensor alive anyway.
             self.patterns[layer] = pattern.detach()
+
+        return hook
+
+    def _from_z_grad(self, layer: int) -> RawHook:
+        def hook(grad: Tensor) -> None:
+            self._finish(layer, pattern_grad_from_z(grad, self.values.pop(layer)))
 
         return hook
 
@@ -210,20 +231,9 @@ class _Collector:
 
         return hook
 
-    def _from_pattern_grad(self, layer: int):
-        def hook(grad: Tensor, hook: Any) -> None:
-            self._finish(layer, grad)
-
-        return hook
-
-    def _from_z_grad(self, layer: int):
-        def hook(grad: Tensor, hook: Any) -> None:
-            self._finish(layer, pattern_grad_from_z(grad, self.values.pop(layer)))
-
-        return hook
-
     def _finish(self, layer: int, pattern_grad: Tensor) -> None:
         pattern = self.patterns.pop(layer)
+        self.finished.add(layer)
         i = self.layers.index(layer)
         slot = self._slot(i, pattern)
         maps = convert(pattern, pattern_grad, self.convention, self.scales[i], out=slot)
@@ -258,6 +268,11 @@ class _Collector:
     def result(
         self, metric_values: Tensor, str_tokens: list[list[str]] | None
     ) -> ReversedAttention:
+        for layer in self.layers:
+            if layer not in self.finished and layer in self.patterns:
+                # The forward pass ran but no gradient reached this raw pattern: a user hook
+                # replaced it (e.g. a constant pattern), so dL/dA, hence RA, is exactly zero.
+                self._finish(layer, torch.zeros_like(self.patterns[layer]))
         missing = [layer for layer in self.layers if layer not in self.norms]
         if missing:
             raise RuntimeError(

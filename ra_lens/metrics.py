@@ -25,25 +25,48 @@ from ra_lens.math import upcast
 def _positions(
     position: int | Tensor, logits: Tensor, lengths: Tensor | None
 ) -> Int[Tensor, "batch"]:
+    """Absolute positions, one per prompt. Ints and tensors follow one rule: a negative position
+    counts from each prompt's own end (its real length in a right-padded batch), and every
+    position must fall inside its prompt, never on padding."""
     batch, n_pos = logits.shape[0], logits.shape[1]
-    if isinstance(position, Tensor):
-        pos = position.to(logits.device).long().reshape(-1)
-        if pos.shape[0] != batch:
-            raise ValueError(f"{pos.shape[0]} positions for a batch of {batch} prompts")
-        return pos
     ends = (
         lengths.to(logits.device).long()
         if lengths is not None
         else torch.full((batch,), n_pos, device=logits.device)
     )
-    pos = ends + position if position < 0 else torch.full_like(ends, position)
+    if isinstance(position, Tensor):
+        given = position.to(logits.device).long().reshape(-1)
+        if given.shape[0] != batch:
+            raise ValueError(f"{given.shape[0]} positions for a batch of {batch} prompts")
+    else:
+        given = torch.full_like(ends, int(position))
+    pos = torch.where(given < 0, ends + given, given)
     if bool(((pos < 0) | (pos >= ends)).any()):
-        raise ValueError(f"position {position} is outside a prompt of length {ends.tolist()}")
+        shown = position.tolist() if isinstance(position, Tensor) else position
+        raise ValueError(
+            f"position {shown} is outside prompts of lengths {ends.tolist()}: count from 0 "
+            "inside each prompt, or from its own end with negative numbers (-1 = last token)"
+        )
     return pos
 
 
 def _as_targets(targets: Tensor | Sequence[int]) -> Tensor:
     return torch.as_tensor(targets, dtype=torch.long).reshape(-1)
+
+
+def _check_targets(targets: Tensor, logits: Tensor) -> Tensor:
+    vocab = logits.shape[-1]
+    if bool(((targets < 0) | (targets >= vocab)).any()):
+        raise ValueError(
+            f"target ids {targets.tolist()} must lie in 0..{vocab - 1} (the vocabulary); a "
+            "negative id is not counted from the end: use model.to_single_token(' word')"
+        )
+    if targets.shape[0] not in (1, logits.shape[0]):
+        raise ValueError(
+            f"{targets.shape[0]} targets for a batch of {logits.shape[0]} prompts: give one "
+            "target per prompt (or one for all)"
+        )
+    return targets.to(logits.device)
 
 
 class Metric:
@@ -65,7 +88,7 @@ class TargetNLL(Metric):
         rows = torch.arange(logits.shape[0], device=logits.device)
         pos = _positions(self.position, logits, lengths)
         log_probs = upcast(logits[rows, pos]).log_softmax(dim=-1)
-        return -log_probs[rows, self.targets.to(logits.device)]
+        return -log_probs[rows, _check_targets(self.targets, logits)]
 
 
 class TargetProb(TargetNLL):
@@ -91,8 +114,8 @@ class LogitDiff(Metric):
         rows = torch.arange(logits.shape[0], device=logits.device)
         final = upcast(logits[rows, _positions(self.position, logits, lengths)])
         return (
-            final[rows, self.correct.to(logits.device)]
-            - final[rows, self.incorrect.to(logits.device)]
+            final[rows, _check_targets(self.correct, logits)]
+            - final[rows, _check_targets(self.incorrect, logits)]
         )
 
 
@@ -122,8 +145,9 @@ class CompletionNLL(Metric):
 
 
 def target_nll(targets: Tensor | Sequence[int], position: int | Tensor = -1) -> TargetNLL:
-    """-log p(target) per prompt. `targets`: Int[Tensor, "batch"]; `position`: an index counted
-    in each prompt (negative: from each prompt's own end) or Int[Tensor, "batch"] absolute."""
+    """-log p(target) per prompt. `targets`: Int[Tensor, "batch"] (or one id for all prompts);
+    `position`: an int or Int[Tensor, "batch"], counted from each prompt's start, or from its
+    own end when negative (-1, the default, is each prompt's last real token)."""
     return TargetNLL(targets, position)
 
 

@@ -92,7 +92,7 @@ def _patch_hooks(
 ) -> list[Hook]:
     if align not in ("right", "strict"):
         raise ValueError(f"unknown align {align!r}: choose 'right' or 'strict'")
-    chosen = sorted(by_layer) if layers is None else sorted(set(layers))
+    chosen = sorted(by_layer) if layers is None else capture.check_layer_list(layers)
     missing = [layer for layer in chosen if layer not in by_layer]
     if missing:
         raise ValueError(f"no maps for layers {missing}: the maps cover {sorted(by_layer)}")
@@ -161,7 +161,7 @@ def mean_head_outputs(model: Any, tokens: Any) -> Float[Tensor, "layer head d_he
         return hook
 
     hooks = [(Z.format(layer), collect(layer)) for layer in range(shape.n_layers)]
-    with torch.no_grad(), model.hooks(fwd_hooks=hooks):
+    with capture.exclusive(model), torch.no_grad(), model.hooks(fwd_hooks=hooks):
         model(batch.tokens)
     return torch.stack([sums[layer] for layer in range(shape.n_layers)]).cpu()
 
@@ -169,9 +169,12 @@ def mean_head_outputs(model: Any, tokens: Any) -> Float[Tensor, "layer head d_he
 def _maps_by_layer(maps: Tensor | ReversedAttention) -> dict[int, Tensor]:
     if isinstance(maps, ReversedAttention):
         return _at_layers(maps.mean_maps(), maps.layers)
-    if not isinstance(maps, Tensor) or maps.ndim != 4:
+    if not isinstance(maps, Tensor) or maps.ndim != 4 or maps.shape[-1] != maps.shape[-2]:
         shape = tuple(maps.shape) if isinstance(maps, Tensor) else type(maps).__name__
-        raise ValueError(f"maps must be Float[Tensor, 'layer head query key'], got {shape}")
+        raise ValueError(
+            f"maps must be Float[Tensor, 'layer head query key'] with as many queries as keys "
+            f"(ra.mean_maps() of prompts of one length), got {shape}"
+        )
     return _at_layers(maps, list(range(maps.shape[0])))
 
 
@@ -182,13 +185,17 @@ def _at_layers(maps: Tensor, layers: list[int]) -> dict[int, Tensor]:
 
 
 def _per_head(value: float | Tensor, n_layers: int, n_heads: int, name: str) -> Tensor:
-    if isinstance(value, Tensor):
+    if isinstance(value, Tensor) and value.ndim > 0:
         if value.shape != (n_layers, n_heads):
             raise ValueError(
                 f"{name} must be a number or [{n_layers}, {n_heads}], got {tuple(value.shape)}"
             )
-        return value.float()
-    return torch.full((n_layers, n_heads), float(value))
+        values = value.detach().float().cpu()
+    else:
+        values = torch.full((n_layers, n_heads), float(value))
+    if not bool(torch.isfinite(values).all()):
+        raise ValueError(f"{name} must be finite, got NaN or inf: it would make the logits NaN")
+    return values
 
 
 def _head_mask(heads: Heads | None, n_layers: int, n_heads: int) -> Tensor:
@@ -209,7 +216,13 @@ def _pairs(heads: Heads) -> list[tuple[int, int]]:
                 f"a head mask must be Bool[Tensor, 'layer head'], got {tuple(heads.shape)}"
             )
         return [(int(la), int(h)) for la, h in heads.nonzero().tolist()]
-    return [(int(la), int(h)) for la, h in heads]
+    pairs = list(heads)
+    if not all(isinstance(p, (tuple, list, Tensor)) and len(p) == 2 for p in pairs):
+        raise ValueError(
+            f"heads must be (layer, head) pairs, got {heads!r}: for one head write "
+            "heads=[(layer, head)], or pass a Bool[Tensor, 'layer head'] mask"
+        )
+    return [(int(la), int(h)) for la, h in pairs]
 
 
 def _check_shapes_and_liveness(model: Any, by_layer: dict[int, Tensor], chosen: list[int]) -> None:
@@ -253,4 +266,7 @@ def _add_to_pattern(delta: Tensor, align: Align):
         )
         return patched
 
+    # Aligned to the last positions of the whole tensor, so a right-padded batch would be
+    # patched at the wrong places: tasks.evaluate batches such hooks by token length.
+    hook.aligned_to_end = True  # type: ignore[attr-defined]
     return hook

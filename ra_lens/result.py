@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -93,6 +96,14 @@ class ReversedAttention:
     @classmethod
     def concat(cls, parts: list[ReversedAttention]) -> ReversedAttention:
         """Join results of equal-length batches (same layers and convention) along the batch."""
+        parts = list(parts)
+        if not parts:
+            raise ValueError("nothing to join: pass at least one ReversedAttention")
+        if any(p.metric_values.ndim != 1 for p in parts):
+            raise ValueError(
+                "results of a scalar metric cannot be joined by prompt: compute them with a "
+                "metric that returns one value per prompt (all of ra_lens.metrics do)"
+            )
         first = parts[0]
         if len({p.tokens.shape[1] for p in parts}) > 1:
             raise ValueError("results must share one token length to be joined")
@@ -126,7 +137,18 @@ class ReversedAttention:
             "routes": self.routes,
             "str_tokens": self.str_tokens,
         }
-        save_file(tensors, str(path), metadata={"ra_lens": json.dumps(meta)})
+        target = _writable_target(Path(path))
+        # Write beside the target, then rename: a crash never leaves half a file, and the
+        # target keeps its permissions.
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+        os.close(fd)
+        try:
+            save_file(tensors, tmp, metadata={"ra_lens": json.dumps(meta)})
+            os.chmod(tmp, _mode_for(target))
+            os.replace(tmp, target)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
 
     @classmethod
     def load(cls, path: str | Path) -> ReversedAttention:
@@ -139,6 +161,29 @@ class ReversedAttention:
             raise ValueError(f"{path} was not written by ReversedAttention.save")
         tensors = load_file(str(path))
         return cls(**json.loads(header["ra_lens"]), **tensors)
+
+
+def _writable_target(path: Path) -> Path:
+    """The file to write: a symlink's target (the link stays a link); refuses folders and other
+    things that are not regular files."""
+    target = Path(os.path.realpath(path))
+    if target.exists() and not target.is_file():
+        raise ValueError(
+            f"{path} exists and is not a regular file: ReversedAttention.save writes a file; "
+            "choose a file path such as ra.safetensors"
+        )
+    if not target.parent.is_dir():
+        raise FileNotFoundError(f"folder {target.parent} does not exist: create it first")
+    return target
+
+
+def _mode_for(target: Path) -> int:
+    """The target's permissions if it exists, else what a new file gets under the umask."""
+    if target.exists():
+        return stat.S_IMODE(target.stat().st_mode)
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
 
 
 def stack_layers(per_layer: list[Tensor]) -> Tensor:

@@ -145,8 +145,9 @@ def mean_reversed_attention(
 def evaluate_by_length(
     model: Any, prompts: Sequence[Prompt], hooks: Sequence = (), *, batch_size: int = 32
 ) -> Accuracy:
-    """tasks.evaluate, one batch per token length: position-aligned hooks (patching) then see
-    every prompt unpadded."""
+    """tasks.evaluate with batches of one token length each, hooks or not: position-aligned
+    hooks (patching) then see every prompt unpadded, and the unpatched baseline runs the same
+    batches."""
     lengths = tasks.prompt_lengths(prompts, model)
     ranks = torch.empty(len(prompts), dtype=torch.long)
     for n in sorted(set(lengths)):

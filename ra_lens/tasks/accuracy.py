@@ -11,8 +11,8 @@ from jaxtyping import Float, Int
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from ra_lens.capture import to_batch
-from ra_lens.tasks.prompts import Prompt, answer_token
+from ra_lens.capture import exclusive, to_batch
+from ra_lens.tasks.prompts import Prompt, answer_token, prompt_lengths
 
 FwdHook = tuple[str | Callable[[str], bool], Callable[..., Any]]
 
@@ -79,14 +79,18 @@ def evaluate(
     fwd_hooks: Sequence[FwdHook] = (),
     batch_size: int = 16,
     ks: Sequence[int] = (1, 2, 3),
+    by_length: bool | None = None,
 ) -> Accuracy:
     """Top-k accuracy of the first token of each prompt's answer at its last position.
 
     Prompts are tokenised with BOS (`model.to_tokens`) and right-padded with the tokenizer's pad
     id, so prompts of different lengths share a batch: causal attention keeps real positions
     blind to the padding and the logits are read at each prompt's own last real position.
-    The model runs under `torch.no_grad()` inside `model.hooks(fwd_hooks=...)`, so hooks (e.g.
-    head ablations or attention patches) apply to every batch and are removed afterwards.
+    Hooks that line up with the last positions of a sequence (ra-lens's attention patches) would
+    hit a padded prompt at the wrong places, so with such a hook (or `by_length=True`) every
+    batch holds prompts of one token length only. The model runs under `torch.no_grad()` inside
+    `model.hooks(fwd_hooks=...)`, so hooks (e.g. head ablations or attention patches) apply to
+    every batch and are removed afterwards.
 
     Args:
         model: a TransformerLens model (HookedTransformer or TransformerBridge).
@@ -94,6 +98,9 @@ def evaluate(
         fwd_hooks: (hook name or name filter, hook function) pairs, as for `model.hooks`.
         batch_size: prompts per forward pass.
         ks: the k values reported by `Accuracy.to_dict` (top1..top3 are always there).
+        by_length: batch prompts of one token length only (no padding). Default: when a hook
+            is aligned to the end of the sequence (`attention_patch_hooks`,
+            `forward_patch_hooks`).
 
     Returns:
         Accuracy with `ranks: Int[Tensor, " n"]` in prompt order.
@@ -105,14 +112,19 @@ def evaluate(
         raise ValueError("no prompts to evaluate")
     token_of = {a: answer_token(model, a) for a in dict.fromkeys(p.answer for p in prompts)}
     answers = [token_of[p.answer] for p in prompts]
-    batches = [
-        range(i, min(i + batch_size, len(prompts))) for i in range(0, len(prompts), batch_size)
-    ]
-    ranks: list[Tensor] = []
-    with torch.no_grad(), model.hooks(fwd_hooks=list(fwd_hooks)):
+    if by_length is None:
+        by_length = any(getattr(fn, "aligned_to_end", False) for _, fn in fwd_hooks)
+    if by_length:
+        lengths = prompt_lengths(prompts, model)
+        groups = [[i for i, n in enumerate(lengths) if n == m] for m in sorted(set(lengths))]
+    else:
+        groups = [list(range(len(prompts)))]
+    batches = [g[i : i + batch_size] for g in groups for i in range(0, len(g), batch_size)]
+    ranks = torch.empty(len(prompts), dtype=torch.long)
+    with exclusive(model), torch.no_grad(), model.hooks(fwd_hooks=list(fwd_hooks)):
         for idx in tqdm(batches, desc="evaluate", disable=len(batches) < 4, leave=False):
             batch = to_batch(model, [prompts[i].text for i in idx])
             logits = model(batch.tokens)
             target = torch.tensor([answers[i] for i in idx], dtype=torch.long)
-            ranks.append(answer_ranks(logits, batch.lengths, target).cpu())
-    return Accuracy.from_ranks(torch.cat(ranks), ks)
+            ranks[idx] = answer_ranks(logits, batch.lengths, target).cpu()
+    return Accuracy.from_ranks(ranks, ks)

@@ -1,9 +1,10 @@
-"""Everything ra-lens knows about the model: hook names, geometry, state, tokenisation.
+"""The model contract: everything ra-lens knows about a model lives here.
 
-The rest of the package speaks TransformerLens hook names only, so any HookedRootModule works
-(TL 2.x/3.x HookedTransformer, TL 3.x/4.x TransformerBridge). The model is duck-typed: `hook_dict`,
-`hooks()`, `cfg`, `to_tokens`. Nothing here leaves state behind: `preserved_state` restores
-train/eval mode, requires_grad flags and parameter .grad.
+Hook names, attention geometry, state, tokenisation and recording. The rest of the package
+speaks TransformerLens hook names only (the constants below), so any HookedRootModule works
+(TL 2.x/3.x HookedTransformer, TL 3.x/4.x TransformerBridge): `HookedModel` says what is used.
+Nothing here leaves state behind: `preserved_state` restores train/eval mode, requires_grad flags
+and parameter .grad; every hook is scoped by a context manager.
 """
 
 from __future__ import annotations
@@ -12,19 +13,49 @@ import contextlib
 import math
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
-from jaxtyping import Int
+from jaxtyping import Bool, Int
 from torch import Tensor
 
+# Every TransformerLens hook name ra-lens uses; format with the layer index.
 PATTERN = "blocks.{}.attn.hook_pattern"
 SCORES = "blocks.{}.attn.hook_attn_scores"
 Z = "blocks.{}.attn.hook_z"
 V = "blocks.{}.attn.hook_v"
+Q = "blocks.{}.attn.hook_q"
+K = "blocks.{}.attn.hook_k"
+ROT_Q = "blocks.{}.attn.hook_rot_q"  # rotary models: q and k after the rotation
+ROT_K = "blocks.{}.attn.hook_rot_k"
+COS = "blocks.{}.attn.hook_cos"  # TransformerBridge rotary tables
+SIN = "blocks.{}.attn.hook_sin"
+ATTN_IN = "blocks.{}.attn.hook_in"  # TransformerBridge: input of the attention block
+Q_IN = "blocks.{}.attn.q.hook_in"  # TransformerBridge: input of the q / k projections
+K_IN = "blocks.{}.attn.k.hook_in"
 RESID_PRE = "blocks.{}.hook_resid_pre"
+
+
+@runtime_checkable
+class HookedModel(Protocol):
+    """What ra-lens needs of a model: a TransformerLens HookedRootModule with a config.
+
+    HookedTransformer (TL 2.x/3.x) and TransformerBridge (TL 3.x/4.x) both qualify.
+    """
+
+    hook_dict: dict[str, Any]
+    cfg: Any
+
+    def hooks(self, *args: Any, **kwargs: Any) -> Any: ...
+
+    def to_tokens(self, *args: Any, **kwargs: Any) -> Tensor: ...
+
+    def parameters(self, recurse: bool = True) -> Iterator[torch.nn.Parameter]: ...
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
+
 
 _NOT_TL = (
     "ra_lens needs a TransformerLens model (HookedTransformer or TransformerBridge), "
@@ -43,7 +74,7 @@ class ModelShape:
     n_ctx: int | None
 
 
-def model_shape(model: Any) -> ModelShape:
+def model_shape(model: HookedModel) -> ModelShape:
     """Read the attention geometry and check that the hooks ra-lens needs exist.
 
     Raises:
@@ -90,7 +121,9 @@ def check_layer_list(layers: Sequence[int]) -> list[int]:
     if not_int:
         raise TypeError(f"layers must be ints, got {not_int}: pass e.g. [0, 3, 5]")
     if not chosen:
-        raise ValueError("layers is empty: pass at least one layer, or None for all")
+        raise ValueError(
+            "layers=[] is out of range (empty): pass at least one layer, or None for all"
+        )
     if len(set(chosen)) != len(chosen):
         raise ValueError(f"layers {chosen} repeat a layer: pass each layer once")
     if chosen != sorted(chosen):
@@ -98,7 +131,7 @@ def check_layer_list(layers: Sequence[int]) -> list[int]:
     return chosen
 
 
-def attention_scale(model: Any, layer: int) -> float:
+def attention_scale(model: HookedModel, layer: int) -> float:
     """The divisor s in S = QK^T / s for one layer, read from the model rather than assumed.
 
     TL 2 keeps it as `attn.attn_scale`; TL-native bridges as `attn.original_component.scale`;
@@ -127,7 +160,7 @@ _IN_USE_LOCK = threading.Lock()
 
 
 @contextlib.contextmanager
-def exclusive(model: Any) -> Iterator[None]:
+def exclusive(model: HookedModel) -> Iterator[None]:
     """Claim the model for this thread; a second thread gets a clear error instead of hooks
     firing in the wrong call. Re-entrant within one thread (ra-lens functions call each other).
 
@@ -156,7 +189,7 @@ def exclusive(model: Any) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def preserved_state(model: Any) -> Iterator[None]:
+def preserved_state(model: HookedModel) -> Iterator[None]:
     """Run in eval mode; afterwards restore mode, requires_grad flags and every .grad as found.
 
     Also claims the model for this thread (`exclusive`), and refuses inference mode, where
@@ -172,7 +205,7 @@ def preserved_state(model: Any) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _restored(model: Any) -> Iterator[None]:
+def _restored(model: HookedModel) -> Iterator[None]:
     was_training = model.training
     params = list(model.parameters())
     flags = [p.requires_grad for p in params]
@@ -193,7 +226,7 @@ def _restored(model: Any) -> Iterator[None]:
 
 @contextlib.contextmanager
 def raw_input_hooks(
-    model: Any,
+    model: HookedModel,
     forward: dict[str, Callable[[Tensor], None]],
     backward: dict[str, Callable[[Tensor], None]],
 ) -> Iterator[None]:
@@ -231,6 +264,33 @@ def raw_input_hooks(
             handle.remove()
 
 
+@contextlib.contextmanager
+def recorded(model: HookedModel, names: Iterable[str]) -> Iterator[dict[str, Tensor]]:
+    """Record the forward value (detached) of each named hook point into the yielded dict.
+
+    The first value of a forward pass is kept: a hook point that fires twice does not overwrite
+    it. Names the model lacks are skipped (check the dict). Hooks are removed on exit.
+
+    >>> from ra_lens.toy_models import tiny_model                       # doctest: +SKIP
+    >>> model = tiny_model("gpt2")                                      # doctest: +SKIP
+    >>> with recorded(model, [PATTERN.format(0)]) as acts:              # doctest: +SKIP
+    ...     model(model.to_tokens("Hello"))
+    >>> acts[PATTERN.format(0)].shape                                   # doctest: +SKIP
+    torch.Size([1, 4, 2, 2])
+    """
+    store: dict[str, Tensor] = {}
+
+    def keep(name: str):
+        def hook(activation: Tensor, hook: Any) -> None:
+            store.setdefault(name, activation.detach())
+
+        return hook
+
+    present = [name for name in dict.fromkeys(names) if name in model.hook_dict]
+    with model.hooks(fwd_hooks=[(name, keep(name)) for name in present]):
+        yield store
+
+
 def gradient_leaf_hook(store: dict[str, Tensor]):
     """Forward hook that turns an activation into a fresh leaf that requires grad.
 
@@ -249,7 +309,7 @@ def gradient_leaf_hook(store: dict[str, Tensor]):
 _LIVE_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def live_pattern_layers(model: Any) -> list[bool]:
+def live_pattern_layers(model: HookedModel) -> list[bool]:
     """For each layer, whether `hook_pattern` is in the autograd graph of the output.
 
     On TransformerBridge adapters that delegate attention to HuggingFace (OPT and others) the
@@ -280,7 +340,7 @@ def live_pattern_layers(model: Any) -> list[bool]:
     return reached
 
 
-def _device(model: Any) -> torch.device:
+def _device(model: HookedModel) -> torch.device:
     return next(model.parameters()).device
 
 
@@ -295,9 +355,17 @@ class Batch:
     def padded(self) -> bool:
         return bool((self.lengths < self.tokens.shape[1]).any())
 
+    def real_mask(self) -> Bool[Tensor, "batch pos"]:
+        """True at each prompt's real (non-pad) positions."""
+        positions = torch.arange(self.tokens.shape[1], device=self.tokens.device)
+        return positions[None, :] < self.lengths.to(self.tokens.device)[:, None]
+
 
 def to_batch(
-    model: Any, tokens: Batch | Tensor | str | Sequence[str], *, prepend_bos: bool | None = None
+    model: HookedModel,
+    tokens: Batch | Tensor | str | Sequence[str],
+    *,
+    prepend_bos: bool | None = None,
 ) -> Batch:
     """Tokenise strings with the model's tokenizer (right padding) or check a token tensor.
 
@@ -358,7 +426,7 @@ def _check_batch(ids: Tensor, lengths: Tensor) -> None:
         )
 
 
-def check_token_ids(model: Any, ids: Tensor) -> None:
+def check_token_ids(model: HookedModel, ids: Tensor) -> None:
     """Raise a ValueError naming the vocabulary size for ids outside it (the embedding would
     otherwise fail with 'index out of range in self')."""
     vocab = getattr(model.cfg, "d_vocab", None)
@@ -372,7 +440,7 @@ def check_token_ids(model: Any, ids: Tensor) -> None:
         )
 
 
-def _pad_id(model: Any) -> int:
+def _pad_id(model: HookedModel) -> int:
     tokenizer = getattr(model, "tokenizer", None)
     for attr in ("pad_token_id", "eos_token_id"):
         value = getattr(tokenizer, attr, None)

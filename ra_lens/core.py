@@ -18,7 +18,7 @@ from jaxtyping import Int
 from torch import Tensor
 
 from ra_lens import capture
-from ra_lens.capture import PATTERN, RESID_PRE, Batch, V, Z
+from ra_lens.capture import PATTERN, RESID_PRE, Batch, HookedModel, V, Z
 from ra_lens.math import (
     CONVENTIONS,
     Convention,
@@ -35,7 +35,7 @@ RawHook = Callable[[Tensor], None]
 
 
 def reversed_attention(
-    model: Any,
+    model: HookedModel,
     tokens: Int[Tensor, "batch pos"] | Batch | str | Sequence[str],
     metric: MetricFn,
     *,
@@ -95,7 +95,7 @@ def reversed_attention(
     return collector.result(values.detach().float().cpu(), _str_tokens(model, batch))
 
 
-def _check_z_route(model: Any, layers: list[int]) -> None:
+def _check_z_route(model: HookedModel, layers: list[int]) -> None:
     missing = [n.format(la) for la in layers for n in (Z, V) if n.format(la) not in model.hook_dict]
     if missing:
         raise RuntimeError(
@@ -149,7 +149,7 @@ def _to_loss(values: Any, batch: Batch) -> Tensor:
     return values.sum()
 
 
-def _str_tokens(model: Any, batch: Batch) -> list[list[str]] | None:
+def _str_tokens(model: HookedModel, batch: Batch) -> list[list[str]] | None:
     tokenizer = getattr(model, "tokenizer", None)
     if tokenizer is None:
         return None
@@ -182,12 +182,8 @@ class _Collector:
         # stacking per-layer maps at the end would copy every map once more.
         self.maps: Tensor | None = None
         self.kept_patterns: Tensor | None = None
-        n_pos = batch.tokens.shape[1]
-        positions = torch.arange(n_pos, device=batch.tokens.device)
         # Real (non-pad) positions; RA at pads is zero by causality, the mask makes it exact.
-        self.real: Tensor | None = (
-            (positions[None, :] < batch.lengths[:, None]) if batch.padded else None
-        )
+        self.real: Tensor | None = batch.real_mask() if batch.padded else None
 
     def fwd_hooks(self) -> list[tuple[str, Callable]]:
         """TransformerLens hooks, run after any user hook: the values z was computed from."""

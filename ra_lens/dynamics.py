@@ -29,7 +29,7 @@ from jaxtyping import Float, Int
 from torch import Tensor, nn
 
 from ra_lens import capture
-from ra_lens.capture import PATTERN, Batch
+from ra_lens.capture import PATTERN, Batch, HookedModel
 from ra_lens.core import MetricFn, metric_loss, reversed_attention
 from ra_lens.math import causal_mask
 
@@ -108,7 +108,7 @@ class EditDynamics:
 
 
 def edit_dynamics(
-    model: Any,
+    model: HookedModel,
     tokens: Int[Tensor, "batch pos"] | Batch | str | Sequence[str],
     metric: MetricFn,
     lr: float,
@@ -195,7 +195,7 @@ def edit_dynamics(
     )
 
 
-def _deepcopy(model: Any) -> Any:
+def _deepcopy(model: HookedModel) -> Any:
     """copy.deepcopy, with activations that bridges cache on their modules (non-leaf tensors
     still tied to an autograd graph, which deepcopy refuses) copied detached."""
     memo: dict[int, Any] = {}
@@ -206,7 +206,7 @@ def _deepcopy(model: Any) -> Any:
     return copy.deepcopy(model, memo)
 
 
-def _projections(model: Any, layer: int) -> tuple[nn.Linear, nn.Linear]:
+def _projections(model: HookedModel, layer: int) -> tuple[nn.Linear, nn.Linear]:
     """The q and k nn.Linear modules of one layer, or NotImplementedError."""
     attn = model.blocks[layer].attn
     found = []
@@ -222,7 +222,7 @@ def _projections(model: Any, layer: int) -> tuple[nn.Linear, nn.Linear]:
     return found[0], found[1]
 
 
-def _step_params(model: Any, layer: int) -> list[Tensor | None]:
+def _step_params(model: HookedModel, layer: int) -> list[Tensor | None]:
     """[W_q, b_q, W_k, b_k] of one layer (a bias is None when the model has none)."""
     q, k = _projections(model, layer)
     return [q.weight, q.bias, k.weight, k.bias]
@@ -270,42 +270,33 @@ def _stepped(
 
 
 _NAMES = {
-    "x_q": "blocks.{}.attn.q.hook_in",
-    "x_k": "blocks.{}.attn.k.hook_in",
-    "x": "blocks.{}.attn.hook_in",
-    "q": "blocks.{}.attn.hook_q",
-    "k": "blocks.{}.attn.hook_k",
-    "rot_q": "blocks.{}.attn.hook_rot_q",
-    "rot_k": "blocks.{}.attn.hook_rot_k",
-    "cos": "blocks.{}.attn.hook_cos",
-    "sin": "blocks.{}.attn.hook_sin",
+    "x_q": capture.Q_IN,
+    "x_k": capture.K_IN,
+    "x": capture.ATTN_IN,
+    "q": capture.Q,
+    "k": capture.K,
+    "rot_q": capture.ROT_Q,
+    "rot_k": capture.ROT_K,
+    "cos": capture.COS,
+    "sin": capture.SIN,
     "pattern": PATTERN,
 }
 
 
-def _capture(model: Any, tokens: Tensor, layers: list[int]) -> dict[int, dict[str, Tensor]]:
+def _capture(model: HookedModel, tokens: Tensor, layers: list[int]) -> dict[int, dict[str, Tensor]]:
     """One no-grad forward pass; the hooked activations of each layer by short name."""
-    store: dict[int, dict[str, Tensor]] = {layer: {} for layer in layers}
-
-    def saver(layer: int, key: str):
-        def hook(activation: Tensor, hook: Any) -> None:
-            store[layer].setdefault(key, activation.detach().clone())
-
-        return hook
-
-    fwd = [
-        (name.format(layer), saver(layer, key))
-        for layer in layers
-        for key, name in _NAMES.items()
-        if name.format(layer) in model.hook_dict
-    ]
-    with torch.no_grad(), model.hooks(fwd_hooks=fwd):
+    names = {(layer, key): name.format(layer) for layer in layers for key, name in _NAMES.items()}
+    with torch.no_grad(), capture.recorded(model, names.values()) as acts:
         model(tokens)
-    for layer, acts in store.items():
+    store: dict[int, dict[str, Tensor]] = {layer: {} for layer in layers}
+    for (layer, key), name in names.items():
+        if name in acts:
+            store[layer][key] = acts[name].clone()
+    for layer, acts_of_layer in store.items():
         for key in ("x_q", "x_k"):
-            if key not in acts and "x" in acts:
-                acts[key] = acts["x"]
-        missing = [k for k in ("x_q", "x_k", "q", "k", "pattern") if k not in acts]
+            if key not in acts_of_layer and "x" in acts_of_layer:
+                acts_of_layer[key] = acts_of_layer["x"]
+        missing = [k for k in ("x_q", "x_k", "q", "k", "pattern") if k not in acts_of_layer]
         if missing:
             raise NotImplementedError(
                 f"layer {layer} did not fire the hooks {[_NAMES[m].format(layer) for m in missing]}"
@@ -405,8 +396,7 @@ def _real_triangle(batch: Batch) -> Tensor:
     """Bool [batch, 1, query, key]: causal and at a real (non-pad) query."""
     n = batch.tokens.shape[1]
     causal = causal_mask(n, n, batch.tokens.device)
-    real = torch.arange(n, device=batch.tokens.device)[None, :] < batch.lengths[:, None]
-    return (causal[None] & real[:, :, None])[:, None]
+    return (causal[None] & batch.real_mask()[:, :, None])[:, None]
 
 
 def _linear(module: nn.Linear, x: Tensor) -> Tensor:
@@ -418,7 +408,7 @@ _F32_TOL = math.sqrt(torch.finfo(torch.float32).eps)
 
 
 def _check_form(
-    acts: dict[str, Tensor], model: Any, layer: int, scale: float, mask: Tensor
+    acts: dict[str, Tensor], model: HookedModel, layer: int, scale: float, mask: Tensor
 ) -> None:
     """Check that the layer computes what the prediction assumes, else NotImplementedError."""
     tol = math.sqrt(torch.finfo(acts["q"].dtype).eps)

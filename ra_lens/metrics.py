@@ -12,13 +12,12 @@ counted from the end (-1, the default) means each prompt's own last token.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from ra_lens.capture import Batch, to_batch
+from ra_lens.capture import Batch, HookedModel, to_batch
 from ra_lens.math import upcast
 
 
@@ -164,7 +163,7 @@ def logit_diff(
 
 
 def completion(
-    model: Any, prompts: str | Sequence[str], completions: str | Sequence[str]
+    model: HookedModel, prompts: str | Sequence[str], completions: str | Sequence[str]
 ) -> tuple[Batch, CompletionNLL]:
     """Teacher-forced tokens and metric for prompt + completion pairs (the paper's loss).
 

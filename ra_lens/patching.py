@@ -19,7 +19,7 @@ from jaxtyping import Bool, Float
 from torch import Tensor
 
 from ra_lens import capture
-from ra_lens.capture import PATTERN, Z
+from ra_lens.capture import PATTERN, HookedModel, Z
 from ra_lens.result import ReversedAttention
 
 Hook = tuple[str, Callable]
@@ -34,7 +34,7 @@ def attention_patch_hooks(
     layers: Sequence[int] | None = None,
     heads: Heads | None = None,
     align: Align = "right",
-    model: Any | None = None,
+    model: HookedModel | None = None,
 ) -> list[Hook]:
     """Hooks adding `scale * maps[l, h]` to `blocks.{l}.attn.hook_pattern`, after the softmax.
 
@@ -74,7 +74,7 @@ def forward_patch_hooks(
     layers: Sequence[int] | None = None,
     heads: Heads | None = None,
     align: Align = "right",
-    model: Any | None = None,
+    model: HookedModel | None = None,
 ) -> list[Hook]:
     """The paper's baseline: add `scale * mean forward pattern` instead of RA (rows then sum to
     1 + scale). Same arguments as attention_patch_hooks."""
@@ -88,7 +88,7 @@ def _patch_hooks(
     layers: Sequence[int] | None,
     heads: Heads | None,
     align: Align,
-    model: Any | None,
+    model: HookedModel | None,
 ) -> list[Hook]:
     if align not in ("right", "strict"):
         raise ValueError(f"unknown align {align!r}: choose 'right' or 'strict'")
@@ -147,23 +147,16 @@ def head_ablation_hooks(
     return [(Z.format(layer), ablate(layer, chosen)) for layer, chosen in sorted(by_layer.items())]
 
 
-def mean_head_outputs(model: Any, tokens: Any) -> Float[Tensor, "layer head d_head"]:
+def mean_head_outputs(model: HookedModel, tokens: Any) -> Float[Tensor, "layer head d_head"]:
     """Each head's output at hook_z, averaged over prompts and real positions (for mean ablation)."""
     shape = capture.model_shape(model)
     batch = capture.to_batch(model, tokens)
-    real = torch.arange(batch.tokens.shape[1], device=batch.tokens.device) < batch.lengths[:, None]
-    sums: dict[int, Tensor] = {}
-
-    def collect(layer: int):
-        def hook(z: Tensor, hook: Any) -> None:
-            sums[layer] = (z.float() * real[:, :, None, None]).sum((0, 1)) / real.sum()
-
-        return hook
-
-    hooks = [(Z.format(layer), collect(layer)) for layer in range(shape.n_layers)]
-    with capture.exclusive(model), torch.no_grad(), model.hooks(fwd_hooks=hooks):
+    real = batch.real_mask()[:, :, None, None]
+    names = [Z.format(layer) for layer in range(shape.n_layers)]
+    with capture.exclusive(model), torch.no_grad(), capture.recorded(model, names) as z:
         model(batch.tokens)
-    return torch.stack([sums[layer] for layer in range(shape.n_layers)]).cpu()
+    means = [(z[name].float() * real).sum((0, 1)) / real.sum() for name in names]
+    return torch.stack(means).cpu()
 
 
 def _maps_by_layer(maps: Tensor | ReversedAttention) -> dict[int, Tensor]:
@@ -225,7 +218,9 @@ def _pairs(heads: Heads) -> list[tuple[int, int]]:
     return [(int(la), int(h)) for la, h in pairs]
 
 
-def _check_shapes_and_liveness(model: Any, by_layer: dict[int, Tensor], chosen: list[int]) -> None:
+def _check_shapes_and_liveness(
+    model: HookedModel, by_layer: dict[int, Tensor], chosen: list[int]
+) -> None:
     shape = capture.model_shape(model)
     n_heads = next(iter(by_layer.values())).shape[0]
     if max(by_layer) >= shape.n_layers or n_heads != shape.n_heads:

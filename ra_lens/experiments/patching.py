@@ -13,6 +13,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ra_lens import tasks
+from ra_lens.capture import HookedModel
 from ra_lens.core import reversed_attention
 from ra_lens.experiments.timing import timed
 from ra_lens.metrics import target_nll
@@ -108,7 +109,7 @@ class PatchingResult:
 
 
 def task_prompts(
-    model: Any, task: str | Task, shots: int, *, seed: int = 42
+    model: HookedModel, task: str | Task, shots: int, *, seed: int = 42
 ) -> tuple[list[Prompt], list[Prompt]]:
     """(train, test) prompts whose answers are one token for this model (the paper's filter).
 
@@ -131,7 +132,7 @@ def task_prompts(
 
 
 def mean_reversed_attention(
-    model: Any, prompts: Sequence[Prompt], *, batch_size: int = 8
+    model: HookedModel, prompts: Sequence[Prompt], *, batch_size: int = 8
 ) -> ReversedAttention:
     """RA of each prompt's own -log p(first answer token), for equal-length prompts, in batches."""
     parts = []
@@ -143,7 +144,7 @@ def mean_reversed_attention(
 
 
 def evaluate_by_length(
-    model: Any, prompts: Sequence[Prompt], hooks: Sequence = (), *, batch_size: int = 32
+    model: HookedModel, prompts: Sequence[Prompt], hooks: Sequence = (), *, batch_size: int = 32
 ) -> Accuracy:
     """tasks.evaluate with batches of one token length each, hooks or not: position-aligned
     hooks (patching) then see every prompt unpadded, and the unpatched baseline runs the same
@@ -160,7 +161,7 @@ def evaluate_by_length(
 
 
 def attention_patching(
-    model: Any,
+    model: HookedModel,
     task: str | Task,
     shots: int = 0,
     n_train: int = 25,

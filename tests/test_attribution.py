@@ -394,3 +394,78 @@ def test_unexposed_rotary_queries_are_refused():
     model = TransformerBridge.boot_native(cfg, dtype=torch.float64)
     with pytest.raises(RuntimeError, match="never fired"):
         ra_lens.attention_attribution(model, CLEAN, CORRUPTED, METRIC)
+
+
+# --------------------------------------------------------------------------------------------
+# the ranking and the task data
+
+
+@pytest.mark.tl4  # ra_lens.ranking's paired helpers are exercised on TL 4 toys (as test_ranking)
+def test_exact_qk_ranking_is_query_plus_key_through_each_head():
+    from ra_lens import ranking
+    from ra_lens.metrics import target_prob
+
+    model = toy("llama")
+    targets = torch.tensor([30, 31])
+    scores = ranking.exact_qk_attribution(model, CLEAN, CORRUPTED, targets, batch_size=1)
+    att = ra_lens.attention_attribution(model, CLEAN, CORRUPTED, target_prob(targets))
+    expected = (att.by_position["query"].sum(-1) + att.key_by_head.sum(-1)).mean(0)
+    assert scores.shape == (2, 4)
+    assert torch.allclose(scores, expected, atol=1e-7)
+    assert float(scores.abs().max()) > 0
+
+
+def test_ioi_and_capital_pairs():
+    from ra_lens.tasks import ioi
+
+    pairs = ioi.ioi_pairs(40)
+    assert len(pairs) == 40 and len(set(pairs)) == 40
+    first = pairs[0]
+    assert first.clean == "When Mary and John went to the store, John gave a drink to"
+    assert first.corrupted == "When Alice and Bob went to the store, John gave a drink to"
+    assert (first.answer, first.wrong) == (" Mary", " John")
+    for p in pairs:
+        io, s = p.answer.strip(), p.wrong.strip()
+        assert io != s and p.clean.count(s) == 2 and p.clean.count(io) == 1
+        assert io not in p.corrupted and p.corrupted.count(s) == 1
+        # the second clause is untouched: only the first clause's names differ
+        assert p.clean.split(",")[-1] == p.corrupted.split(",")[-1] or "." in p.clean
+    capitals = ioi.capital_pairs()
+    assert len(capitals) >= 30
+    assert all(p.answer != p.wrong and p.clean != p.corrupted for p in capitals)
+
+
+@pytest.mark.real_model
+def test_real_model_pairs_and_exact_key_delta(smollm2):
+    from ra_lens.tasks import ioi
+
+    pairs = ioi.usable(smollm2, ioi.ioi_pairs(40))
+    assert len(pairs) >= 30
+    assert len(ioi.usable(smollm2, ioi.capital_pairs(smollm2))) >= 30
+    clean, corrupted, metric = ioi.paired_batch(smollm2, pairs[:1])
+    att = ra_lens.attention_attribution(smollm2, clean, corrupted, metric, layers=[20])
+    assert float(att.other_metric[0]) > float(att.metric[0])  # clean favours " Mary"
+    # the key of KV head 1 at position 2 (" Mary" vs " Alice") through the rotary hooks
+    name = "blocks.20.attn.hook_rot_k"
+    source = activation(smollm2, clean.tokens, name)
+
+    def patch(x, hook):
+        x = x.clone()
+        x[:, 2, 1] = source[:, 2, 1]
+        return x
+
+    seen = {}
+    with (
+        torch.no_grad(),
+        smollm2.hooks(
+            fwd_hooks=[
+                (name, patch),
+                (capture.PATTERN.format(20), lambda x, hook: seen.update(a=x)),
+            ]
+        ),
+    ):
+        smollm2(corrupted.tokens)
+    true = seen["a"][0].double() - att.patterns[0, 0].double()
+    ours = att.delta_pattern("key", 20, 1, 2)
+    assert float(true.abs().max()) > 1e-4
+    assert float((ours - true).abs().max()) < 1e-5

@@ -469,3 +469,36 @@ def test_real_model_pairs_and_exact_key_delta(smollm2):
     ours = att.delta_pattern("key", 20, 1, 2)
     assert float(true.abs().max()) > 1e-4
     assert float((ours - true).abs().max()) < 1e-5
+
+
+@pytest.mark.tl4  # the CLI's tiny models are TransformerBridge toys
+def test_cli_attribute_writes_tables_plots_and_json(tmp_path, capsys):
+    import json
+
+    from ra_lens.cli import main
+
+    out = tmp_path / "out"
+    code = main(
+        [
+            "attribute", "--model", "tiny-llama",
+            "--clean", "When Mary and John went to the store, John gave a drink to",
+            "--corrupted", "When John and Mary went to the store, John gave a drink to",
+            "--target", "a", "--wrong", "b", "--top", "4",
+            "--out", str(out), "--json", str(tmp_path / "a.json"),
+        ]
+    )  # fmt: skip
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "top key nodes" in printed and "top edges" in printed
+    data = json.loads((tmp_path / "a.json").read_text())
+    assert set(data["top"]) == {"pattern", "query", "key"} and len(data["top_edges"]) == 4
+    assert len(data["scores"]["key"][0]) == 2  # the toy Llama has 2 key/value heads
+    assert abs(data["top_edges"][0]["value"]) >= abs(data["top_edges"][-1]["value"])
+    for name in ("attribution_heatmaps.png", "top_edges.png", "edges.html"):
+        assert (out / name).stat().st_size > 1000
+    assert (
+        "<script" in (out / "edges.html").read_text()
+        and "http" not in (out / "edges.html").read_text()[:2000]
+    )
+    assert main(["attribute", "--model", "tiny-llama", "--clean", "a b", "--corrupted", "a",
+                 "--target", "a"]) == 2  # fmt: skip

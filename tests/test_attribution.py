@@ -502,3 +502,17 @@ def test_cli_attribute_writes_tables_plots_and_json(tmp_path, capsys):
     )
     assert main(["attribute", "--model", "tiny-llama", "--clean", "a b", "--corrupted", "a",
                  "--target", "a"]) == 2  # fmt: skip
+
+
+@pytest.mark.tl4  # attention soft-capping is built with TL 4's native bridge
+def test_attention_that_is_not_plain_softmax_is_refused():
+    from transformer_lens.config import TransformerBridgeConfig
+    from transformer_lens.model_bridge import TransformerBridge
+
+    cfg = TransformerBridgeConfig(
+        d_model=32, d_head=8, n_layers=1, n_ctx=64, n_heads=4, d_vocab=300, act_fn="gelu",
+        seed=0, attn_scores_soft_cap=0.05,
+    )  # fmt: skip
+    model = TransformerBridge.boot_native(cfg, dtype=torch.float64)
+    with pytest.raises(ValueError, match="differs from hook_pattern"):
+        ra_lens.attention_attribution(model, CLEAN, CORRUPTED, METRIC)

@@ -516,3 +516,26 @@ def test_attention_that_is_not_plain_softmax_is_refused():
     model = TransformerBridge.boot_native(cfg, dtype=torch.float64)
     with pytest.raises(ValueError, match="differs from hook_pattern"):
         ra_lens.attention_attribution(model, CLEAN, CORRUPTED, METRIC)
+
+
+@pytest.mark.tl4  # the experiment runs on TL 4 bridges (toy Llama here)
+def test_experiment_measure_on_a_toy():
+    from ra_lens.experiments import attention_attribution as experiment
+    from ra_lens.tasks.ioi import PromptPair
+
+    model = toy("llama")
+    pairs = [
+        PromptPair("When Mary and John went to the store, John gave a drink to",
+                   "When John and Mary went to the store, John gave a drink to", "a", "b"),
+        PromptPair("When John and Mary went to the store, Mary gave a drink to",
+                   "When Mary and John went to the store, Mary gave a drink to", "b", "a"),
+    ]  # fmt: skip
+    result = experiment.measure(model, pairs, "toy", n_position_heads=2, progress=False)
+    data = result.to_dict()
+    assert set(data["stats"]) == {"query", "key", "pattern"}
+    assert data["scores"]["truth"]["key"] and len(data["scores"]["truth"]["key"][0]) == 2
+    # a tiny random model: everything is nearly linear, so the estimates match the truth
+    for kind in ("query", "key"):
+        assert data["stats"][kind]["pearson_exact"] > 0.99
+        assert data["per_position"][kind]["max_abs_error_exact"] < 1e-5
+    assert "| toy | query |" in experiment.markdown([result])

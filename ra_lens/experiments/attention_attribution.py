@@ -322,7 +322,8 @@ def _per_position(
 def _blind_spot(exact, truth, ra_norms, clean, model, k: int = 20) -> list[dict[str, Any]]:
     """Heads among the truth's and the exact estimate's top k (query nodes, and key nodes mapped
     to the query heads reading them) that the RA-norm ranking's top k misses, with the attention
-    row at the last position of the first pair."""
+    row at the last position of the first pair's corrupted prompt (the run the estimate patches
+    and differentiates)."""
     group = exact.n_heads // exact.n_kv_heads
     ra_top = set(ra_norms.flatten().argsort(descending=True)[:k].tolist())
     n_heads = exact.n_heads

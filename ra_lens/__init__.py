@@ -13,6 +13,7 @@ that `import ra_lens` does not pull in matplotlib).
 """
 
 from ra_lens import metrics, tasks
+from ra_lens.attribution import AttentionAttribution, attention_attribution
 from ra_lens.capture import Batch, to_batch
 from ra_lens.core import reversed_attention
 from ra_lens.dynamics import EditDynamics, edit_dynamics
@@ -21,9 +22,11 @@ from ra_lens.patching import attention_patch_hooks, forward_patch_hooks, head_ab
 from ra_lens.result import ReversedAttention
 
 __all__ = [
+    "AttentionAttribution",
     "Batch",
     "EditDynamics",
     "ReversedAttention",
+    "attention_attribution",
     "attention_patch_hooks",
     "edit_dynamics",
     "forward_patch_hooks",

@@ -3,6 +3,8 @@
 ra-lens maps --prompt "I like Italy and France. I visited the city of" --target " Florence"
 ra-lens patch --task antonym --shots 0
 ra-lens rank --task antonym --shots 5
+ra-lens attribute --clean "When Mary and John went to the store, John gave a drink to" \
+    --corrupted "When Alice and Bob went to the store, John gave a drink to" --target " Mary" --wrong " John"
 """
 
 from __future__ import annotations
@@ -97,6 +99,27 @@ def _parser() -> argparse.ArgumentParser:
     )
     _common(rank)
     rank.set_defaults(run=_run_rank)
+
+    attribute = sub.add_parser(
+        "attribute",
+        help="query/key/pattern attribution of every head for a clean/corrupted pair",
+        description="Estimate, for every head, what patching its queries, keys or pattern from "
+        "the clean prompt into the corrupted one does to logit(target) - logit(wrong) (or to "
+        "p(target) without --wrong), with an exact softmax for queries and keys (AtP*'s fix).",
+    )
+    attribute.add_argument("--clean", required=True, help="the clean prompt")
+    attribute.add_argument(
+        "--corrupted", required=True, help="the corrupted prompt (same token length)"
+    )
+    attribute.add_argument("--target", required=True, help="the clean answer, e.g. ' Mary'")
+    attribute.add_argument(
+        "--wrong", default=None, help="a wrong answer: metric = logit(target) - logit(wrong)"
+    )
+    attribute.add_argument("--method", default="exact", choices=["exact", "linear"])
+    attribute.add_argument("--direction", default="denoise", choices=["denoise", "noise"])
+    attribute.add_argument("--top", type=int, default=10, metavar="K", help="rows per table (10)")
+    _common(attribute)
+    attribute.set_defaults(run=_run_attribute)
     return parser
 
 
@@ -346,6 +369,107 @@ def _run_rank(args: argparse.Namespace) -> int:
         for path in result.plot(args.out):
             _say(args, f"wrote {path}")
     _emit_json(args.json, result.to_dict())
+    return 0
+
+
+def _first_token(model: Any, text: str, flag: str) -> int:
+    ids = model.to_tokens(text, prepend_bos=False)[0].tolist()
+    if len(ids) != 1:
+        raise ValueError(f"{flag} {text!r} is {len(ids)} tokens: give a one-token answer")
+    return int(ids[0])
+
+
+def _run_attribute(args: argparse.Namespace) -> int:
+    from ra_lens import attention_attribution, metrics
+
+    seconds: dict[str, float] = {}
+    start = time.perf_counter()
+    model = _load(args.model)
+    seconds["load_model"] = time.perf_counter() - start
+    target = _first_token(model, args.target, "--target")
+    if args.wrong is None:
+        metric, metric_name = metrics.target_prob([target]), f"p({args.target!r})"
+    else:
+        wrong = _first_token(model, args.wrong, "--wrong")
+        metric = metrics.logit_diff([target], [wrong])
+        metric_name = f"logit({args.target!r}) - logit({args.wrong!r})"
+    start = time.perf_counter()
+    att = attention_attribution(
+        model, args.clean, args.corrupted, metric, method=args.method, direction=args.direction
+    )
+    seconds["attention_attribution"] = time.perf_counter() - start
+
+    tokens = att.str_tokens[0] if att.str_tokens else None
+    _say(args, f"model: {args.model}   metric: {metric_name}   {args.method}, {args.direction}")
+    runs = (
+        (att.other_metric, att.metric)
+        if args.direction == "denoise"
+        else (att.metric, att.other_metric)
+    )
+    _say(args, f"{metric_name}: clean {float(runs[0][0]):.3f}, corrupted {float(runs[1][0]):.3f}")
+    top: dict[str, list[dict[str, Any]]] = {}
+    for kind in att.nodes:
+        top[kind] = [
+            {"layer": la, "head": h, "score": v} for la, h, v in att.top(args.top, node=kind)
+        ]
+        head_word = "kv head" if kind == "key" else "head"
+        _say(args, f"\ntop {kind} nodes (sum over positions)\n{'layer':>5}  {head_word:>7}  score")
+        for row in top[kind]:
+            _say(args, f"{row['layer']:>5}  {row['head']:>7}  {row['score']:+.4g}")
+    edges = [
+        {
+            "layer": la,
+            "head": h,
+            "query": q,
+            "key": k,
+            "query_token": tokens[q] if tokens else q,
+            "key_token": tokens[k] if tokens else k,
+            "value": v,
+        }
+        for la, h, q, k, v in att.top_edges(args.top)
+    ]
+    _say(args, "\ntop edges R * (A_other - A)")
+    for e in edges:
+        _say(
+            args,
+            f"L{e['layer']}H{e['head']}  {e['query_token']!r} -> {e['key_token']!r}  "
+            f"{e['value']:+.4g}",
+        )
+    _say(args, f"\nall heads in {seconds['attention_attribution']:.2f} s")
+
+    files = []
+    if args.out is not None:
+        from ra_lens import viz
+
+        args.out.mkdir(parents=True, exist_ok=True)
+        files = [args.out / n for n in ("attribution_heatmaps.png", "top_edges.png", "edges.html")]
+        viz.attribution_heatmaps(att, save=files[0])
+        viz.top_edges_on_tokens(att, k=min(8, args.top), save=files[1])
+        heads = list(dict.fromkeys((e["layer"], e["head"]) for e in edges))[:8]
+        viz.attribution_edges_page(att, heads, save=files[2])
+        for f in files:
+            _say(args, f"wrote {f}")
+    _emit_json(
+        args.json,
+        {
+            "model": args.model,
+            "clean": args.clean,
+            "corrupted": args.corrupted,
+            "target": args.target,
+            "wrong": args.wrong,
+            "metric": metric_name,
+            "method": att.method,
+            "direction": att.direction,
+            "metric_patched_run": float(att.metric[0]),
+            "metric_other_run": float(att.other_metric[0]),
+            "scores": {kind: att.scores[kind].tolist() for kind in att.nodes},
+            "top": top,
+            "top_edges": edges,
+            "str_tokens": tokens,
+            "seconds": seconds,
+            "files": [str(f) for f in files],
+        },
+    )
     return 0
 
 

@@ -593,3 +593,43 @@ def ablation_curve(
         n_kept.append(k)
         accuracies.append(run(sorted(order[k:])))
     return AblationCurve(fractions, n_kept, accuracies, reverse)
+
+
+def exact_qk_attribution(
+    model: Any,
+    clean_tokens: Tokens,
+    corrupted_tokens: Tokens,
+    targets: Targets,
+    *,
+    batch_size: int = 32,
+) -> Scores:
+    """Exact-softmax attribution of each head's queries and keys (AtP*'s QK fix).
+
+    score[l, h] = mean_i of the estimated gain in p(target) when head h's queries are taken from
+    the clean run, plus the part of the estimate for its key/value head's keys that flows through
+    h's pattern (`AttentionAttribution.key_by_head`), both summed over positions:
+    `attention_attribution(..., nodes=("query", "key"), method="exact", direction="denoise")`.
+    One forward + backward pass on the corrupted prompts and one forward pass on the clean ones
+    per batch, for all heads; unlike a gradient it does not vanish on saturated attention rows.
+
+    Returns:
+        Float[Tensor, "layer head"].
+    """
+    from ra_lens.attribution import attention_attribution
+    from ra_lens.metrics import target_prob
+
+    clean, corrupted, targets = _paired(model, clean_tokens, corrupted_tokens, targets)
+    shape = capture.model_shape(model)
+    total = torch.zeros(shape.n_layers, shape.n_heads, dtype=torch.float64)
+    for rows in _chunks(clean.tokens.shape[0], batch_size):
+        att = attention_attribution(
+            model,
+            _part(clean, rows),
+            _part(corrupted, rows),
+            target_prob(targets[rows]),
+            nodes=("query", "key"),
+        )
+        assert att.key_by_head is not None
+        total += att.by_position["query"].double().sum((0, 3))
+        total += att.key_by_head.double().sum((0, 3))
+    return (total / clean.tokens.shape[0]).float()

@@ -609,3 +609,170 @@ def ranking_maps(
     for ax, (name, grid) in zip(axes, values.items(), strict=True):
         _layer_head_panel(fig, ax, grid, labels, name)
     return _save(fig, save)
+
+
+# --------------------------------------------------------------------------------------------
+# query/key/pattern attribution (ra_lens.attribution)
+
+_KIND_TITLES = {
+    "query": "query nodes",
+    "key": "key nodes (per key/value head)",
+    "pattern": "pattern",
+}
+
+
+def attribution_heatmaps(att: Any, *, save: PathLike | None = None) -> Figure:
+    """Per-node estimates of an `AttentionAttribution` as layer x head heat maps, one per kind.
+
+    Signed, centred at zero; key nodes are drawn per key/value head (fewer columns on GQA
+    models). Titles give the method and direction.
+    """
+    kinds = list(att.scores)
+    n_layers = len(att.layers)
+    fig = _layer_head_figure(len(kinds), n_layers, att.n_heads)
+    axes = fig.subplots(1, len(kinds), squeeze=False)[0]
+    for ax, kind in zip(axes, kinds, strict=True):
+        title = f"{_KIND_TITLES[kind]}\n{att.method}, {att.direction}"
+        _layer_head_panel(fig, ax, _numpy(att.scores[kind]), att.layers, title, signed=True)
+        if kind == "key":
+            ax.set_xlabel("key/value head", fontsize=9)
+    return _save(fig, save)
+
+
+def attribution_edges_page(
+    att: Any,
+    heads: Sequence[Sequence[Any]] | None = None,
+    *,
+    prompt: int = 0,
+    save: PathLike | None = None,
+) -> str:
+    """An offline circuitsvis page of edge maps R * (A_other - A) for chosen heads, then their
+    forward patterns on the patched run.
+
+    Args:
+        att: an AttentionAttribution.
+        heads: (layer, head) pairs (`att.top(k, "pattern")` triples work); default: the 8 heads
+            with the largest |pattern| score.
+        prompt: which pair of the batch.
+        save: optional .html path.
+    """
+    from circuitsvis.attention import attention_heads
+
+    chosen = [(int(h[0]), int(h[1])) for h in (heads or att.top(8, node="pattern"))]
+    if not chosen:
+        raise ValueError("no heads to show")
+    n = int(att.lengths[prompt])
+    idx = [att.layers.index(la) for la, _ in chosen]
+    edges = np.stack([_numpy(att.edges[prompt, i, h, :n, :n]) for i, (_, h) in zip(idx, chosen)])
+    patterns = np.stack(
+        [_numpy(att.patterns[prompt, i, h, :n, :n]) for i, (_, h) in zip(idx, chosen)]
+    )
+    limit = _symmetric_limit(edges)
+    labels = (
+        [visible_token(t) for t in att.str_tokens[prompt][:n]]
+        if att.str_tokens
+        else [str(t) for t in att.tokens[prompt, :n].tolist()]
+    )
+    sections = [
+        (
+            f"Edges R * (A_other - A), {att.direction}: the metric change each query-key link "
+            f"carries (red = raises it; colour range \u00b1{limit:.3g})",
+            attention_heads(
+                np.tril(edges).tolist(),
+                labels,
+                attention_head_names=[f"L{la}H{h} edges" for la, h in chosen],
+                max_value=limit,
+                min_value=-limit,
+                negative_color=_NEGATIVE,
+                positive_color=_POSITIVE,
+                mask_upper_tri=True,
+            ),
+        ),
+        (
+            "Forward attention of the patched run (range 0 to 1)",
+            attention_heads(
+                patterns.tolist(),
+                labels,
+                attention_head_names=[f"L{la}H{h} attn" for la, h in chosen],
+                max_value=1.0,
+                min_value=0.0,
+                mask_upper_tri=True,
+            ),
+        ),
+    ]
+    page = _assemble_page(sections, att, prompt)
+    if save is not None:
+        path = Path(save)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(page, encoding="utf-8")
+    return page
+
+
+def estimate_scatter(
+    truth: Mapping[str, ArrayLike],
+    estimates: Mapping[str, Mapping[str, ArrayLike]],
+    *,
+    save: PathLike | None = None,
+) -> Figure:
+    """Estimate against ground truth, one panel per node kind, one colour per estimate.
+
+    Args:
+        truth: kind -> true effects (any shape).
+        estimates: estimate name -> kind -> values of the truth's shape.
+    """
+    kinds = list(truth)
+    fig = _new_figure(3.6 * len(kinds), 3.4)
+    axes = fig.subplots(1, len(kinds), squeeze=False)[0]
+    markers = ["o", "x", "s", "^"]
+    for ax, kind in zip(axes, kinds, strict=True):
+        x = _numpy(truth[kind]).ravel()
+        limit = _symmetric_limit(x)
+        ax.plot([-limit, limit], [-limit, limit], color="#888888", lw=0.8, ls="--", zorder=0)
+        for i, (name, table) in enumerate(estimates.items()):
+            y = _numpy(table[kind]).ravel()
+            r = float(np.corrcoef(x, y)[0, 1]) if x.std() > 0 and y.std() > 0 else float("nan")
+            ax.scatter(x, y, s=12, marker=markers[i % 4], alpha=0.7, label=f"{name} (r={r:.2f})")
+        ax.set_xlabel("activation patching (true effect)", fontsize=9)
+        ax.set_ylabel("estimate", fontsize=9)
+        ax.set_title(kind, fontsize=10)
+        ax.tick_params(labelsize=8)
+        ax.legend(fontsize=7, loc="upper left")
+    return _save(fig, save)
+
+
+def top_edges_on_tokens(
+    att: Any, k: int = 8, *, prompt: int = 0, save: PathLike | None = None
+) -> Figure:
+    """The k query-key links with the largest |R * (A_other - A)|, drawn as arcs over the tokens
+    from key (left) to query (right); red raises the metric, blue lowers it, width ~ |value|.
+    Each arc is numbered at its top; the legend names its head and value."""
+    n = int(att.lengths[prompt])
+    labels = (
+        [visible_token(t) for t in att.str_tokens[prompt][:n]]
+        if att.str_tokens
+        else [str(t) for t in att.tokens[prompt, :n].tolist()]
+    )
+    top = att.top_edges(k, batch=prompt)
+    fig = _new_figure(max(7.0, 0.55 * n + 3.0), 3.6)
+    ax = fig.subplots()
+    for i, label in enumerate(labels):
+        ax.text(i, -0.05, label, ha="right", va="top", fontsize=_token_fontsize(n), rotation=45)
+    largest = max((abs(e[4]) for e in top), default=1.0) or 1.0
+    peak_top = 0.0
+    for rank, (layer, head, query, key, value) in enumerate(top, 1):
+        color = _POSITIVE if value > 0 else _NEGATIVE
+        x = np.linspace(key, query, 60)
+        half = max((query - key) / 2, 0.5)
+        height = 0.25 + 0.22 * math.sqrt(query - key) + 0.06 * rank
+        y = height * (1 - ((x - (key + query) / 2) / half) ** 2).clip(0)
+        peak_top = max(peak_top, height)
+        ax.plot(x, y, color=color, lw=0.7 + 3.0 * abs(value) / largest, alpha=0.75,
+                label=f"{rank}: L{layer}H{head} {labels[query]!s} \u2190 {labels[key]!s} {value:+.3g}")  # fmt: skip
+        ax.text((key + query) / 2, height, str(rank), ha="center", va="bottom", fontsize=7,
+                color=color)  # fmt: skip
+    ax.set_xlim(-1.0, n)
+    ax.set_ylim(-0.9, peak_top + 0.25)
+    ax.axis("off")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
+    ax.set_title(f"top {len(top)} edges R * (A_other - A), {att.direction}", fontsize=10)
+    return _save(fig, save)

@@ -39,9 +39,12 @@ RANKINGS: tuple[str, ...] = (
     "causal_mediation",
     "activation_patching",
     "attribution_patching",
+    "exact_qk_attribution",
 )
 #: Rankings that need clean/corrupted prompt pairs (corrupted = demonstration labels shuffled).
-PAIRED: frozenset[str] = frozenset({"activation_patching", "attribution_patching"})
+PAIRED: frozenset[str] = frozenset(
+    {"activation_patching", "attribution_patching", "exact_qk_attribution"}
+)
 
 
 @dataclass
@@ -345,6 +348,10 @@ def head_ranking(
         if name == "activation_patching":
             return rk.activation_patching(
                 model, clean, corrupted, paired_targets, batch_size=batch_size, progress=progress
+            )
+        if name == "exact_qk_attribution":
+            return rk.exact_qk_attribution(
+                model, clean, corrupted, paired_targets, batch_size=batch_size
             )
         return rk.attribution_patching(
             model, clean, corrupted, paired_targets, batch_size=batch_size

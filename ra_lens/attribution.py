@@ -1,0 +1,561 @@
+"""Query, key and pattern attribution of every attention head, with an exact softmax.
+
+Attribution patching estimates what patching one node from another run would do to a metric M.
+For the attention pattern itself that estimate is sum_s R_ts (A_other - A)_ts with R = dM/dA (the
+gradient at `hook_pattern`). For the query and key of a head, tools linear through the softmax
+(TransformerLens 4's `attribution_patch`, EAP) multiply R by the *first-order* change of A; on a
+saturated (near one-hot) row that change is almost zero even when the real one is large. AtP*
+(Kramar et al. 2024) fixes it by recomputing the changed attention rows exactly, then
+multiplying by R. This module does that for every head and position at once, from one forward
+and backward pass on the run that gets patched plus one forward pass on the other run:
+
+- query node (layer, head h, position t): row t becomes softmax(q'_t K^T / s + mask), with q'_t
+  taken from the other run;
+- key node (layer, key/value head g, position s): in every query head reading g (GQA: heads
+  g*r .. g*r + r - 1, r = n_heads / n_kv_heads), every row t >= s changes in the single logit
+  (t, s) by delta = q_t . (k'_s - k_s) / s. Closed form: the new weight on s is
+  p' = sigmoid(logit(A_ts) + delta) and the row's estimate is (p' - A_ts) (R_ts - Rbar_t^(-s)),
+  Rbar^(-s) the mean of R over the other keys weighted by A (computed in log space, so a
+  saturated row and a large delta stay exact);
+- pattern node (layer, head h, query row t): sum_s R_ts (A_other - A)_ts; `edges` keeps the
+  per-link terms.
+
+`method="linear"` gives the first-order estimate through the softmax instead (what linear tools
+compute; it equals dM/dq . (q' - q) and dM/dk . (k' - k)). Rotary models use the rotated q and k
+(`hook_rot_q`, `hook_rot_k`); the attention scale s is read from the model.
+
+    >>> att = attention_attribution(model, clean, corrupted, logit_diff(right, wrong))  # doctest: +SKIP
+    >>> att.top(5, node="key")                                                         # doctest: +SKIP
+    >>> result = att.to_transformer_lens()       # TL 4 AttributionResult                # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import einops
+import torch
+from jaxtyping import Float, Int
+from torch import Tensor
+
+from ra_lens import capture
+from ra_lens.capture import PATTERN, RESID_PRE, Batch
+from ra_lens.core import metric_loss
+
+NodeKind = Literal["pattern", "query", "key"]
+Method = Literal["exact", "linear"]
+Direction = Literal["denoise", "noise"]
+NODES: tuple[str, ...] = ("pattern", "query", "key")
+METHODS: tuple[str, ...] = ("exact", "linear")
+DIRECTIONS: tuple[str, ...] = ("denoise", "noise")
+
+Tokens = Int[Tensor, "batch pos"] | Batch | str | Sequence[str]
+MetricFn = Callable[..., Tensor]
+
+#: Largest |softmax(q k^T / s + causal mask) - A| accepted before the recomputed attention is
+#: declared not to be the model's (soft-capping, ALiBi, sliding windows are not modelled).
+#: HF's eager attention takes the softmax in float32 even for a float64 model; half-precision
+#: patterns are rounded to ~1e-3.
+_RECOMPUTE_TOLERANCE = {torch.float64: 1e-4, torch.float32: 1e-4}
+_HALF_TOLERANCE = 2e-2
+
+
+def _q_name(model: Any, layer: int) -> str:
+    rotated = f"blocks.{layer}.attn.hook_rot_q"
+    return rotated if rotated in model.hook_dict else f"blocks.{layer}.attn.hook_q"
+
+
+def _k_name(model: Any, layer: int) -> str:
+    rotated = f"blocks.{layer}.attn.hook_rot_k"
+    return rotated if rotated in model.hook_dict else f"blocks.{layer}.attn.hook_k"
+
+
+# --------------------------------------------------------------------------------------------
+# pure tensor functions (float64, any leading axes, last two = query, key)
+
+
+def log_other_mass(log_pattern: Float[Tensor, "... query key"]) -> Float[Tensor, "... query key"]:
+    """log(1 - A_ts) for every entry, exact also where A_ts rounds to 1.
+
+    Only a row's largest entry can exceed 1/2; there 1 - A is the sum of the other entries (taken
+    as a logsumexp), elsewhere log1p(-A) is accurate.
+    """
+    top = log_pattern.argmax(dim=-1, keepdim=True)
+    others = log_pattern.scatter(-1, top, float("-inf")).logsumexp(dim=-1, keepdim=True)
+    general = torch.log1p(-log_pattern.exp())
+    return general.scatter(-1, top, others)
+
+
+def key_terms(
+    log_pattern: Float[Tensor, "... query key"],
+    grad: Float[Tensor, "... query key"],
+    delta: Float[Tensor, "... query key"],
+    method: Method,
+) -> Float[Tensor, "... query key"]:
+    """Estimate, per (row t, key s), of raising the one logit (t, s) by delta[t, s].
+
+    exact: sum_s' (A'_ts' - A_ts') R_ts' = (p' - A_ts)(R_ts - Rbar_t^(-s)), p' = sigmoid(logit
+    A_ts + delta); linear: its derivative at delta = 0 times delta, A_ts (R_ts - D_t) delta, with
+    D_t = sum_s A_ts R_ts. Masked entries (log A = -inf) give 0.
+    """
+    pattern = log_pattern.exp()
+    visible = log_pattern > float("-inf")
+    weighted = pattern * grad
+    row_sum = weighted.sum(dim=-1, keepdim=True)
+    if method == "linear":
+        return torch.where(visible, weighted - pattern * row_sum, 0.0) * delta
+    log_other = log_other_mass(log_pattern)
+    new_weight = torch.sigmoid(log_pattern - log_other + delta)
+    # sum_{s' != s} A_ts' R_ts': at the row maximum summed directly (no cancellation).
+    top = log_pattern.argmax(dim=-1, keepdim=True)
+    top_excluded = weighted.scatter(-1, top, 0.0).sum(dim=-1, keepdim=True)
+    other_weighted = (row_sum - weighted).scatter(-1, top, top_excluded)
+    other_mean = torch.where(
+        log_other > float("-inf"), other_weighted / log_other.exp(), torch.zeros_like(grad)
+    )
+    change = torch.where(visible, new_weight - pattern, 0.0)
+    return change * (grad - other_mean)
+
+
+def key_delta_rows(
+    log_pattern: Float[Tensor, "... query key"], delta_column: Float[Tensor, "... query"], key: int
+) -> Float[Tensor, "... query key"]:
+    """A' - A when logit (t, key) of every row t changes by delta_column[t] (the key node's
+    change of the pattern, materialised; the estimate uses the closed form in `key_terms`)."""
+    log_other = log_other_mass(log_pattern)[..., key]
+    logit = log_pattern[..., key] - log_other
+    new_weight = torch.sigmoid(logit + delta_column)
+    pattern = log_pattern.exp()
+    visible = log_pattern[..., key] > float("-inf")
+    change = torch.where(visible, new_weight - pattern[..., key], 0.0)
+    # Every other entry keeps its share of the remaining mass: A_ts' (1 - p') / (1 - A_ts).
+    others = -change[..., None] * (log_pattern - log_other[..., None]).exp()
+    others[..., key] = change
+    return others
+
+
+@dataclass
+class _Run:
+    """What one forward (and backward) pass captured, per chosen layer."""
+
+    patterns: dict[int, Tensor]
+    queries: dict[int, Tensor]
+    keys: dict[int, Tensor]
+    grads: dict[int, Tensor]
+    metric: Tensor
+
+
+# --------------------------------------------------------------------------------------------
+# the result
+
+
+@dataclass
+class AttentionAttribution:
+    """Query, key and pattern attribution of every head (see `attention_attribution`).
+
+    Sign convention: an estimate is M(run with the node patched) - M(run), the patched run being
+    the corrupted one for direction="denoise" (node moved corrupted -> clean, TransformerLens 4's
+    convention: positive = moving towards clean raises the metric) and the clean one for
+    direction="noise" (AtP*: node moved clean -> corrupted).
+
+    Attributes:
+        by_position: node kind -> estimates per node. "query" and "pattern":
+            Float[Tensor, "batch layer head pos"] (pattern: the query row); "key":
+            Float[Tensor, "batch layer kv_head pos"] (one key node per key/value head, so
+            n_key_value_heads of them on GQA models).
+        scores: node kind -> Float[Tensor, "layer head"] (key: "layer kv_head"): by_position
+            summed over positions and averaged over the batch of pairs.
+        key_by_head: Float[Tensor, "batch layer head pos"]: the key estimate split over the query
+            heads that read each key/value head (summing a group gives by_position["key"]).
+        edges: Float[Tensor, "batch layer head query key"]: R * (A_other - A), the pattern node's
+            per-link terms: which query-key links carry the effect.
+        patterns, other_patterns, pattern_grads: A of the patched run, A of the other run and
+            R = dM/dA of the patched run, Float[Tensor, "batch layer head query key"].
+        metric, other_metric: the metric of each pair on the patched and the other run.
+        layers, method, direction, n_heads, n_kv_heads, tokens, lengths, str_tokens.
+    """
+
+    by_position: dict[str, Tensor]
+    scores: dict[str, Tensor]
+    key_by_head: Tensor | None
+    edges: Tensor
+    patterns: Tensor
+    other_patterns: Tensor
+    pattern_grads: Tensor
+    metric: Tensor
+    other_metric: Tensor
+    layers: list[int]
+    method: str
+    direction: str
+    n_heads: int
+    n_kv_heads: int
+    tokens: Tensor
+    other_tokens: Tensor
+    lengths: Tensor
+    str_tokens: list[list[str]] | None = None
+    # float64 logits kept for delta_pattern: base, base with every query swapped, key change.
+    _logits: Tensor | None = field(default=None, repr=False)
+    _query_logits: Tensor | None = field(default=None, repr=False)
+    _key_logit_change: Tensor | None = field(default=None, repr=False)
+
+    @property
+    def nodes(self) -> list[str]:
+        """The node kinds computed."""
+        return list(self.by_position)
+
+    def _layer_index(self, layer: int) -> int:
+        if layer not in self.layers:
+            raise ValueError(f"layer {layer} was not computed: layers are {self.layers}")
+        return self.layers.index(layer)
+
+    def _check_node(self, node: str) -> None:
+        if node not in self.by_position:
+            raise ValueError(f"node {node!r} was not computed: choose one of {self.nodes}")
+
+    def top(self, k: int = 10, node: NodeKind = "query") -> list[tuple[int, int, float]]:
+        """The k heads with the largest |score| of one node kind: [(layer, head, score)].
+
+        For node="key" the head is the key/value head.
+        """
+        self._check_node(node)
+        scores = self.scores[node]
+        order = scores.flatten().abs().argsort(descending=True, stable=True)[:k]
+        n = scores.shape[1]
+        return [(self.layers[int(i) // n], int(i) % n, float(scores.flatten()[i])) for i in order]
+
+    def top_edges(self, k: int = 10, batch: int = 0) -> list[tuple[int, int, int, int, float]]:
+        """The k query-key links of one pair with the largest |R * (A_other - A)|:
+        [(layer, head, query, key, value)]."""
+        edges = self.edges[batch]
+        order = edges.flatten().abs().argsort(descending=True, stable=True)[:k]
+        idx = torch.unravel_index(order, edges.shape)
+        return [
+            (self.layers[int(la)], int(h), int(q), int(s), float(edges[la, h, q, s]))
+            for la, h, q, s in zip(*idx)
+        ]
+
+    def delta_pattern(
+        self, node: NodeKind, layer: int, head: int, position: int, batch: int = 0
+    ) -> Float[Tensor, "head query key"]:
+        """The change of the layer's pattern (all query heads) that the method's estimate
+        multiplies by R when one node is patched: for "query" (head, position = query row) and
+        "key" (head = key/value head, position = key) the exact softmax (whatever `method`), for
+        "pattern" the other run's row."""
+        i = self._layer_index(layer)
+        self._check_node(node)
+        log_pattern = self._logits[batch, i].log_softmax(dim=-1)  # type: ignore[index]
+        out = torch.zeros_like(log_pattern)
+        if node == "pattern":
+            other = self.other_patterns[batch, i, head, position].double()
+            out[head, position] = other - self.patterns[batch, i, head, position].double()
+        elif node == "query":
+            new = self._query_logits[batch, i, head, position].softmax(dim=-1)  # type: ignore[index]
+            out[head, position] = new - log_pattern[head, position].exp()
+        else:
+            group = self.n_heads // self.n_kv_heads
+            heads = slice(head * group, (head + 1) * group)
+            delta = self._key_logit_change[batch, i, heads, :, position]  # type: ignore[index]
+            out[heads] = key_delta_rows(log_pattern[heads], delta, position)
+        return out
+
+    def to_transformer_lens(self) -> Any:
+        """TransformerLens 4's `AttributionResult` of the query and key nodes.
+
+        Keys: `Node(kind="q_input", layer, head, position)` and `Node(kind="k_input", layer,
+        head, position)`, values averaged over the batch (as `attribution_patch` does). Patching a
+        head's q_input (its residual input) at one position is the same intervention as patching
+        its query there, so the scores mean what TL's mean. On GQA models a k_input node's `head`
+        is the key/value head. Pattern nodes have no TL kind and are left out. Only
+        direction="denoise" matches TL's sign convention.
+        """
+        from transformer_lens.tools.analysis.attribution_patching import (
+            AttributionResult,
+            Node,
+        )
+
+        kinds = {"query": "q_input", "key": "k_input"}
+        node_scores: dict[Any, float] = {}
+        for kind, tl_kind in kinds.items():
+            if kind not in self.by_position:
+                continue
+            mean = self.by_position[kind].double().mean(0)
+            for i, layer in enumerate(self.layers):
+                for head in range(mean.shape[1]):
+                    for position in range(mean.shape[2]):
+                        node = Node(kind=tl_kind, position=position, layer=layer, head=head)  # type: ignore[arg-type]
+                        node_scores[node] = float(mean[i, head, position])
+        return AttributionResult(node_scores=node_scores)
+
+
+# --------------------------------------------------------------------------------------------
+# the computation
+
+
+def attention_attribution(
+    model: Any,
+    clean: Tokens,
+    corrupted: Tokens,
+    metric: MetricFn,
+    *,
+    layers: Sequence[int] | None = None,
+    nodes: Sequence[str] = NODES,
+    method: Method = "exact",
+    direction: Direction = "denoise",
+) -> AttentionAttribution:
+    """Attribution of every head's query, key and pattern, with an exact softmax.
+
+    Args:
+        model: a TransformerLens model whose `hook_pattern` is in the autograd graph
+            (TransformerBridge on GPT-2/Llama-style adapters, TL-native bridges, HookedTransformer).
+        clean, corrupted: Int[Tensor, "batch pos"], Batch, a string or strings; pair i must have
+            the same token length in both (position-by-position patching).
+        metric: logits Float[Tensor, "batch pos vocab"] -> Float[Tensor, "batch"], as in
+            `reversed_attention` (e.g. `metrics.logit_diff(correct, incorrect)`).
+        layers: layers to attribute (default all).
+        nodes: any of "pattern", "query", "key".
+        method: "exact" (the real softmax of the changed rows, AtP*'s fix) or "linear" (first
+            order through the softmax, what linear attribution tools compute). Pattern nodes are
+            the same for both.
+        direction: "denoise" (gradient on the corrupted run, node moved corrupted -> clean, as in
+            TransformerLens 4) or "noise" (gradient on the clean run, node moved clean ->
+            corrupted, as in AtP*).
+
+    Returns:
+        AttentionAttribution: `.scores[kind]` Float[Tensor, "layer head"] (key: "layer
+        kv_head"), `.by_position[kind]` [batch layer head pos], `.edges` [batch layer head query
+        key], `.top(k, node)`, `.to_transformer_lens()`.
+
+    Raises:
+        ValueError: unknown node/method/direction, pairs of unequal token length, attention that
+            is not softmax(q k^T / s + causal mask).
+        RuntimeError: `hook_pattern` outside the autograd graph (no R; e.g. OPT on TL 4).
+    """
+    nodes = _check_choices(nodes, method, direction)
+    shape = capture.model_shape(model)
+    chosen = capture.check_layers(layers, shape.n_layers)
+    clean_b, corrupted_b = capture.to_batch(model, clean), capture.to_batch(model, corrupted)
+    _check_pairs(clean_b, corrupted_b)
+    live = capture.live_pattern_layers(model)
+    dead = [layer for layer in chosen if not live[layer]]
+    if dead:
+        raise RuntimeError(
+            f"hook_pattern of layers {dead} is not in the autograd graph of the output (the "
+            "adapter delegates attention to HuggingFace), so dM/dA does not exist there: "
+            "attention_attribution needs a model that computes attention through its hooks "
+            "(GPT-2/Llama-style TransformerBridge, boot_native, HookedTransformer)"
+        )
+    base, other = (corrupted_b, clean_b) if direction == "denoise" else (clean_b, corrupted_b)
+    with capture.preserved_state(model):
+        patched = _capture(model, base, chosen, metric, backward=True)
+        source = _capture(model, other, chosen, metric, backward=False)
+
+    per_layer = [
+        _layer_estimates(
+            patched,
+            source,
+            layer,
+            capture.attention_scale(model, layer),
+            base.lengths,
+            nodes,
+            method,
+        )
+        for layer in chosen
+    ]
+
+    def stack(key: str, dtype: torch.dtype = torch.float32) -> Tensor:
+        return torch.stack([out[key] for out in per_layer], dim=1).to("cpu", dtype)
+
+    by_position = {kind: stack(kind) for kind in nodes}
+    scores = {kind: values.double().sum(-1).mean(0).float() for kind, values in by_position.items()}
+    return AttentionAttribution(
+        by_position=by_position,
+        scores=scores,
+        key_by_head=stack("key_by_head") if "key" in nodes else None,
+        edges=stack("edges"),
+        patterns=stack("pattern_a"),
+        other_patterns=stack("other_pattern_a"),
+        pattern_grads=stack("grad"),
+        metric=patched.metric.float().cpu(),
+        other_metric=source.metric.float().cpu(),
+        layers=chosen,
+        method=method,
+        direction=direction,
+        n_heads=shape.n_heads,
+        n_kv_heads=int(patched.keys[chosen[0]].shape[2]),
+        tokens=base.tokens.cpu(),
+        other_tokens=other.tokens.cpu(),
+        lengths=base.lengths.cpu(),
+        str_tokens=_str_tokens(model, base),
+        _logits=stack("logits", torch.float64),
+        _query_logits=stack("query_logits", torch.float64),
+        _key_logit_change=stack("key_logit_change", torch.float64),
+    )
+
+
+def _check_choices(nodes: Sequence[str], method: str, direction: str) -> list[str]:
+    if isinstance(nodes, str):
+        nodes = [nodes]
+    unknown = [n for n in nodes if n not in NODES]
+    if unknown or not nodes:
+        raise ValueError(f"unknown nodes {list(nodes)}: choose among {NODES}")
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}: choose one of {METHODS}")
+    if direction not in DIRECTIONS:
+        raise ValueError(f"unknown direction {direction!r}: choose one of {DIRECTIONS}")
+    return [n for n in NODES if n in nodes]
+
+
+def _check_pairs(clean: Batch, corrupted: Batch) -> None:
+    if clean.tokens.shape[0] != corrupted.tokens.shape[0]:
+        raise ValueError(
+            f"{clean.tokens.shape[0]} clean but {corrupted.tokens.shape[0]} corrupted prompts: "
+            "give one corrupted prompt per clean prompt"
+        )
+    unequal = (clean.lengths != corrupted.lengths).nonzero().flatten().tolist()
+    if unequal or clean.tokens.shape != corrupted.tokens.shape:
+        i = unequal[0] if unequal else 0
+        raise ValueError(
+            f"pair {i}: clean has {int(clean.lengths[i])} tokens, corrupted "
+            f"{int(corrupted.lengths[i])}: patching is position by position, so each corrupted "
+            "prompt must have its clean prompt's token length (swap in names/words that are one "
+            "token each)"
+        )
+
+
+def _capture(model: Any, batch: Batch, layers: list[int], metric: MetricFn, backward: bool) -> _Run:
+    """Forward pass saving A, q and k of every chosen layer; with backward, R = dM/dA too."""
+    run = _Run({}, {}, {}, {}, torch.empty(0))
+
+    def save(store: dict[int, Tensor], layer: int):
+        def hook(activation: Tensor, hook: Any) -> None:
+            # A copy: some adapters hand hooks a view that the attention code reuses.
+            store[layer] = activation.detach().clone()
+
+        return hook
+
+    def save_grad(layer: int):
+        def hook(grad: Tensor, hook: Any) -> None:
+            run.grads[layer] = grad.detach().clone()
+
+        return hook
+
+    leaf: dict[str, Tensor] = {}
+    fwd = [(RESID_PRE.format(layers[0]), capture.gradient_leaf_hook(leaf))]
+    for layer in layers:
+        fwd.append((PATTERN.format(layer), save(run.patterns, layer)))
+        fwd.append((_q_name(model, layer), save(run.queries, layer)))
+        fwd.append((_k_name(model, layer), save(run.keys, layer)))
+    bwd = [(PATTERN.format(layer), save_grad(layer)) for layer in layers] if backward else []
+    with torch.enable_grad(), model.hooks(fwd_hooks=fwd, bwd_hooks=bwd):
+        logits = model(batch.tokens)
+        values, loss = metric_loss(metric, logits, batch)
+        if backward:
+            torch.autograd.grad(loss, [leaf["leaf"]], allow_unused=True)
+    run.metric = values.detach()
+    silent = [
+        name
+        for layer in layers
+        for name, store in ((_q_name(model, layer), run.queries), (_k_name(model, layer), run.keys))
+        if layer not in store
+    ]
+    if silent:
+        raise RuntimeError(
+            f"hook {silent[0]!r} never fired during the forward pass: this adapter does not expose "
+            "the (rotated) queries and keys its attention uses, so the softmax cannot be redone"
+        )
+    missing = [layer for layer in layers if backward and layer not in run.grads]
+    if missing:
+        raise RuntimeError(
+            f"no gradient reached hook_pattern of layers {missing}: the metric must depend on "
+            "the logits at positions these layers feed"
+        )
+    return run
+
+
+def _layer_estimates(
+    patched: _Run,
+    source: _Run,
+    layer: int,
+    scale: float,
+    lengths: Tensor,
+    nodes: list[str],
+    method: str,
+) -> dict[str, Tensor]:
+    """Every estimate of one layer, in float64 on the model's device."""
+    q, k = patched.queries[layer].double(), patched.keys[layer].double()
+    q_other, k_other = source.queries[layer].double(), source.keys[layer].double()
+    n_heads, n_kv = q.shape[2], k.shape[2]
+    group = n_heads // n_kv
+
+    def per_head(keys: Tensor) -> Tensor:
+        # Query head h reads key/value head h // group.
+        return einops.repeat(keys, "b pos g d -> b pos (g r) d", r=group)
+
+    n_pos = q.shape[1]
+    causal = torch.ones(n_pos, n_pos, dtype=torch.bool, device=q.device).tril()
+
+    def logits_of(queries: Tensor, keys: Tensor) -> Tensor:
+        scores = torch.einsum("bqhd,bkhd->bhqk", queries, per_head(keys)) / scale
+        return scores.masked_fill(~causal, float("-inf"))
+
+    logits = logits_of(q, k)
+    log_pattern = logits.log_softmax(dim=-1)
+    pattern = patched.patterns[layer].double()
+    real = torch.arange(n_pos, device=q.device)[None, :] < lengths.to(q.device)[:, None]
+    rows = real[:, None, :, None]
+    mismatch = float(((log_pattern.exp() - pattern).abs() * rows).max())
+    if mismatch > _RECOMPUTE_TOLERANCE.get(patched.patterns[layer].dtype, _HALF_TOLERANCE):
+        raise ValueError(
+            f"layer {layer}: softmax(q k^T / {scale:.4g} + causal mask) differs from hook_pattern "
+            f"by {mismatch:.2g}: this attention (soft-capping, ALiBi, a sliding window, q/k "
+            "edited by another hook?) is not modelled; attention_attribution supports plain "
+            "causal softmax attention"
+        )
+    grad = patched.grads[layer].double().masked_fill(~causal, 0.0) * rows
+    other_pattern = source.patterns[layer].double()
+    edges = grad * (other_pattern - pattern)
+    out: dict[str, Tensor] = {
+        "edges": edges,
+        "pattern_a": pattern,
+        "other_pattern_a": other_pattern,
+        "grad": grad,
+        "logits": logits,
+    }
+    if "pattern" in nodes:
+        out["pattern"] = edges.sum(-1)
+
+    query_logits = logits_of(q_other, k)
+    out["query_logits"] = query_logits
+    if "query" in nodes:
+        if method == "exact":
+            change = query_logits.softmax(dim=-1) - log_pattern.exp()
+            out["query"] = (change * grad).sum(-1)
+        else:
+            a = log_pattern.exp()
+            scores_grad = a * (grad - (a * grad).sum(-1, keepdim=True))
+            query_change = torch.einsum("bqhd,bkhd->bhqk", q_other - q, per_head(k)) / scale
+            out["query"] = (scores_grad * query_change.masked_fill(~causal, 0.0)).sum(-1)
+        out["query"] = out["query"] * real[:, None, :]
+
+    delta = torch.einsum("bqhd,bkhd->bhqk", q, per_head(k_other - k)) / scale
+    delta = delta.masked_fill(~causal, 0.0)
+    out["key_logit_change"] = delta
+    if "key" in nodes:
+        terms = key_terms(log_pattern, grad, delta, method)  # type: ignore[arg-type]
+        by_head = terms.sum(-2) * real[:, None, :]
+        out["key_by_head"] = by_head
+        out["key"] = einops.reduce(by_head, "b (g r) pos -> b g pos", "sum", r=group)
+    # Pattern-shaped tensors go to [batch, head, ...]; estimates are [batch, head, pos].
+    return out
+
+
+def _str_tokens(model: Any, batch: Batch) -> list[list[str]] | None:
+    tokenizer = getattr(model, "tokenizer", None)
+    if tokenizer is None:
+        return None
+    return [
+        [tokenizer.decode([t]) for t in row[: int(n)].tolist()]
+        for row, n in zip(batch.tokens.cpu(), batch.lengths.cpu())
+    ]

@@ -1,0 +1,408 @@
+"""attention_attribution on a real model, against activation patching of every head.
+
+For each task (IOI, country-capital; `ra_lens.tasks.ioi`), on the first `n_truth` pairs:
+
+- ground truth: activation patching in a plain hook loop, direction "denoise": the corrupted run
+  with one node taken from the clean run, metric logit_diff(answer, wrong). Per head, all
+  positions at once: its queries (`hook_rot_q`/`hook_q`), the keys of each key/value head
+  (`hook_rot_k`/`hook_k`), its whole pattern (`hook_pattern`). Per position, on a sample: the
+  top heads of each kind, one position at a time, on the first `n_position_pairs` pairs.
+  Patch jobs are stacked along the batch axis (several heads per forward pass);
+- estimates: `attention_attribution(..., method="exact")` and `method="linear"`, summed over
+  positions, and RA norms (`reversed_attention` of the same metric on the clean prompts);
+- comparison per node kind: Pearson and Spearman correlation with the truth over all heads,
+  top-20 recall (how many of the truth's 20 largest |effects| the estimate's top 20 holds), time.
+
+    python -m ra_lens.experiments.attention_attribution --json docs/results/attribution.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from jaxtyping import Float
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from ra_lens import capture
+from ra_lens.attribution import _k_name, _q_name, attention_attribution
+from ra_lens.capture import PATTERN, Batch
+from ra_lens.core import reversed_attention
+from ra_lens.tasks import ioi
+
+KINDS: tuple[str, ...] = ("query", "key", "pattern")
+
+
+def _hook_name(model: Any, kind: str, layer: int) -> str:
+    if kind == "query":
+        return _q_name(model, layer)
+    if kind == "key":
+        return _k_name(model, layer)
+    return PATTERN.format(layer)
+
+
+def _rows(batch: Batch, rows: Sequence[int]) -> Batch:
+    index = torch.as_tensor(list(rows))
+    return Batch(batch.tokens[index], batch.lengths[index])
+
+
+def clean_activations(model: Any, clean: Batch, layers: Sequence[int]) -> dict[str, Tensor]:
+    """q, k and pattern of every layer on the clean run (the values patched in)."""
+    names = {_hook_name(model, kind, la) for kind in KINDS for la in layers}
+    seen: dict[str, Tensor] = {}
+
+    def keep(x: Tensor, hook: Any) -> None:
+        seen[hook.name] = x.detach().clone()
+
+    with torch.no_grad(), model.hooks(fwd_hooks=[(n, keep) for n in names]):
+        model(clean.tokens)
+    return seen
+
+
+def patching_effects(
+    model: Any,
+    clean: Batch,
+    corrupted: Batch,
+    metric: Any,
+    jobs: Sequence[tuple[str, int, int, int | None]],
+    *,
+    max_rows: int = 64,
+    progress: bool = True,
+) -> Float[Tensor, "job batch"]:
+    """M(corrupted with one node from clean) - M(corrupted) for every job and pair.
+
+    A job is (kind, layer, head, position): the head's queries, the key/value head's keys or the
+    head's pattern (rows) at one position, or at all positions when position is None. Jobs are
+    stacked along the batch axis, max_rows rows per forward pass.
+    """
+    layers = sorted({job[1] for job in jobs})
+    source = clean_activations(model, clean, layers)
+    n = clean.tokens.shape[0]
+    with torch.no_grad():
+        base = metric(model(corrupted.tokens), lengths=corrupted.lengths).double().cpu()
+    per_pass = max(1, max_rows // n)
+    out = torch.zeros(len(jobs), n, dtype=torch.float64)
+    chunks = [range(i, min(i + per_pass, len(jobs))) for i in range(0, len(jobs), per_pass)]
+    for chunk in tqdm(chunks, desc="activation patching", disable=not progress):
+        by_name: dict[str, list[tuple[int, int, int | None]]] = {}
+        for slot, j in enumerate(chunk):
+            kind, layer, head, position = jobs[j]
+            by_name.setdefault(_hook_name(model, kind, layer), []).append((slot, head, position))
+
+        def patch(x: Tensor, hook: Any, by_name: dict = by_name) -> Tensor:
+            x = x.clone()
+            src = source[hook.name]
+            pattern = hook.name.endswith("hook_pattern")
+            for slot, head, position in by_name[hook.name]:
+                rows = slice(slot * n, (slot + 1) * n)
+                at = slice(None) if position is None else position
+                if pattern:  # [batch, head, query, key]
+                    x[rows, head, at] = src[:, head, at]
+                else:  # [batch, pos, head, d_head]
+                    x[rows, at, head] = src[:, at, head]
+            return x
+
+        repeats = len(chunk)
+        tokens = corrupted.tokens.repeat(repeats, 1)
+        lengths = corrupted.lengths.repeat(repeats)
+        with torch.no_grad(), model.hooks(fwd_hooks=[(name, patch) for name in by_name]):
+            values = metric_repeated(metric, model(tokens), lengths, repeats)
+        out[list(chunk)] = values.double().cpu().reshape(repeats, n) - base
+    return out
+
+
+def metric_repeated(metric: Any, logits: Tensor, lengths: Tensor, repeats: int) -> Tensor:
+    """The metric of a batch repeated `repeats` times (its per-pair targets repeated too)."""
+    n = logits.shape[0] // repeats
+    return torch.cat(
+        [
+            metric(logits[i * n : (i + 1) * n], lengths=lengths[i * n : (i + 1) * n])
+            for i in range(repeats)
+        ]
+    )
+
+
+def pearson(a: Tensor, b: Tensor) -> float:
+    a, b = a.double().flatten(), b.double().flatten()
+    a, b = a - a.mean(), b - b.mean()
+    return float((a * b).sum() / (a.norm() * b.norm()).clamp_min(1e-300))
+
+
+def spearman(a: Tensor, b: Tensor) -> float:
+    def ranks(x: Tensor) -> Tensor:
+        return x.double().flatten().argsort().argsort().double()
+
+    return pearson(ranks(a), ranks(b))
+
+
+def top_recall(estimate: Tensor, truth: Tensor, k: int = 20) -> float:
+    """Share of the truth's k largest |values| among the estimate's k largest |values|."""
+    k = min(k, truth.numel())
+    top_truth = set(truth.flatten().abs().argsort(descending=True)[:k].tolist())
+    top_est = set(estimate.flatten().abs().argsort(descending=True)[:k].tolist())
+    return len(top_truth & top_est) / k
+
+
+@dataclass
+class TaskMeasurement:
+    """Everything measured on one task; `to_dict` is the JSON."""
+
+    task: str
+    n_pairs: int
+    example: dict[str, str]
+    metric_clean: float
+    metric_corrupted: float
+    truth: dict[str, Tensor]
+    exact: dict[str, Tensor]
+    linear: dict[str, Tensor]
+    ra_norms: Tensor
+    seconds: dict[str, float]
+    n_forward_truth: int
+    per_position: dict[str, dict[str, float]] = field(default_factory=dict)
+    blind_spot: list[dict[str, Any]] = field(default_factory=list)
+
+    def stats(self) -> dict[str, dict[str, float]]:
+        out = {}
+        for kind, truth in self.truth.items():
+            out[kind] = {
+                "pearson_exact": pearson(self.exact[kind], truth),
+                "pearson_linear": pearson(self.linear[kind], truth),
+                "spearman_exact": spearman(self.exact[kind], truth),
+                "spearman_linear": spearman(self.linear[kind], truth),
+                "top20_recall_exact": top_recall(self.exact[kind], truth),
+                "top20_recall_linear": top_recall(self.linear[kind], truth),
+            }
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "task": self.task,
+            "n_pairs": self.n_pairs,
+            "example": self.example,
+            "metric_clean": self.metric_clean,
+            "metric_corrupted": self.metric_corrupted,
+            "stats": self.stats(),
+            "per_position": self.per_position,
+            "seconds": self.seconds,
+            "speedup_exact": self.seconds["truth"] / self.seconds["exact"],
+            "n_forward_truth": self.n_forward_truth,
+            "blind_spot": self.blind_spot,
+            "scores": {
+                name: {k: v.tolist() for k, v in table.items()}
+                for name, table in (
+                    ("truth", self.truth),
+                    ("exact", self.exact),
+                    ("linear", self.linear),
+                )
+            },
+            "ra_norms": self.ra_norms.tolist(),
+        }
+
+
+def measure(
+    model: Any,
+    pairs: Sequence[ioi.PromptPair],
+    task: str,
+    *,
+    n_position_pairs: int = 1,
+    n_position_heads: int = 4,
+    max_rows: int = 64,
+    progress: bool = True,
+) -> TaskMeasurement:
+    """Truth, estimates, their agreement and timings on `pairs` (see the module docstring)."""
+    shape = capture.model_shape(model)
+    clean, corrupted, metric = ioi.paired_batch(model, pairs)
+    layers = list(range(shape.n_layers))
+    seconds: dict[str, float] = {}
+
+    def timed(name: str, fn: Any) -> Any:
+        start = time.perf_counter()
+        value = fn()
+        seconds[name] = time.perf_counter() - start
+        return value
+
+    exact = timed("exact", lambda: attention_attribution(model, clean, corrupted, metric))
+    linear = timed(
+        "linear", lambda: attention_attribution(model, clean, corrupted, metric, method="linear")
+    )
+    ra = timed("ra_norms", lambda: reversed_attention(model, clean, metric, keep="norms"))
+    n_kv = exact.n_kv_heads
+    jobs: list[tuple[str, int, int, int | None]] = [
+        (kind, la, h, None)
+        for kind in KINDS
+        for la in layers
+        for h in range(n_kv if kind == "key" else shape.n_heads)
+    ]
+    effects = timed(
+        "truth",
+        lambda: patching_effects(
+            model, clean, corrupted, metric, jobs, max_rows=max_rows, progress=progress
+        ),
+    )
+    mean = effects.mean(1)
+    truth: dict[str, Tensor] = {}
+    offset = 0
+    for kind in KINDS:
+        heads = n_kv if kind == "key" else shape.n_heads
+        truth[kind] = mean[offset : offset + shape.n_layers * heads].reshape(shape.n_layers, heads)
+        offset += shape.n_layers * heads
+    result = TaskMeasurement(
+        task=task,
+        n_pairs=len(pairs),
+        example={
+            "clean": pairs[0].clean,
+            "corrupted": pairs[0].corrupted,
+            "answer": pairs[0].answer,
+            "wrong": pairs[0].wrong,
+        },  # fmt: skip
+        metric_clean=float(exact.other_metric.mean()),
+        metric_corrupted=float(exact.metric.mean()),
+        truth={k: v.float() for k, v in truth.items()},
+        exact={k: exact.scores[k] for k in KINDS},
+        linear={k: linear.scores[k] for k in KINDS},
+        ra_norms=ra.head_norms(),
+        seconds=seconds,
+        n_forward_truth=-(-len(jobs) // max(1, max_rows // len(pairs))) + 2,
+    )
+    result.per_position = _per_position(
+        model, clean, corrupted, metric, exact, linear, truth,
+        n_position_pairs, n_position_heads, max_rows, progress,
+    )  # fmt: skip
+    result.blind_spot = _blind_spot(exact, truth, result.ra_norms, clean, model)
+    return result
+
+
+def _per_position(
+    model, clean, corrupted, metric, exact, linear, truth, n_pairs, n_heads, max_rows, progress
+) -> dict[str, dict[str, float]]:
+    """Per-position truth for the top heads of each kind on the first pairs, against the
+    per-position estimates."""
+    rows = list(range(min(n_pairs, clean.tokens.shape[0])))
+    clean_s, corrupted_s = _rows(clean, rows), _rows(corrupted, rows)
+    sub_metric = type(metric)(metric.correct[rows], metric.incorrect[rows])
+    jobs, where = [], []
+    for kind in KINDS:
+        order = truth[kind].flatten().abs().argsort(descending=True)[:n_heads].tolist()
+        width = truth[kind].shape[1]
+        for flat in order:
+            layer, head = flat // width, flat % width
+            for position in range(int(clean_s.lengths.max())):
+                jobs.append((kind, layer, head, position))
+                where.append((kind, layer, head, position))
+    effects = patching_effects(
+        model, clean_s, corrupted_s, sub_metric, jobs, max_rows=max_rows, progress=progress
+    )
+    out = {}
+    for kind in KINDS:
+        idx = [i for i, w in enumerate(where) if w[0] == kind]
+        true = effects[idx].flatten()
+        est = torch.stack(
+            [exact.by_position[kind][rows, where[i][1], where[i][2], where[i][3]] for i in idx]
+        ).flatten()
+        lin = torch.stack(
+            [linear.by_position[kind][rows, where[i][1], where[i][2], where[i][3]] for i in idx]
+        ).flatten()
+        out[kind] = {
+            "n_nodes": len(true),
+            "pearson_exact": pearson(est, true),
+            "pearson_linear": pearson(lin, true),
+            "max_abs_error_exact": float((est.double() - true).abs().max()),
+            "max_abs_error_linear": float((lin.double() - true).abs().max()),
+        }
+    return out
+
+
+def _blind_spot(exact, truth, ra_norms, clean, model, k: int = 20) -> list[dict[str, Any]]:
+    """Heads among the truth's and the exact estimate's top k (query nodes, and key nodes mapped
+    to the query heads reading them) that the RA-norm ranking's top k misses, with the attention
+    row at the last position of the first pair's corrupted prompt (the run the estimate patches
+    and differentiates)."""
+    group = exact.n_heads // exact.n_kv_heads
+    ra_top = set(ra_norms.flatten().argsort(descending=True)[:k].tolist())
+    n_heads = exact.n_heads
+    found = []
+    for kind in ("query", "key"):
+        width = exact.scores[kind].shape[1]
+        est_top = set(exact.scores[kind].flatten().abs().argsort(descending=True)[:k].tolist())
+        true_top = set(truth[kind].flatten().abs().argsort(descending=True)[:k].tolist())
+        for flat in sorted(est_top & true_top):
+            layer, head = flat // width, flat % width
+            heads = [head] if kind == "query" else list(range(head * group, (head + 1) * group))
+            if any(layer * n_heads + h in ra_top for h in heads):
+                continue
+            last = int(clean.lengths[0]) - 1
+            rows = []
+            for h in heads:
+                row = exact.patterns[0, layer, h, last, : last + 1]
+                weights, where = row.topk(min(3, row.numel()))
+                tokens = exact.str_tokens[0] if exact.str_tokens else None
+                rows.append({
+                    "head": h,
+                    "row_max": float(row.max()),
+                    "ra_norm_rank": int((ra_norms.flatten() > ra_norms[layer, h]).sum()) + 1,
+                    "top_keys": [
+                        {"token": tokens[int(s)] if tokens else int(s), "position": int(s),
+                         "weight": float(w)}
+                        for w, s in zip(weights, where)
+                    ],
+                })  # fmt: skip
+            found.append({
+                "kind": kind, "layer": layer, "head": head,
+                "exact": float(exact.scores[kind][layer, head]),
+                "truth": float(truth[kind][layer, head]),
+                "rows_at_last_position": rows,
+            })  # fmt: skip
+    return found
+
+
+def markdown(results: Sequence[TaskMeasurement]) -> str:
+    """The README table."""
+    lines = [
+        "| task | node | Pearson exact | Pearson linear | Spearman exact | Spearman linear "
+        "| top-20 recall exact | top-20 recall linear |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        for kind, s in r.stats().items():
+            lines.append(
+                f"| {r.task} | {kind} | {s['pearson_exact']:.3f} | {s['pearson_linear']:.3f} | "
+                f"{s['spearman_exact']:.3f} | {s['spearman_linear']:.3f} | "
+                f"{s['top20_recall_exact']:.0%} | {s['top20_recall_linear']:.0%} |"
+            )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--n-truth", type=int, default=6, help="pairs per task for the truth")
+    parser.add_argument("--json", default="docs/results/attribution.json")
+    parser.add_argument("--max-rows", type=int, default=64)
+    args = parser.parse_args(argv)
+    from ra_lens.models import load_model
+
+    model = load_model(device="cpu")
+    tasks = {
+        "ioi": ioi.usable(model, ioi.ioi_pairs(40)),
+        "country-capital": ioi.usable(model, ioi.capital_pairs(model)),
+    }
+    results, summary = [], {"n_usable_pairs": {k: len(v) for k, v in tasks.items()}}
+    for name, pairs in tasks.items():
+        result = measure(model, pairs[: args.n_truth], name, max_rows=args.max_rows)
+        results.append(result)
+        summary[name] = result.to_dict()
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(summary, indent=1))
+    print(markdown(results))
+    for r in results:
+        print(r.task, {k: round(v, 2) for k, v in r.seconds.items()}, r.per_position)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,541 @@
+"""attention_attribution against real activation patching, finite differences and TL 4's types."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import ra_lens
+from ra_lens import capture
+from ra_lens.attribution import key_terms, log_other_mass
+from ra_lens.metrics import logit_diff
+from ra_lens.toy_models import tiny_model, tiny_tokenizer_dir
+
+# Two prompts per side, equal lengths pair by pair, differing at a few positions.
+CLEAN = torch.tensor([[0, 5, 9, 14, 20, 33, 7, 41, 12], [0, 8, 3, 14, 25, 33, 7, 40, 12]])
+CORRUPTED = torch.tensor([[0, 5, 17, 14, 20, 61, 7, 41, 12], [0, 8, 3, 19, 25, 33, 70, 40, 12]])
+METRIC = logit_diff([30, 31], [32, 33])
+
+
+def metric_all(logits):
+    """Linear in the logits of every position, so every query row matters."""
+    return (logits[..., 30] - logits[..., 32]).sum(-1)
+
+
+def has_bridge() -> bool:
+    try:
+        import transformer_lens.model_bridge  # noqa: F401
+
+        return True
+    except ImportError:
+        return False
+
+
+def one_layer(kind: str, q_gain: float = 1.0):
+    """A one-layer attention-only model without any norm: the logits (and so the metric) are
+    linear in the attention pattern, so the exact estimate is the true patching effect."""
+    torch.manual_seed(0)
+    if kind == "hooked":
+        from transformer_lens import HookedTransformer, HookedTransformerConfig
+
+        cfg = HookedTransformerConfig(
+            d_model=32, d_head=8, n_layers=1, n_heads=4, n_ctx=64, d_vocab=300,
+            attn_only=True, normalization_type=None, seed=0, dtype=torch.float64,
+        )  # fmt: skip
+        model = HookedTransformer(cfg)
+    else:
+        from transformer_lens.config import TransformerBridgeConfig
+        from transformer_lens.model_bridge import TransformerBridge
+
+        # (the native rotary attention never fires hook_rot_q/hook_rot_k: rotary is checked on
+        # the Llama toy instead)
+        cfg = TransformerBridgeConfig(
+            d_model=32, d_head=8, n_layers=1, n_ctx=64, n_heads=4, d_vocab=300, act_fn="gelu",
+            seed=0, attn_only=True, normalization_type=None,
+            n_key_value_heads=2 if kind == "native_gqa" else None,
+        )  # fmt: skip
+        model = TransformerBridge.boot_native(cfg, dtype=torch.float64)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("q._original_component.weight", "attn.W_Q")):
+                param.mul_(q_gain)
+    return model.eval()
+
+
+def one_layer_kinds() -> list[str]:
+    return ["native", "native_gqa"] if has_bridge() else ["hooked"]
+
+
+def multi_layer_archs() -> list[str]:
+    return ["gpt2", "llama"] if has_bridge() else ["hooked"]
+
+
+def toy(arch: str):
+    if arch == "hooked":
+        return tiny_model("hooked", dtype=torch.float64)
+    return tiny_model(arch, dtype=torch.float64)
+
+
+# --------------------------------------------------------------------------------------------
+# real activation patching: a plain hook loop
+
+
+def qk_name(model, kind: str, layer: int) -> str:
+    letter = "q" if kind == "query" else "k"
+    rotated = f"blocks.{layer}.attn.hook_rot_{letter}"
+    return rotated if rotated in model.hook_dict else f"blocks.{layer}.attn.hook_{letter}"
+
+
+def activation(model, tokens, name):
+    seen = {}
+    with torch.no_grad(), model.hooks(fwd_hooks=[(name, lambda x, hook: seen.update(x=x.clone()))]):
+        model(tokens)
+    return seen["x"]
+
+
+def patch_run(model, base, other, kind, layer, head, position, metric=METRIC):
+    """(metric, pattern of the layer) of `base` with one node patched from `other`."""
+    if kind == "pattern":
+        name = capture.PATTERN.format(layer)
+        source = activation(model, other, name)
+
+        def patch(x, hook):
+            x = x.clone()
+            x[:, head, position] = source[:, head, position]
+            return x
+    else:
+        name = qk_name(model, kind, layer)
+        source = activation(model, other, name)
+
+        def patch(x, hook):
+            x = x.clone()
+            x[:, position, head] = source[:, position, head]
+            return x
+
+    seen = {}
+
+    def keep(x, hook):
+        seen["pattern"] = x.clone()
+
+    with (
+        torch.no_grad(),
+        model.hooks(fwd_hooks=[(name, patch), (capture.PATTERN.format(layer), keep)]),
+    ):
+        logits = model(base)
+    return metric(logits), seen["pattern"]
+
+
+def base_metric(model, tokens, metric=METRIC):
+    with torch.no_grad():
+        return metric(model(tokens))
+
+
+# --------------------------------------------------------------------------------------------
+# delta-A against patching
+
+
+@pytest.mark.parametrize("arch", multi_layer_archs())
+@pytest.mark.parametrize("kind", ["query", "key"])
+def test_delta_pattern_equals_patched_pattern(arch, kind):
+    model = toy(arch)
+    att = ra_lens.attention_attribution(model, CLEAN, CORRUPTED, METRIC)
+    n_heads = att.n_heads if kind == "query" else att.n_kv_heads
+    base_pattern = activation(model, CORRUPTED, capture.PATTERN.format(1))
+    worst, largest = 0.0, 0.0
+    for head in range(n_heads):
+        for position in (2, 5, 6):
+            _, patched = patch_run(model, CORRUPTED, CLEAN, kind, 1, head, position)
+            for b in range(2):
+                ours = att.delta_pattern(kind, 1, head, position, batch=b)
+                true = patched[b] - base_pattern[b]
+                worst = max(worst, float((ours - true).abs().max()))
+                largest = max(largest, float(true.abs().max()))
+    assert largest > 1e-3
+    # HF's eager Llama attention takes its softmax in float32 even in a float64 model.
+    assert worst < (1e-6 if arch == "llama" else 1e-12)
+
+
+# --------------------------------------------------------------------------------------------
+# exact = truth where the metric is linear in the pattern
+
+
+@pytest.mark.parametrize("kind", one_layer_kinds())
+@pytest.mark.parametrize("direction", ["denoise", "noise"])
+def test_exact_equals_patching_on_one_layer_attention_only(kind, direction):
+    model = one_layer(kind, q_gain=300.0)  # large queries: saturated rows (mean row max 0.9)
+    clean, corrupted = CLEAN, CORRUPTED
+    exact = ra_lens.attention_attribution(model, clean, corrupted, metric_all, direction=direction)
+    linear = ra_lens.attention_attribution(
+        model, clean, corrupted, metric_all, direction=direction, method="linear"
+    )
+    base, other = (corrupted, clean) if direction == "denoise" else (clean, corrupted)
+    before = base_metric(model, base, metric_all)
+    assert torch.allclose(exact.metric.double(), before, atol=1e-5)
+    truths, exacts, linears = [], [], []
+    for node, n in (
+        ("query", exact.n_heads),
+        ("key", exact.n_kv_heads),
+        ("pattern", exact.n_heads),
+    ):
+        for head in range(n):
+            for position in range(clean.shape[1]):
+                after, _ = patch_run(model, base, other, node, 0, head, position, metric_all)
+                truth = after - before
+                truths.append(truth)
+                exacts.append(exact.by_position[node][:, 0, head, position].double())
+                linears.append(linear.by_position[node][:, 0, head, position].double())
+                if node == "pattern":
+                    assert torch.allclose(linears[-1], exacts[-1])
+    truth, est, lin = torch.stack(truths), torch.stack(exacts), torch.stack(linears)
+    assert float(truth.abs().max()) > 1e-3
+    # float32 storage of the estimates: relative 1e-6
+    assert float((est - truth).abs().max()) < 1e-5 * float(truth.abs().max())
+    qk = slice(0, (exact.n_heads + exact.n_kv_heads) * clean.shape[1])
+    assert float((lin[qk] - truth[qk]).abs().max()) > 0.2 * float(truth[qk].abs().max())
+
+
+def test_saturation_is_what_linear_misses():
+    """On a one-hot row a key node changes everything and the linear estimate sees nothing."""
+    logits = torch.tensor([[0.0, -40.0, -40.0]], dtype=torch.float64)
+    log_pattern = logits.log_softmax(-1)
+    grad = torch.tensor([[0.0, 1.0, 0.0]], dtype=torch.float64)
+    delta = torch.tensor([[0.0, 45.0, 0.0]], dtype=torch.float64)
+    exact = key_terms(log_pattern, grad, delta, "exact")[0, 1]
+    linear = key_terms(log_pattern, grad, delta, "linear")[0, 1]
+    new = (logits + delta).softmax(-1)
+    truth = ((new - log_pattern.exp()) * grad).sum()
+    assert float(exact) == pytest.approx(float(truth), rel=1e-12)
+    assert float(truth) > 0.99 and abs(float(linear)) < 1e-14
+    # log(1 - A) of the saturated entry is exact, not log(0)
+    assert float(log_other_mass(log_pattern)[0, 0]) == pytest.approx(-40 + math.log(2), rel=1e-12)
+
+
+# --------------------------------------------------------------------------------------------
+# linear = finite-difference derivative
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "native_gqa"] if has_bridge() else ["hooked"])
+@pytest.mark.parametrize("kind", ["query", "key"])
+def test_linear_equals_finite_difference(arch, kind):
+    model = one_layer("native_gqa") if arch == "native_gqa" else toy(arch)
+    layer = 0
+    att = ra_lens.attention_attribution(model, CLEAN, CORRUPTED, metric_all, method="linear")
+    name = qk_name(model, kind, layer)
+    base, other = activation(model, CORRUPTED, name), activation(model, CLEAN, name)
+    eps = 1e-5
+    for head, position in ((0, 5), (1, 6), (1, 2)):
+
+        def moved(sign, head=head, position=position):
+            def patch(x, hook):
+                x = x.clone()
+                step = other[:, position, head] - base[:, position, head]
+                x[:, position, head] = base[:, position, head] + sign * eps * step
+                return x
+
+            with torch.no_grad(), model.hooks(fwd_hooks=[(name, patch)]):
+                return metric_all(model(CORRUPTED))
+
+        fd = (moved(1) - moved(-1)) / (2 * eps)
+        ours = att.by_position[kind][:, layer, head, position].double()
+        assert float(fd.abs().max()) > 1e-6
+        assert torch.allclose(ours, fd, rtol=1e-5, atol=1e-8)
+
+
+# --------------------------------------------------------------------------------------------
+# result API, TL 4 round trip
+
+
+def test_scores_top_and_edges_are_consistent():
+    model = toy(multi_layer_archs()[-1])
+    att = ra_lens.attention_attribution(model, CLEAN, CORRUPTED, METRIC)
+    n_kv = att.n_kv_heads
+    assert att.scores["query"].shape == (2, att.n_heads)
+    assert att.scores["key"].shape == (2, n_kv)
+    assert att.by_position["key"].shape == (2, 2, n_kv, CLEAN.shape[1])
+    assert torch.allclose(att.scores["query"], att.by_position["query"].sum(-1).mean(0))
+    group = att.n_heads // n_kv
+    summed = att.key_by_head.reshape(2, 2, n_kv, group, -1).sum(3)
+    assert torch.allclose(summed, att.by_position["key"], atol=1e-7)
+    assert torch.allclose(att.edges.sum(-1), att.by_position["pattern"], atol=1e-7)
+    top = att.top(3, node="query")
+    assert len(top) == 3 and abs(top[0][2]) >= abs(top[1][2]) >= abs(top[2][2])
+    assert att.scores["query"][top[0][0], top[0][1]] == pytest.approx(top[0][2])
+    layer, head, q, k, value = att.top_edges(1)[0]
+    assert value == pytest.approx(float(att.edges[0].abs().max())) or value < 0
+    assert k <= q
+    # identical prefix (position 0, 1 of pair 0): nothing to patch there
+    assert float(att.by_position["query"][0, :, :, :2].abs().max()) < 1e-12
+
+
+@pytest.mark.tl4  # TransformerLens 4's attribution module (Node, AttributionResult, faithfulness)
+def test_to_transformer_lens_round_trip_and_faithfulness():
+    from transformer_lens.tools.analysis.attribution_patching import (
+        EdgeAttributionConfig,
+        Node,
+        attribution_patch,
+        faithfulness,
+    )
+
+    model = toy("gpt2")
+    clean, corrupted = CLEAN[:1], CORRUPTED[:1]
+
+    one = logit_diff([30], [32])
+
+    def metric(logits):
+        return one(logits).sum()
+
+    att = ra_lens.attention_attribution(model, clean, corrupted, one)
+    result = att.to_transformer_lens()
+    assert len(result.node_scores) == 2 * (4 + 4) * clean.shape[1]  # layers x (q + k heads) x pos
+    node = Node(kind="k_input", position=5, layer=1, head=2)
+    assert result.node_scores[node] == pytest.approx(float(att.by_position["key"][0, 1, 2, 5]))
+    top = result.top_nodes(5)
+    assert [abs(s) for _, s in top] == sorted((abs(s) for _, s in top), reverse=True)
+    kind = {"q_input": "query", "k_input": "key"}
+    best = max(
+        (
+            (la, h, p, kd)
+            for kd in ("query", "key")
+            for la in (0, 1)
+            for h in range(4)
+            for p in range(9)
+        ),
+        key=lambda n: abs(float(att.by_position[n[3]][0, n[0], n[1], n[2]])),
+    )
+    assert top[0][0] == Node(kind={"query": "q_input", "key": "k_input"}[best[3]], position=best[2],
+                             layer=best[0], head=best[1])  # fmt: skip
+    assert kind[top[0][0].kind] == best[3]
+
+    # a circuit chosen from it: every edge except those into q/k inputs outside the top nodes
+    # (TL's own edge sweep enumerates the graph)
+    edge_config = EdgeAttributionConfig(granularity="edge")
+    edges = list(attribution_patch(model, clean, corrupted, metric, edge_config).edge_scores)
+    kept_nodes = {n for n, _ in result.top_nodes(10)}
+    circuit = [e for e in edges if e[1].kind not in ("q_input", "k_input") or e[1] in kept_nodes]
+    full = faithfulness(model, clean, corrupted, metric, edges)
+    assert full.recovered == pytest.approx(1.0, abs=1e-9)
+    part = faithfulness(model, clean, corrupted, metric, circuit)
+    assert math.isfinite(part.recovered) and part.circuit_size == len(circuit) < len(edges)
+
+
+# --------------------------------------------------------------------------------------------
+# bad input, state
+
+
+def test_bad_input_raises_clearly():
+    model = toy(multi_layer_archs()[0])
+    with pytest.raises(ValueError, match="same token length|token length"):
+        ra_lens.attention_attribution(model, CLEAN, CORRUPTED[:, :-1], METRIC)
+    with pytest.raises(ValueError, match="unknown nodes"):
+        ra_lens.attention_attribution(model, CLEAN, CORRUPTED, METRIC, nodes=("value",))
+    with pytest.raises(ValueError, match="unknown method"):
+        ra_lens.attention_attribution(model, CLEAN, CORRUPTED, METRIC, method="ig")
+    with pytest.raises(ValueError, match="unknown direction"):
+        ra_lens.attention_attribution(model, CLEAN, CORRUPTED, METRIC, direction="up")
+    with pytest.raises(ValueError, match="clean but"):
+        ra_lens.attention_attribution(model, CLEAN, CORRUPTED[:1], METRIC)
+    att = ra_lens.attention_attribution(model, CLEAN, CORRUPTED, METRIC, nodes=("query",))
+    with pytest.raises(ValueError, match="was not computed"):
+        att.top(3, node="key")
+
+
+@pytest.mark.tl4  # the OPT adapter (attention delegated to HF) exists in TL 4's bridge only
+def test_dead_pattern_hook_is_refused():
+    model = tiny_model("opt", dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="not in the autograd graph"):
+        ra_lens.attention_attribution(model, CLEAN, CORRUPTED, METRIC)
+
+
+def test_unequal_string_pairs_name_the_pair():
+    pytest.importorskip("transformers")
+    from transformers import AutoTokenizer
+
+    model = toy(multi_layer_archs()[0])
+    if getattr(model, "tokenizer", None) is None:
+        model.set_tokenizer(AutoTokenizer.from_pretrained(tiny_tokenizer_dir()))
+    with pytest.raises(ValueError, match="pair 1"):
+        ra_lens.attention_attribution(
+            model, ["The quick", "The quick brown fox"], ["The quick", "The dog"], METRIC
+        )
+
+
+def test_model_left_as_it_was():
+    model = toy(multi_layer_archs()[-1])
+    model.train()
+    params = list(model.parameters())
+    params[0].requires_grad_(False)
+    marker = torch.ones_like(params[1])
+    params[1].grad = marker
+    flags = [p.requires_grad for p in params]
+
+    def failing(logits):
+        raise KeyError("boom")
+
+    with pytest.raises(KeyError):
+        ra_lens.attention_attribution(model, CLEAN, CORRUPTED, failing)
+    ra_lens.attention_attribution(model, CLEAN, CORRUPTED, METRIC)
+    assert model.training
+    assert [p.requires_grad for p in params] == flags
+    assert params[1].grad is marker and all(p.grad is None for p in params[2:])
+    assert all(not hp.fwd_hooks and not hp.bwd_hooks for hp in model.hook_dict.values())
+
+
+@pytest.mark.tl4  # TL 4's native rotary attention lists hook_rot_q/hook_rot_k but never fires them
+def test_unexposed_rotary_queries_are_refused():
+    from transformer_lens.config import TransformerBridgeConfig
+    from transformer_lens.model_bridge import TransformerBridge
+
+    cfg = TransformerBridgeConfig(
+        d_model=32, d_head=8, n_layers=1, n_ctx=64, n_heads=4, d_vocab=300, act_fn="gelu",
+        seed=0, positional_embedding_type="rotary",
+    )  # fmt: skip
+    model = TransformerBridge.boot_native(cfg, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="never fired"):
+        ra_lens.attention_attribution(model, CLEAN, CORRUPTED, METRIC)
+
+
+# --------------------------------------------------------------------------------------------
+# the ranking and the task data
+
+
+@pytest.mark.tl4  # ra_lens.ranking's paired helpers are exercised on TL 4 toys (as test_ranking)
+def test_exact_qk_ranking_is_query_plus_key_through_each_head():
+    from ra_lens import ranking
+    from ra_lens.metrics import target_prob
+
+    model = toy("llama")
+    targets = torch.tensor([30, 31])
+    scores = ranking.exact_qk_attribution(model, CLEAN, CORRUPTED, targets, batch_size=1)
+    att = ra_lens.attention_attribution(model, CLEAN, CORRUPTED, target_prob(targets))
+    expected = (att.by_position["query"].sum(-1) + att.key_by_head.sum(-1)).mean(0)
+    assert scores.shape == (2, 4)
+    assert torch.allclose(scores, expected, atol=1e-7)
+    assert float(scores.abs().max()) > 0
+
+
+def test_ioi_and_capital_pairs():
+    from ra_lens.tasks import ioi
+
+    pairs = ioi.ioi_pairs(40)
+    assert len(pairs) == 40 and len(set(pairs)) == 40
+    first = pairs[0]
+    assert first.clean == "When Mary and John went to the store, John gave a drink to"
+    assert first.corrupted == "When Alice and Bob went to the store, John gave a drink to"
+    assert (first.answer, first.wrong) == (" Mary", " John")
+    for p in pairs:
+        io, s = p.answer.strip(), p.wrong.strip()
+        assert io != s and p.clean.count(s) == 2 and p.clean.count(io) == 1
+        assert io not in p.corrupted and p.corrupted.count(s) == 1
+        # the second clause is untouched: only the first clause's names differ
+        assert p.clean.split(",")[-1] == p.corrupted.split(",")[-1] or "." in p.clean
+    capitals = ioi.capital_pairs()
+    assert len(capitals) >= 30
+    assert all(p.answer != p.wrong and p.clean != p.corrupted for p in capitals)
+
+
+@pytest.mark.real_model
+def test_real_model_pairs_and_exact_key_delta(smollm2):
+    from ra_lens.tasks import ioi
+
+    pairs = ioi.usable(smollm2, ioi.ioi_pairs(40))
+    assert len(pairs) >= 30
+    assert len(ioi.usable(smollm2, ioi.capital_pairs(smollm2))) >= 30
+    clean, corrupted, metric = ioi.paired_batch(smollm2, pairs[:1])
+    att = ra_lens.attention_attribution(smollm2, clean, corrupted, metric, layers=[20])
+    assert float(att.other_metric[0]) > float(att.metric[0])  # clean favours " Mary"
+    # the key of KV head 1 at position 2 (" Mary" vs " Alice") through the rotary hooks
+    name = "blocks.20.attn.hook_rot_k"
+    source = activation(smollm2, clean.tokens, name)
+
+    def patch(x, hook):
+        x = x.clone()
+        x[:, 2, 1] = source[:, 2, 1]
+        return x
+
+    seen = {}
+    with (
+        torch.no_grad(),
+        smollm2.hooks(
+            fwd_hooks=[
+                (name, patch),
+                (capture.PATTERN.format(20), lambda x, hook: seen.update(a=x)),
+            ]
+        ),
+    ):
+        smollm2(corrupted.tokens)
+    true = seen["a"][0].double() - att.patterns[0, 0].double()
+    ours = att.delta_pattern("key", 20, 1, 2)
+    assert float(true.abs().max()) > 1e-4
+    assert float((ours - true).abs().max()) < 1e-5
+
+
+@pytest.mark.tl4  # the CLI's tiny models are TransformerBridge toys
+def test_cli_attribute_writes_tables_plots_and_json(tmp_path, capsys):
+    import json
+
+    from ra_lens.cli import main
+
+    out = tmp_path / "out"
+    code = main(
+        [
+            "attribute", "--model", "tiny-llama",
+            "--clean", "When Mary and John went to the store, John gave a drink to",
+            "--corrupted", "When John and Mary went to the store, John gave a drink to",
+            "--target", "a", "--wrong", "b", "--top", "4",
+            "--out", str(out), "--json", str(tmp_path / "a.json"),
+        ]
+    )  # fmt: skip
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "top key nodes" in printed and "top edges" in printed
+    data = json.loads((tmp_path / "a.json").read_text())
+    assert set(data["top"]) == {"pattern", "query", "key"} and len(data["top_edges"]) == 4
+    assert len(data["scores"]["key"][0]) == 2  # the toy Llama has 2 key/value heads
+    assert abs(data["top_edges"][0]["value"]) >= abs(data["top_edges"][-1]["value"])
+    for name in ("attribution_heatmaps.png", "top_edges.png", "edges.html"):
+        assert (out / name).stat().st_size > 1000
+    assert (
+        "<script" in (out / "edges.html").read_text()
+        and "http" not in (out / "edges.html").read_text()[:2000]
+    )
+    assert main(["attribute", "--model", "tiny-llama", "--clean", "a b", "--corrupted", "a",
+                 "--target", "a"]) == 2  # fmt: skip
+
+
+@pytest.mark.tl4  # attention soft-capping is built with TL 4's native bridge
+def test_attention_that_is_not_plain_softmax_is_refused():
+    from transformer_lens.config import TransformerBridgeConfig
+    from transformer_lens.model_bridge import TransformerBridge
+
+    cfg = TransformerBridgeConfig(
+        d_model=32, d_head=8, n_layers=1, n_ctx=64, n_heads=4, d_vocab=300, act_fn="gelu",
+        seed=0, attn_scores_soft_cap=0.05,
+    )  # fmt: skip
+    model = TransformerBridge.boot_native(cfg, dtype=torch.float64)
+    with pytest.raises(ValueError, match="differs from hook_pattern"):
+        ra_lens.attention_attribution(model, CLEAN, CORRUPTED, METRIC)
+
+
+@pytest.mark.tl4  # the experiment runs on TL 4 bridges (toy Llama here)
+def test_experiment_measure_on_a_toy():
+    from ra_lens.experiments import attention_attribution as experiment
+    from ra_lens.tasks.ioi import PromptPair
+
+    model = toy("llama")
+    pairs = [
+        PromptPair("When Mary and John went to the store, John gave a drink to",
+                   "When John and Mary went to the store, John gave a drink to", "a", "b"),
+        PromptPair("When John and Mary went to the store, Mary gave a drink to",
+                   "When Mary and John went to the store, Mary gave a drink to", "b", "a"),
+    ]  # fmt: skip
+    result = experiment.measure(model, pairs, "toy", n_position_heads=2, progress=False)
+    data = result.to_dict()
+    assert set(data["stats"]) == {"query", "key", "pattern"}
+    assert data["scores"]["truth"]["key"] and len(data["scores"]["truth"]["key"][0]) == 2
+    # a tiny random model: everything is nearly linear, so the estimates match the truth
+    for kind in ("query", "key"):
+        assert data["stats"][kind]["pearson_exact"] > 0.99
+        assert data["per_position"][kind]["max_abs_error_exact"] < 1e-5
+    assert "| toy | query |" in experiment.markdown([result])

@@ -11,7 +11,12 @@ import ra_lens
 from ra_lens.cli import main
 from ra_lens.toy_models import tiny_model
 
-pytest.importorskip("transformer_lens.model_bridge")
+try:  # TransformerLens 4: bridges of two architectures; TransformerLens 2: HookedTransformer
+    import transformer_lens.model_bridge  # noqa: F401
+
+    ARCH, OTHER_ARCH = "gpt2", "llama"
+except ImportError:
+    ARCH = OTHER_ARCH = "hooked"
 
 PROMPT = "I like Italy and France. I visited the city of"
 
@@ -19,14 +24,14 @@ PROMPT = "I like Italy and France. I visited the city of"
 def test_maps_writes_files_and_json_matching_the_api(tmp_path, capsys):
     out = tmp_path / "out"
     code = main(
-        ["maps", "--prompt", PROMPT, "--target", " the", "--model", "tiny-gpt2", "--top", "3",
+        ["maps", "--prompt", PROMPT, "--target", " the", "--model", f"tiny-{ARCH}", "--top", "3",
          "--out", str(out), "--json", str(out / "maps.json")]
     )  # fmt: skip
     assert code == 0
     for name in ("head_norms.png", "top_heads.png", "reversed_attention.html"):
         assert (out / name).stat().st_size > 1000
     report = json.loads((out / "maps.json").read_text())
-    model = tiny_model("gpt2")
+    model = tiny_model(ARCH)
     target = model.to_tokens(" the", prepend_bos=False)[0, 0].item()
     ra = ra_lens.reversed_attention(model, PROMPT, ra_lens.metrics.target_nll([target]))
     expected = ra.top_heads(3)
@@ -41,18 +46,18 @@ def test_maps_writes_files_and_json_matching_the_api(tmp_path, capsys):
 
 
 def test_maps_json_to_stdout_is_pure_json(capsys):
-    assert main(["maps", "--prompt", PROMPT, "--target", " the", "--model", "tiny-llama",
+    assert main(["maps", "--prompt", PROMPT, "--target", " the", "--model", f"tiny-{OTHER_ARCH}",
                  "--json", "-", "--completion"]) == 0  # fmt: skip
     report = json.loads(capsys.readouterr().out)
     assert report["metric"] > 0 and len(report["ra_norms"]) == 2
 
 
 def test_bad_input_gives_a_clear_error(capsys):
-    assert main(["maps", "--prompt", PROMPT, "--target", "", "--model", "tiny-gpt2"]) == 2
+    assert main(["maps", "--prompt", PROMPT, "--target", "", "--model", f"tiny-{ARCH}"]) == 2
     assert "--target is empty" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["maps", "--prompt", PROMPT])  # argparse: --target is required
-    assert main(["patch", "--task", "nope", "--model", "tiny-gpt2"]) == 2
+    assert main(["patch", "--task", "nope", "--model", f"tiny-{ARCH}"]) == 2
     assert "available tasks" in capsys.readouterr().err
 
 

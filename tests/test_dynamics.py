@@ -13,6 +13,7 @@ from helpers import bridge_model, snapshot
 import ra_lens
 from ra_lens.dynamics import EditDynamics, edit_dynamics
 from ra_lens.metrics import target_nll
+from ra_lens.toy_models import tiny_model
 
 PROMPTS = ALL_PROMPTS[:2]  # unequal lengths: padded
 TARGETS = [5, 7]

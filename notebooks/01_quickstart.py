@@ -55,8 +55,9 @@ torch.set_printoptions(precision=4, sci_mode=False, linewidth=120)
 # %% [markdown]
 # ## Load the model
 #
-# `ra_lens.load_model()` returns a TransformerLens `TransformerBridge` around the embedded
-# SmolLM2-135M-Instruct (converted once into a local cache, then loaded in seconds). We pin it
+# `ra_lens.load_model()` returns a TransformerLens model (a `TransformerBridge` under
+# TransformerLens 4) of the embedded SmolLM2-135M-Instruct (converted once into a local cache,
+# then loaded in seconds); everything below is public ra_lens API and works on either. We pin it
 # to the CPU so the notebook behaves the same everywhere. Note the grouped-query attention:
 # 9 query heads share 3 key/value heads, but the attention pattern, and therefore RA, is
 # per *query* head.

@@ -39,6 +39,14 @@ RANKING: dict[str, Any] = {
     "rankings": ["ra", "forward", "random", "layer", "causal_mediation", "attribution_patching"],
 }
 RANKING_JSON = "head_ranking_antonym.json"
+LABELS = {
+    "ra": "RA norm",
+    "forward": "forward-pattern norm",
+    "random": "random",
+    "layer": "layer index",
+    "causal_mediation": "causal mediation",
+    "attribution_patching": "attribution patching",
+}
 FIGURES = ("figure1", "patching", "ranking")
 
 
@@ -91,13 +99,20 @@ def ranking(model: Any, out: Path, rerun: bool) -> list[Path]:
     paths = []
     for k, key in ((1, "curve"), (3, "curve_top3")):
         path = out / f"ablation_curves_top{k}.png"
-        viz.ablation_curves(
+        fig = viz.ablation_curves(
             data["fractions"],
-            {name: r[key] for name, r in data["rankings"].items()},
+            {LABELS.get(name, name): r[key] for name, r in data["rankings"].items()},
             ylabel=f"top-{k} accuracy (unablated {data['unablated'][f'top{k}']:.0%})",
             title=f"Keeping only the top-ranked heads\n{where}",
-            save=path,
         )
+        # Most curves sit on top of each other at 0 until half the heads are kept: vary the
+        # dash and marker so that every one stays visible.
+        ax = fig.axes[0]
+        for i, line in enumerate(ax.get_lines()):
+            line.set_linestyle(("-", "--", ":", "-.")[i % 4])
+            line.set_marker(("o", "s", "^", "D", "v", "x")[i % 6])
+        ax.legend(fontsize=8, frameon=True, framealpha=0.85)
+        fig.savefig(path, dpi=150, bbox_inches="tight", pad_inches=0.1)
         paths.append(path)
     return paths
 

@@ -14,9 +14,9 @@ Everything runs on the embedded SmolLM2-135M-Instruct on the CPU, through the pu
   antonym_patching.json beside it.
 - ablation_curves_top1.png, ablation_curves_top3.png: the head-ranking experiment in a SMALL
   configuration (RANKING below: rankings from 5 prompts instead of the README table's 25, and
-  without activation patching; accuracy on the full 28-prompt test split), read from the
-  committed head_ranking_antonym.json; `--rerun-ranking` recomputes it (tens of minutes on a
-  2-core CPU, most of it the causal-mediation scan and the ablation curves).
+  without the RA loss-row and activation-patching rankings; accuracy on the full 28-prompt test
+  split), read from the committed head_ranking_antonym.json; `--rerun-ranking` recomputes it
+  (58 minutes on the shared 2-core VM: 30 min causal-mediation scan, 26 min ablation curves).
 """
 
 from __future__ import annotations

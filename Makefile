@@ -1,7 +1,8 @@
 # ra-lens: every target does its own set-up on a fresh clone.
 #   make test    set up .venv (TransformerLens 4) and .venv-tl2 (TransformerLens 2.18), run both suites
 #   make demo    the paper's Figure-1 example on the embedded SmolLM2-135M-Instruct, into demo_out/
-#   make bench   speed and memory ratios (benchmarks/bench_ra.py)
+#   make bench   every benchmarks/bench_*.py at its default plan, JSON into bench_out/
+#   make figures the README's figures into docs/figures/ (docs/make_figures.py)
 PYTHON ?= python3
 TORCH_VERSION ?= 2.13.0
 VENV := .venv
@@ -13,7 +14,7 @@ PIP_FLAGS := --disable-pip-version-check -q
 # another process are several times slower than one.
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup setup-tl2 test test-tl4 test-tl2 demo bench notebooks lint clean
+.PHONY: setup setup-tl2 test test-tl4 test-tl2 demo bench figures notebooks lint clean
 
 setup: $(VENV)/.installed
 setup-tl2: $(VENV_TL2)/.installed
@@ -47,15 +48,21 @@ demo: setup
 	$(VENV)/bin/ra-lens maps --prompt "I like Italy and France. I visited the city of" \
 		--target " Florence" --top 8 --out demo_out --json demo_out/maps.json
 
+# Every benchmark script takes --json FILE (see benchmarks/README.md).
 bench: setup
-	$(PY) benchmarks/bench_ra.py --json bench_out/bench.json
+	set -e; for script in benchmarks/bench_*.py; do \
+		$(PY) $$script --json bench_out/$$(basename $$script .py).json; \
+	done
+
+figures: setup
+	$(PY) docs/make_figures.py
 
 notebooks: setup
 	$(PY) -m pytest -q tests/test_notebooks.py
 
 lint: setup
-	$(VENV)/bin/ruff check ra_lens tests benchmarks
-	$(VENV)/bin/ruff format --check ra_lens tests benchmarks
+	$(VENV)/bin/ruff check ra_lens tests benchmarks notebooks docs
+	$(VENV)/bin/ruff format --check ra_lens tests benchmarks notebooks docs
 
 clean:
 	rm -rf $(VENV) $(VENV_TL2) demo_out bench_out

@@ -4,71 +4,45 @@
     python benchmarks/bench_ra.py --tiny --json out.json     # seconds: tiny models, for the smoke test
     python benchmarks/bench_ra.py --profile                  # torch.profiler: floor vs RA, op by op
 
-Everything is measured in one process and one run, side by side (repetitions are interleaved
-round-robin, so a load spike from another process hits every configuration alike), on the default
-model (SmolLM2-135M-Instruct, 30 layers x 9 heads, GQA) and on a GPT-2-small-shaped model with
-random weights (12 layers x 12 heads, d_model 768, vocab 300). What is timed:
-
-- forward: `model(tokens)` under no_grad;
-- floor: what `reversed_attention` does minus the RA hooks: blocks.0.hook_resid_pre made a fresh
-  leaf that requires grad, forward, metric, `torch.autograd.grad(loss, leaf)` (RA cannot be cheaper);
-- ra_maps / ra_norms: `reversed_attention(..., keep="maps" | "norms")`, all layers and heads;
-- attribution: attribution patching at hook_z (forward+backward on clean, forward on corrupted);
-- causal_mediation: zero-ablate one head at hook_z per forward, all heads, change of p(target);
-- official_loop: the official code's approach re-written from the formula (never copied): a plain
-  HuggingFace model, one prompt at a time, output_attentions for A, a forward hook for V, a full
-  backward hook at the attention output projection for G = dL/d(head output), then for every layer
-  and head in Python: R = G_h V_h^T, RA = A * (R - rowsum(A * R)) / sqrt(d).
-
-The baselines (attribution, causal_mediation, official_loop) live in this file on purpose: they are
-reference implementations for timing, not library code.
-
-Time: median of repetitions, interleaved round-robin after a warm-up; torch.set_num_threads fixed
-(default 1 on CPU). With one CPU thread the clock is the process CPU time (time.process_time),
-which another process's load on a shared machine barely moves (wall time of one call varied by
-30-60% here, CPU time by ~5%); with several threads or on CUDA it is wall time (--wall forces it).
-
-Peak memory: a separate, untimed run per configuration (it doubles as the warm-up). On CPU: the peak
-of live tensor bytes created by the call, tracked by a TorchDispatchMode that sees every op's
-outputs (forward, backward, hooks) and a finalizer on each new storage: the CPU analogue of
-torch.cuda.max_memory_allocated (torch's CPU allocator keeps no statistics and tracemalloc does not
-see its allocations). A 256 MiB tensor plus a 64 MiB temporary calibrate it (meta.memory_calibration,
-320 MiB). The Linux peak resident set (VmHWM reset through /proc/self/clear_refs, after
-malloc_trim) is reported beside it as rss_peak_mb but not used for goals: glibc keeps freed heap
-memory, so the RSS peak of one call moved by +-15% between repetitions, and forcing every
-allocation through mmap made it stable but the run 1.5-2x slower. On CUDA:
-torch.cuda.max_memory_allocated after reset_peak_memory_stats, minus memory_allocated before.
+This file holds the plan (which models and settings), runs it and reports ratios and goals. The
+harness (clocks, memory meters, run groups) is in harness.py, the references that are not library
+methods (floor, the official-style per-head loop) in baselines.py; causal mediation and attribution
+patching are the library's own `ra_lens.ranking` functions. What is measured and how: README.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import gc
 import json
 import math
 import os
 import platform
-import statistics
-import time
-import weakref
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+from baselines import OfficialStyleLoop, bare_forward, floor, plain_hf_copy
+from harness import (
+    WALL_CLOCK,
+    Clock,
+    Config,
+    Log,
+    PeakMemory,
+    calibrate,
+    choose_clock,
+    make_tokens,
+    run_group,
+    sync,
+    timed,
+)
 from torch import Tensor
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
-from ra_lens import capture, reversed_attention
-from ra_lens.capture import RESID_PRE, Z
-from ra_lens.metrics import target_nll, target_prob
-from ra_lens.patching import head_ablation_hooks
-
-MIB = 2**20
+from ra_lens import capture, ranking, reversed_attention
+from ra_lens.metrics import target_nll
 
 # ---------------------------------------------------------------------------------------------
 # Plans: which settings are measured. --quick changes repetitions only, never a setting.
@@ -104,8 +78,13 @@ class Plan:
     reps_medium: int
     reps_heavy: int
     reps_goal: int  # heavy repetitions at the goal setting (default model, batch 1, goal_len)
-    cm_layer_subset: bool  # time the causal-mediation scan on 5 layers and extrapolate
     tiny: bool = False
+
+    def reps(self, tokens: int, goal: bool = False) -> int:
+        """Timed repetitions of a configuration of `tokens` = batch x length tokens."""
+        if tokens >= self.heavy_tokens:
+            return self.reps_goal if goal else self.reps_heavy
+        return self.reps_medium if tokens >= self.medium_tokens else self.reps_light
 
 
 def full_plan(quick: bool, all_scaling: bool) -> Plan:
@@ -146,7 +125,6 @@ def full_plan(quick: bool, all_scaling: bool) -> Plan:
         reps_medium=2 if quick else 3,
         reps_heavy=1,
         reps_goal=1 if quick else 2,
-        cm_layer_subset=quick,
     )
 
 
@@ -185,7 +163,6 @@ def tiny_plan() -> Plan:
         reps_medium=1,
         reps_heavy=1,
         reps_goal=1,
-        cm_layer_subset=True,
         tiny=True,
     )
 
@@ -209,459 +186,92 @@ def load(key: str, device: str, max_len: int) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------
-# Measurement: time (median of repetitions) and peak memory
+# What is timed at one setting
 # ---------------------------------------------------------------------------------------------
-
-
-# Time basis: process CPU time on CPU with one intra-op thread (another process's load on this
-# shared machine then barely moves it: wall time of one call varied by 30-60%, CPU time by ~5%),
-# wall time otherwise (several threads, or CUDA, where the host waits on the device).
-TIME_BASIS = {"name": "wall"}
-
-
-def now() -> float:
-    return time.process_time() if TIME_BASIS["name"] == "cpu" else time.perf_counter()
-
-
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-def _rss_kib(field_name: str) -> int | None:
-    try:
-        with open("/proc/self/status") as handle:
-            for line in handle:
-                if line.startswith(field_name + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return None
-
-
-class LiveTensorBytes(TorchDispatchMode):
-    """Peak bytes of tensor storages created while active and still alive: the CPU counterpart
-    of torch.cuda.max_memory_allocated.
-
-    Every op's outputs pass through __torch_dispatch__ (forward, backward and hooks alike, on this
-    thread); a storage not aliasing an input is new, and a weakref finalizer on its Python object
-    (which torch keeps alive exactly as long as the storage) subtracts it when it is freed. Tensors
-    that existed before (weights, inputs) are not counted.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live = 0
-        self.peak = 0
-
-    def _freed(self, nbytes: int) -> None:
-        self.live -= nbytes
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
-        out = func(*args, **(kwargs or {}))
-        inputs = {
-            id(t.untyped_storage())
-            for t in tree_leaves((args, kwargs))
-            if isinstance(t, Tensor) and not t.is_meta
-        }
-        for t in tree_leaves(out):
-            if not isinstance(t, Tensor) or t.is_meta:
-                continue
-            storage = t.untyped_storage()
-            key = id(storage)
-            if key in inputs or getattr(storage, "_ra_bench_tracked", False):
-                continue
-            nbytes = storage.nbytes()
-            storage._ra_bench_tracked = True
-            weakref.finalize(storage, self._freed, nbytes)
-            self.live += nbytes
-            self.peak = max(self.peak, self.live)
-            inputs.add(key)
-        return out
-
-
-class PeakMemory:
-    """Peak extra memory of one call.
-
-    CUDA: torch.cuda.max_memory_allocated after reset_peak_memory_stats, minus memory_allocated
-    before. CPU: the peak of live tensor bytes created by the call (LiveTensorBytes). Also, as a
-    secondary figure, the Linux peak resident set (VmHWM reset through /proc/self/clear_refs)
-    minus the resident set before, after gc.collect() and malloc_trim(0): what the machine pays,
-    but glibc keeps freed heap memory, so it varies by +-15% between repetitions of one call.
-    """
-
-    def __init__(self, device: str):
-        self.device = device
-        self._libc = None
-        self._hwm = False
-        if device.startswith("cuda"):
-            self.method = "torch.cuda.max_memory_allocated - memory_allocated before"
-            return
-        self.method = (
-            "peak live tensor bytes created by the call (TorchDispatchMode + storage finalizers; "
-            "the CPU analogue of torch.cuda.max_memory_allocated)"
-        )
-        with contextlib.suppress(OSError):
-            self._libc = ctypes.CDLL("libc.so.6")
-        try:
-            with open("/proc/self/clear_refs", "w") as handle:
-                handle.write("5")
-            self._hwm = _rss_kib("VmHWM") is not None
-        except OSError:
-            self._hwm = False
-
-    @contextlib.contextmanager
-    def measure(self, out: dict[str, float]):
-        gc.collect()
-        if self.device.startswith("cuda"):
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-            yield
-            torch.cuda.synchronize()
-            out["peak_mb"] = (torch.cuda.max_memory_allocated() - base) / MIB
-            return
-        if self._libc is not None:
-            self._libc.malloc_trim(0)
-        base_rss = _rss_kib("VmRSS")
-        if self._hwm:
-            with open("/proc/self/clear_refs", "w") as handle:
-                handle.write("5")
-        tracker = LiveTensorBytes()
-        with tracker:
-            yield
-        out["peak_mb"] = tracker.peak / MIB
-        if self._hwm and base_rss is not None:
-            out["rss_peak_mb"] = ((_rss_kib("VmHWM") or 0) - base_rss) / 1024
-
-
-def calibrate(memory: PeakMemory, device: str) -> dict[str, float]:
-    """Peak memory of a 256 MiB tensor plus a 64 MiB temporary: checks the method (320 MiB)."""
-    out: dict[str, float] = {}
-    with memory.measure(out):
-        x = torch.ones(256 * MIB // 4, device=device)
-        y = x[: 64 * MIB // 4] * 2  # a temporary, freed before the next allocation
-        del y
-        z = x[: 32 * MIB // 4] + 1
-        del x, z
-    return {"expected_mb": 320.0, "measured_mb": round(out["peak_mb"], 1)}
-
-
-@dataclass
-class Config:
-    """One measured configuration: a name and a zero-argument callable."""
-
-    name: str
-    fn: Callable[[], Any]
-    tokens: int  # batch * length, decides light/heavy
-    memory: bool = True  # measure its peak memory (a separate, untimed run)
-
-
-def run_group(
-    configs: list[Config],
-    device: str,
-    memory: PeakMemory,
-    plan: Plan,
-    log: Callable[[str], None],
-    reps_heavy: int | None = None,
-) -> dict[str, dict[str, Any]]:
-    """Time and memory of configurations measured side by side.
-
-    First, one untimed run of every configuration under the memory tracker (it is also the
-    warm-up). Then the timed runs, interleaved round-robin with a rotating order: reps_light
-    each, reps_medium from plan.medium_tokens (batch*length), reps_heavy from plan.heavy_tokens.
-    """
-    results: dict[str, dict[str, Any]] = {
-        c.name: {"times_s": [], "wall_times_s": []} for c in configs
-    }
-
-    def reps(c: Config) -> int:
-        if c.tokens >= plan.heavy_tokens:
-            return plan.reps_heavy if reps_heavy is None else reps_heavy
-        return plan.reps_medium if c.tokens >= plan.medium_tokens else plan.reps_light
-
-    for c in configs:
-        if not c.memory:
-            results[c.name]["peak_mb"] = float("nan")
-            continue
-        out: dict[str, float] = {}
-        with memory.measure(out):
-            start = now()
-            result = c.fn()
-            _sync(device)
-            elapsed = now() - start
-            del result
-        results[c.name].update(out)
-        results[c.name]["memory_run_s"] = elapsed
-        log(
-            f"    {c.name:<18} memory run {elapsed:8.3f} s: peak +{out['peak_mb']:9.1f} MiB "
-            f"(RSS +{out.get('rss_peak_mb', float('nan')):.0f} MiB)"
-        )
-    for rep in range(max(reps(c) for c in configs)):
-        order = configs[rep % len(configs) :] + configs[: rep % len(configs)]
-        for c in order:
-            if len(results[c.name]["times_s"]) >= reps(c):
-                continue
-            gc.collect()
-            _sync(device)
-            wall, start = time.perf_counter(), now()
-            result = c.fn()
-            _sync(device)
-            results[c.name]["times_s"].append(now() - start)
-            results[c.name]["wall_times_s"].append(time.perf_counter() - wall)
-            del result
-    for c in configs:
-        r = results[c.name]
-        r["median_s"] = statistics.median(r["times_s"])
-        r["wall_median_s"] = statistics.median(r["wall_times_s"])
-        r["reps"] = len(r["times_s"])
-        log(
-            f"    {c.name:<18} median {r['median_s']:8.3f} s ({TIME_BASIS['name']}) over "
-            f"{r['reps']}; wall {r['wall_median_s']:.3f} s"
-        )
-    return results
-
-
-# ---------------------------------------------------------------------------------------------
-# What is timed
-# ---------------------------------------------------------------------------------------------
-
-
-def make_tokens(vocab: int, batch: int, length: int, seed: int, device: str) -> Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(3, vocab, (batch, length), generator=gen).to(device)
-
-
-def bare_forward(model: Any, tokens: Tensor) -> Tensor:
-    with torch.no_grad():
-        return model(tokens)
-
-
-def floor(model: Any, tokens: Tensor, targets: Tensor) -> Tensor:
-    """reversed_attention minus the RA hooks: leaf at blocks.0.hook_resid_pre, autograd.grad to it."""
-    metric = target_nll(targets)
-    store: dict[str, Tensor] = {}
-    with capture.preserved_state(model), torch.enable_grad():
-        with model.hooks(fwd_hooks=[(RESID_PRE.format(0), capture.gradient_leaf_hook(store))]):
-            logits = model(tokens)
-            loss = metric(logits).sum()
-            (grad,) = torch.autograd.grad(loss, [store["leaf"]])
-    return grad
 
 
 def ra(model: Any, tokens: Tensor, targets: Tensor, keep: str) -> Any:
     return reversed_attention(model, tokens, target_nll(targets), keep=keep)  # type: ignore[arg-type]
 
 
-def attribution_patching(model: Any, clean: Tensor, corrupted: Tensor, targets: Tensor) -> Tensor:
-    """Attribution patching at hook_z, scores [layer, head] = sum (z_corr - z_clean) * dM/dz.
-
-    M = p(target). One forward+backward on clean (the gradient at every hook_z read by backward
-    hooks, the pass going to the same leaf as the floor's), one forward on corrupted. Benchmark
-    baseline, not library code. (The bridge's hook_z hands hooks a reshaped view, so the gradient
-    must come from a backward hook, not from autograd.grad on the tensor a forward hook saw.)
-    """
-    n_layers = model.cfg.n_layers
-    metric = target_prob(targets)
-    clean_z: dict[int, Tensor] = {}
-    corrupt_z: dict[int, Tensor] = {}
-    grads: dict[int, Tensor] = {}
-
-    def save(into: dict[int, Tensor], layer: int):
-        def hook(z: Tensor, hook: Any) -> None:
-            into[layer] = z.detach()
-
-        return hook
-
-    store: dict[str, Tensor] = {}
-    fwd = [(RESID_PRE.format(0), capture.gradient_leaf_hook(store))]
-    fwd += [(Z.format(la), save(clean_z, la)) for la in range(n_layers)]
-    bwd = [(Z.format(la), save(grads, la)) for la in range(n_layers)]
-    with capture.preserved_state(model), torch.enable_grad():
-        with model.hooks(fwd_hooks=fwd, bwd_hooks=bwd):
-            loss = metric(model(clean)).sum()
-            torch.autograd.grad(loss, [store["leaf"]])
-    with (
-        torch.no_grad(),
-        model.hooks(fwd_hooks=[(Z.format(la), save(corrupt_z, la)) for la in range(n_layers)]),
-    ):
-        model(corrupted)
-    return torch.stack(
-        [((corrupt_z[la] - clean_z[la]) * grads[la]).sum(dim=(0, 1, 3)) for la in range(n_layers)]
-    )
-
-
-def causal_mediation_scan(
+def setting_configs(
     model: Any,
-    tokens: Tensor,
-    targets: Tensor,
-    layers: list[int] | None = None,
-    per_head_s: list[float] | None = None,
-) -> Tensor:
-    """Zero-ablate one head at a time at hook_z: p(target) after minus before, [layer, head].
-
-    One forward per head (batch = all prompts), under no_grad. `layers` restricts the scan (for
-    timing a subset); `per_head_s` collects the time of each ablated forward. Benchmark baseline.
-    """
-    n_layers, n_heads = model.cfg.n_layers, model.cfg.n_heads
-    metric = target_prob(targets)
-    layers = list(range(n_layers)) if layers is None else layers
-    effects = torch.zeros(n_layers, n_heads)
-    with torch.no_grad():
-        clean = metric(model(tokens))
-        for la in layers:
-            for h in range(n_heads):
-                start = now()
-                with model.hooks(fwd_hooks=head_ablation_hooks([(la, h)])):
-                    effects[la, h] = (metric(model(tokens)) - clean).mean().cpu()
-                if per_head_s is not None:
-                    per_head_s.append(now() - start)
-    return effects
-
-
-# ---- the official code's approach, re-implemented from the formula ------------------------------
-
-
-def plain_hf_copy(bridge: Any) -> Any:
-    """A plain HuggingFace model (eager attention) with the bridge's weights.
-
-    The bridge wraps HF submodules in place (LinearBridge, HookPoints), so `bridge.original_model`
-    is no longer plain HF; a fresh model from the same config gets the same state dict back.
-    """
-    from transformers import AutoModelForCausalLM
-
-    orig = bridge.original_model
-    config = orig.config.__class__.from_dict(orig.config.to_dict())
-    config._attn_implementation = "eager"
-    param = next(orig.parameters())
-    fresh = AutoModelForCausalLM.from_config(config)
-    fresh = fresh.to(device=param.device, dtype=param.dtype).eval()
-    wanted = fresh.state_dict()
-    source = {k.replace("._original_component", ""): v for k, v in orig.state_dict().items()}
-    fresh.load_state_dict({k: v for k, v in source.items() if k in wanted}, strict=False)
-    missing = [k for k in wanted if k not in source]
-    tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
-    if set(missing) - tied:
-        raise RuntimeError(f"could not copy {sorted(set(missing) - tied)[:4]} from the bridge")
-    fresh.requires_grad_(False)
-    return fresh
-
-
-class OfficialStyleLoop:
-    """RA the official code's way: plain HF, batch size 1, Python loops over layers and heads.
-
-    Written here from the formula (paper-notes section 1), for timing only. Parameters are frozen
-    and the backward pass goes to the input embeddings only, i.e. the same floor as
-    reversed_attention (the official code also computes parameter gradients, which costs more).
-    """
-
-    def __init__(self, hf: Any, scales: list[float]):
-        self.hf = hf
-        cfg = hf.config
-        self.n_heads = cfg.num_attention_heads
-        self.n_kv = getattr(cfg, "num_key_value_heads", None) or self.n_heads
-        self.d_model = cfg.hidden_size
-        self.d_head = getattr(cfg, "head_dim", None) or self.d_model // self.n_heads
-        self.scales = scales
-        if hasattr(hf, "transformer") and hasattr(hf.transformer, "h"):  # GPT-2
-            attns = [block.attn for block in hf.transformer.h]
-            self.v_modules = [a.c_attn for a in attns]
-            self.o_modules = [a.c_proj for a in attns]
-            self.v_slice = slice(2 * self.d_model, 3 * self.d_model)
-            self.embed = hf.transformer.wte
-        elif hasattr(hf, "model") and hasattr(hf.model, "layers"):  # Llama family
-            attns = [layer.self_attn for layer in hf.model.layers]
-            self.v_modules = [a.v_proj for a in attns]
-            self.o_modules = [a.o_proj for a in attns]
-            self.v_slice = slice(None)
-            self.embed = hf.model.embed_tokens
-        else:
-            raise TypeError(f"official-style loop: unsupported architecture {type(hf).__name__}")
-        self.n_layers = len(self.o_modules)
-
-    def floor(self, tokens: Tensor, targets: Tensor, per_prompt: bool) -> Tensor:
-        """Plain HF forward+backward to the input embeddings, no RA: batched or per prompt.
-
-        Decomposes the comparison: official_loop - hf_floor_per_prompt is the per-head Python
-        loop's own cost, hf_floor_per_prompt / hf_floor what batching buys, and
-        floor / hf_floor what the bridge costs over plain HuggingFace."""
-        chunks = [slice(b, b + 1) for b in range(tokens.shape[0])] if per_prompt else [slice(None)]
-        grads = []
-        for rows in chunks:
-            embeds = self.embed(tokens[rows]).detach().requires_grad_(True)
-            with torch.enable_grad():
-                logits = self.hf(inputs_embeds=embeds, use_cache=False).logits
-                loss = target_nll(targets[rows])(logits).sum()
-                grads.append(torch.autograd.grad(loss, [embeds])[0])
-        return torch.cat(grads)
-
-    def __call__(self, tokens: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
-        batch, n = tokens.shape
-        maps = torch.zeros(batch, self.n_layers, self.n_heads, n, n, device=tokens.device)
-        norms = torch.zeros(batch, self.n_layers, self.n_heads)
-        values: dict[int, Tensor] = {}
-        grads: dict[int, Tensor] = {}
-
-        def save_v(layer: int):
-            def hook(module: Any, inputs: Any, output: Tensor) -> None:
-                values[layer] = output.detach()[..., self.v_slice]
-
-            return hook
-
-        def save_g(layer: int):
-            def hook(module: Any, grad_input: Any, grad_output: Any) -> None:
-                grads[layer] = grad_input[0].detach()
-
-            return hook
-
-        handles = [m.register_forward_hook(save_v(la)) for la, m in enumerate(self.v_modules)]
-        handles += [
-            m.register_full_backward_hook(save_g(la)) for la, m in enumerate(self.o_modules)
-        ]
-        group = self.n_heads // self.n_kv
-        d = self.d_head
-        try:
-            for b in range(batch):  # one prompt at a time, as the official code
-                ids = tokens[b : b + 1]
-                embeds = self.embed(ids).detach().requires_grad_(True)
-                with torch.enable_grad():
-                    out = self.hf(inputs_embeds=embeds, output_attentions=True, use_cache=False)
-                    loss = -out.logits[0, -1].float().log_softmax(-1)[targets[b]]
-                    torch.autograd.grad(loss, [embeds])
-                for la in range(self.n_layers):
-                    attn = out.attentions[la][0].detach()  # [head, q, k]
-                    v = values[la][0].view(n, self.n_kv, d)
-                    g = grads[la][0]  # [pos, head * d]
-                    for h in range(self.n_heads):
-                        a = attn[h]
-                        r = g[:, h * d : (h + 1) * d] @ v[:, h // group].T
-                        ar = a * r
-                        ra_map = (ar - a * ar.sum(-1, keepdim=True)) / self.scales[la]
-                        maps[b, la, h] = ra_map
-                        norms[b, la, h] = ra_map.norm().cpu()
-                values.clear()
-                grads.clear()
-        finally:
-            for handle in handles:
-                handle.remove()
-        return maps, norms
+    mp: ModelPlan,
+    batch: int,
+    length: int,
+    reps: int,
+    *,
+    norms_only: bool = False,
+    heavy: bool = False,
+    official: OfficialStyleLoop | None = None,
+) -> list[Config]:
+    """The configurations timed side by side at (batch, length): forward, floor, RA (norms, maps),
+    and where the plan says so attribution patching (the library's) and the official-style loop
+    with its plain-HF floors. Tokens are seeded random ids (1: prompts, 2: targets, 3: corrupted).
+    Memory runs cost a full run each: heavy settings skip them for the bare forward and for
+    keep="maps" above batch 1."""
+    vocab = int(model.cfg.d_vocab)
+    device = str(next(model.parameters()).device)
+    tokens = make_tokens(vocab, batch, length, 1, device)
+    targets = make_tokens(vocab, 1, batch, 2, device)[0]
+    configs = []
+    if not norms_only:
+        configs.append(Config("forward", lambda: bare_forward(model, tokens), reps, not heavy))
+    configs.append(Config("floor", lambda: floor(model, tokens, targets), reps))
+    configs.append(Config("ra_norms", lambda: ra(model, tokens, targets, "norms"), reps))
+    if not norms_only:
+        configs.append(
+            Config(
+                "ra_maps", lambda: ra(model, tokens, targets, "maps"), reps, not heavy or batch == 1
+            )
+        )
+    if mp.attribution_at == (batch, length):
+        corrupted = make_tokens(vocab, batch, length, 3, device)
+        configs.append(
+            Config(
+                "attribution",
+                lambda: ranking.attribution_patching(model, tokens, corrupted, targets),
+                reps,
+            )
+        )
+    if official is not None and mp.official_at == (batch, length):
+        configs.append(Config("official_loop", lambda: official(tokens, targets), reps))
+        if mp.official_breakdown:
+            configs.append(
+                Config(
+                    "hf_floor_per_prompt",
+                    lambda: official.floor(tokens, targets, per_prompt=True),
+                    reps,
+                )
+            )
+            configs.append(
+                Config("hf_floor", lambda: official.floor(tokens, targets, per_prompt=False), reps)
+            )
+    return configs
 
 
-# ---------------------------------------------------------------------------------------------
-# Running a model's plan
-# ---------------------------------------------------------------------------------------------
+def measure_causal_mediation(
+    model: Any, batch: int, length: int, clock: Clock, device: str, log: Log
+) -> dict[str, Any]:
+    """One timed run of `ra_lens.ranking.causal_mediation` over every head (one forward pass per
+    head); no memory run (the meter slows small ops, and the scan's memory is one forward's)."""
+    vocab = int(model.cfg.d_vocab)
+    tokens = make_tokens(vocab, batch, length, 1, device)
+    targets = make_tokens(vocab, 1, batch, 2, device)[0]
+    gc.collect()
+    scores, seconds = timed(lambda: ranking.causal_mediation(model, tokens, targets), clock, device)
+    n_heads = scores.numel()
+    log(f"    causal_mediation    all {n_heads} heads in {seconds:.1f} s ({clock.name})")
+    return {"median_s": seconds, "reps": 1, "heads": n_heads}
 
 
 def measure_model(
-    mp: ModelPlan, plan: Plan, device: str, memory: PeakMemory, log: Callable[[str], None]
+    mp: ModelPlan, plan: Plan, device: str, clock: Clock, memory: PeakMemory, log: Log
 ) -> dict[str, Any]:
     max_len = max(n for _, n in mp.settings + mp.norms_only)
-    start = time.perf_counter()
-    model = load(mp.key, device, max_len)
+    model, load_s = timed(lambda: load(mp.key, device, max_len), WALL_CLOCK, device)
     shape = capture.model_shape(model)
-    vocab = int(model.cfg.d_vocab)
-    log(f"  loaded in {time.perf_counter() - start:.1f} s: {mp.label}")
+    log(f"  loaded in {load_s:.1f} s: {mp.label}")
     out: dict[str, Any] = {
         "label": mp.label,
         "n_layers": shape.n_layers,
@@ -675,7 +285,7 @@ def measure_model(
         scales = [capture.attention_scale(model, la) for la in range(shape.n_layers)]
         official = OfficialStyleLoop(plain_hf_copy(model), scales)
     # Warm-up: lazy state (live_pattern_layers probe, hook registration paths, thread pools).
-    warm = make_tokens(vocab, 1, 8, 0, device)
+    warm = make_tokens(int(model.cfg.d_vocab), 1, 8, 0, device)
     warm_targets = torch.tensor([5], device=device)
     ra(model, warm, warm_targets, "norms")
     floor(model, warm, warm_targets)
@@ -687,111 +297,31 @@ def measure_model(
     groups = [(s, False) for s in mp.settings] + [(s, True) for s in mp.norms_only]
     groups.sort(key=lambda g: g[0][0] * g[0][1])  # cheap first
     for (batch, length), norms_only in groups:
-        tokens = make_tokens(vocab, batch, length, 1, device)
-        targets = make_tokens(vocab, 1, batch, 2, device)[0]
         n_tok = batch * length
-        heavy = n_tok >= plan.heavy_tokens
-        configs = []
-        # Memory runs cost a full run each: at heavy settings only where a goal or the length
-        # scaling needs them (not the bare forward, not keep="maps" at batch 32).
-        if not norms_only:
-            configs.append(
-                Config("forward", lambda t=tokens: bare_forward(model, t), n_tok, not heavy)
-            )
-        configs.append(Config("floor", lambda t=tokens, y=targets: floor(model, t, y), n_tok))
-        configs.append(
-            Config("ra_norms", lambda t=tokens, y=targets: ra(model, t, y, "norms"), n_tok)
+        goal = mp.key == plan.default_key and (batch, length) == (1, plan.goal_len)
+        configs = setting_configs(
+            model,
+            mp,
+            batch,
+            length,
+            plan.reps(n_tok, goal),
+            norms_only=norms_only,
+            heavy=n_tok >= plan.heavy_tokens,
+            official=official,
         )
-        if not norms_only:
-            configs.append(
-                Config(
-                    "ra_maps",
-                    lambda t=tokens, y=targets: ra(model, t, y, "maps"),
-                    n_tok,
-                    not heavy or batch == 1,
-                )
-            )
-        if mp.attribution_at == (batch, length):
-            corrupted = make_tokens(vocab, batch, length, 3, device)
-            configs.append(
-                Config(
-                    "attribution",
-                    lambda t=tokens, c=corrupted, y=targets: attribution_patching(model, t, c, y),
-                    n_tok,
-                )
-            )
-        if official is not None and mp.official_at == (batch, length):
-            configs.append(
-                Config("official_loop", lambda t=tokens, y=targets: official(t, y), n_tok)
-            )
-        if official is not None and mp.official_at == (batch, length) and mp.official_breakdown:
-            configs.append(
-                Config(
-                    "hf_floor_per_prompt",
-                    lambda t=tokens, y=targets: official.floor(t, y, per_prompt=True),
-                    n_tok,
-                )
-            )
-            configs.append(
-                Config(
-                    "hf_floor",
-                    lambda t=tokens, y=targets: official.floor(t, y, per_prompt=False),
-                    n_tok,
-                )
-            )
         name = f"b{batch}_n{length}"
         log(f"  [{mp.key}] batch {batch}, length {length}: {[c.name for c in configs]}")
-        goal = mp.key == plan.default_key and (batch, length) == (1, plan.goal_len)
-        results = run_group(configs, device, memory, plan, log, plan.reps_goal if goal else None)
+        results = run_group(configs, clock=clock, device=device, memory=memory, log=log)
         out["settings"][name] = {"batch": batch, "length": length, "measurements": results}
         if mp.causal_mediation_at == (batch, length):
             out["causal_mediation"] = measure_causal_mediation(
-                model, tokens, targets, plan, memory, device, log
+                model, batch, length, clock, device, log
             )
             out["causal_mediation"]["setting"] = name
     gc.unfreeze()
     del model, official
     gc.collect()
     return out
-
-
-def measure_causal_mediation(
-    model: Any,
-    tokens: Tensor,
-    targets: Tensor,
-    plan: Plan,
-    memory: PeakMemory,
-    device: str,
-    log: Callable[[str], None],
-) -> dict[str, Any]:
-    n_layers, n_heads = model.cfg.n_layers, model.cfg.n_heads
-    if plan.cm_layer_subset:
-        layers = sorted({0, n_layers // 2, n_layers - 1})
-    else:
-        layers = list(range(n_layers))
-    per_head: list[float] = []
-    # Timed without the memory tracker (it slows small ops); its memory is one forward's.
-    gc.collect()
-    start = now()
-    causal_mediation_scan(model, tokens, targets, layers, per_head)
-    _sync(device)
-    measured = now() - start
-    clean_s = max(measured - sum(per_head), 0.0)
-    n_all = n_layers * n_heads
-    extrapolated = len(per_head) < n_all
-    total = clean_s + n_all * statistics.median(per_head) if extrapolated else measured
-    log(
-        f"    causal_mediation   {len(per_head)} of {n_all} heads in {measured:.1f} s"
-        + (f" -> {total:.1f} s for all (extrapolated)" if extrapolated else "")
-    )
-    return {
-        "median_s": total,
-        "measured_s": measured,
-        "heads_measured": len(per_head),
-        "heads_total": n_all,
-        "extrapolated": extrapolated,
-        "per_head_median_s": statistics.median(per_head),
-    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -959,11 +489,10 @@ def print_table(res: dict[str, Any], log: Callable[[str], None]) -> None:
         cm = m.get("causal_mediation")
         if cm:
             ra_s = m["settings"][cm["setting"]]["measurements"]["ra_norms"]["median_s"]
-            note = " (extrapolated)" if cm["extrapolated"] else ""
             log(
-                f"{cm['setting']:<11} {'causal_mediation':<20} {cm['median_s']:9.3f} {1:4d} "
-                f"{'':>8} {'':>6} {'':>9} {'':>11}  = {cm['median_s'] / ra_s:.1f}x "
-                f"RA norms; {cm['heads_measured']}/{cm['heads_total']} heads timed{note}"
+                f"{cm['setting']:<11} {'causal_mediation':<20} {cm['median_s']:9.3f} "
+                f"{cm['reps']:4d} {'':>8} {'':>6} {'':>9} {'':>11}  = "
+                f"{cm['median_s'] / ra_s:.1f}x RA norms; all {cm['heads']} heads"
             )
 
 
@@ -1005,7 +534,7 @@ def print_goals(res: dict[str, Any], log: Callable[[str], None]) -> None:
 
 
 def profile(
-    key: str, batch: int, length: int, device: str, top: int, log: Callable[[str], None]
+    key: str, batch: int, length: int, device: str, clock: Clock, top: int, log: Log
 ) -> dict[str, Any]:
     """torch.profiler of floor, ra_norms and ra_maps (one run each after a warm-up).
 
@@ -1030,11 +559,11 @@ def profile(
     for name, fn in runs.items():
         fn()  # warm-up
         gc.collect()
-        start = now()
+        start = clock.read()
         with torch_profile(activities=activities) as prof:
             fn()
-            _sync(device)
-        totals[name] = now() - start
+            sync(device)
+        totals[name] = clock.read() - start
         tables[name] = {e.key: e.self_cpu_time_total / 1e6 for e in prof.key_averages()}
         log(f"\n--- {name}: {totals[name]:.3f} s under the profiler; top ops by self CPU time")
         log(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top))
@@ -1096,8 +625,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         torch.set_num_threads(threads)
         with contextlib.suppress(RuntimeError):
             torch.set_num_interop_threads(1)
-    cpu_clock = device == "cpu" and torch.get_num_threads() == 1 and not args.wall
-    TIME_BASIS["name"] = "cpu" if cpu_clock else "wall"
+    clock = choose_clock(device, torch.get_num_threads(), args.wall)
 
     if args.profile:
         result = {
@@ -1106,6 +634,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 args.profile_batch,
                 args.profile_len,
                 device,
+                clock,
                 args.profile_top,
                 log,
             )
@@ -1120,7 +649,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         keep = set(args.models.split(","))
         plan.models = [m for m in plan.models if m.key in keep]
     memory = PeakMemory(device)
-    started = time.perf_counter()
+    started = WALL_CLOCK.read()
     load_start = os.getloadavg() if hasattr(os, "getloadavg") else None
     res: dict[str, Any] = {
         "meta": {
@@ -1134,7 +663,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "loadavg_start": load_start,
             "memory_method": memory.method,
             "memory_calibration": calibrate(memory, device),
-            "time_basis": TIME_BASIS["name"],
+            "time_basis": clock.name,
             "timing": "median of repetitions (interleaved round-robin) after a warm-up that is "
             "also the memory run; time_basis 'cpu' = process CPU time (1 thread), else wall",
             "plan": asdict(plan),
@@ -1143,14 +672,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     log(
         f"bench_ra: {res['meta']['mode']} mode, device {device}, {res['meta']['threads']} "
-        f"threads, time basis {TIME_BASIS['name']}"
+        f"threads, time basis {clock.name}"
     )
     log(f"memory: {memory.method}; calibration {res['meta']['memory_calibration']}")
     for mp in plan.models:
         log(f"\n>> {mp.key}")
-        res["models"][mp.key] = measure_model(mp, plan, device, memory, log)
+        res["models"][mp.key] = measure_model(mp, plan, device, clock, memory, log)
     res["ratios"], res["goals"] = compute_ratios(res, plan)
-    res["meta"]["wall_s"] = time.perf_counter() - started
+    res["meta"]["wall_s"] = WALL_CLOCK.read() - started
     res["meta"]["loadavg_end"] = os.getloadavg() if hasattr(os, "getloadavg") else None
     print_table(res, log)
     print_goals(res, log)

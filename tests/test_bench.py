@@ -1,101 +1,215 @@
-"""Smoke test of benchmarks/bench_ra.py on tiny models: plumbing and correctness, never wall-clock."""
+"""The benchmark on tiny models: its baselines give the library's numbers, its timed callables
+compute what they are named for, and its report is consistent with its own timings. Never
+wall-clock: timings are checked against a fake clock or against each other, never a threshold."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 import math
+import statistics
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 import ra_lens
-from ra_lens.metrics import target_nll, target_prob
-from ra_lens.patching import head_ablation_hooks
+from ra_lens import ranking
+from ra_lens.metrics import target_nll
 
 pytest.importorskip("transformer_lens.model_bridge")  # the benchmark measures TransformerBridge
 pytestmark = pytest.mark.tl4
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_ra.py"
+BENCH_DIR = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_ra", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_ra"] = module  # dataclasses need the module registered
-    spec.loader.exec_module(module)
-    return module
+    """benchmarks/{bench_ra,harness,baselines}.py, imported the way `python benchmarks/bench_ra.py`
+    imports them (benchmarks/ first on sys.path)."""
+    sys.path.insert(0, str(BENCH_DIR))
+    try:
+        yield SimpleNamespace(
+            **{name: importlib.import_module(name) for name in ("bench_ra", "harness", "baselines")}
+        )
+    finally:
+        sys.path.remove(str(BENCH_DIR))
+
+
+def _model(arch: str):
+    from ra_lens.toy_models import tiny_model
+
+    return tiny_model(arch, d_model=32, n_layers=2, n_heads=4, n_ctx=16)
+
+
+def _official(bench, model):
+    scales = [ra_lens.capture.attention_scale(model, la) for la in range(model.cfg.n_layers)]
+    return bench.baselines.OfficialStyleLoop(bench.baselines.plain_hf_copy(model), scales)
+
+
+class FakeClock:
+    """Advances by `step` seconds on every read."""
+
+    def __init__(self, step: float = 1.0):
+        self.t, self.step = 0.0, step
+
+    def __call__(self) -> float:
+        self.t += self.step
+        return self.t
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 def test_official_style_loop_matches_reversed_attention(bench, arch):
-    """The re-implemented official loop (plain HF copy, per head) gives the library's maps."""
-    from ra_lens.toy_models import tiny_model
-
-    model = tiny_model(arch, d_model=32, n_layers=2, n_heads=4, n_ctx=16)
-    tokens = bench.make_tokens(int(model.cfg.d_vocab), 2, 9, 1, "cpu")
+    """The official-style loop (plain HF copy, per prompt, per head) gives the library's maps."""
+    model = _model(arch)
+    tokens = bench.harness.make_tokens(int(model.cfg.d_vocab), 2, 9, 1, "cpu")
     targets = torch.tensor([5, 7])
-    scales = [ra_lens.capture.attention_scale(model, la) for la in range(model.cfg.n_layers)]
-    loop = bench.OfficialStyleLoop(bench.plain_hf_copy(model), scales)
-    maps, norms = loop(tokens, targets)
+    maps, norms = _official(bench, model)(tokens, targets)
     ref = ra_lens.reversed_attention(model, tokens, target_nll(targets), keep="maps")
-    torch.testing.assert_close(maps, ref.maps, atol=1e-6, rtol=1e-4)
-    torch.testing.assert_close(norms, ref.norms, atol=1e-6, rtol=1e-4)
+    assert ref.maps.abs().max() > 1e-3  # the comparison below is not between zeros
+    torch.testing.assert_close(maps, ref.maps, atol=1e-6, rtol=0)
+    torch.testing.assert_close(norms, ref.norms, atol=1e-6, rtol=0)
 
 
-def test_baselines(bench):
-    from ra_lens.toy_models import tiny_model
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_floors_agree(bench, arch):
+    """The bridge floor (gradient at blocks.0.hook_resid_pre) equals plain HF's gradient at the
+    input embeddings (the same tensor for GPT-2 and Llama), batched and prompt by prompt."""
+    model = _model(arch)
+    tokens = bench.harness.make_tokens(int(model.cfg.d_vocab), 3, 8, 1, "cpu")
+    targets = torch.tensor([5, 7, 9])
+    official = _official(bench, model)
+    grad = bench.baselines.floor(model, tokens, targets)
+    assert grad.shape == (3, 8, 32) and grad.abs().max() > 1e-4
+    torch.testing.assert_close(official.floor(tokens, targets, per_prompt=False), grad)
+    torch.testing.assert_close(official.floor(tokens, targets, per_prompt=True), grad)
 
-    model = tiny_model("gpt2", d_model=32, n_layers=2, n_heads=4, n_ctx=16)
-    tokens = bench.make_tokens(int(model.cfg.d_vocab), 2, 8, 1, "cpu")
-    corrupted = bench.make_tokens(int(model.cfg.d_vocab), 2, 8, 3, "cpu")
-    targets = torch.tensor([5, 7])
-    scores = bench.attribution_patching(model, tokens, corrupted, targets)
-    assert scores.shape == (2, 4) and torch.isfinite(scores).all() and scores.abs().sum() > 0
-    per_head: list[float] = []
-    effects = bench.causal_mediation_scan(model, tokens, targets, per_head_s=per_head)
-    assert effects.shape == (2, 4) and len(per_head) == 8
-    metric = target_prob(targets)
+
+def test_timed_callables_compute_what_they_are_named_for(bench):
+    """Every configuration of a setting returns the library's own result for its name (so the
+    benchmark times ra_lens.ranking's attribution patching, not a copy)."""
+    model = _model("gpt2")
+    mp = bench.bench_ra.ModelPlan(
+        key="tiny",
+        label="tiny",
+        settings=[(2, 8)],
+        attribution_at=(2, 8),
+        official_at=(2, 8),
+        official_breakdown=True,
+    )
+    configs = bench.bench_ra.setting_configs(model, mp, 2, 8, 1, official=_official(bench, model))
+    got = {c.name: c.fn() for c in configs}
+    assert set(got) == {
+        "forward",
+        "floor",
+        "ra_norms",
+        "ra_maps",
+        "attribution",
+        "official_loop",
+        "hf_floor_per_prompt",
+        "hf_floor",
+    }
+    vocab = int(model.cfg.d_vocab)
+    tokens = bench.harness.make_tokens(vocab, 2, 8, 1, "cpu")
+    targets = bench.harness.make_tokens(vocab, 1, 2, 2, "cpu")[0]
+    corrupted = bench.harness.make_tokens(vocab, 2, 8, 3, "cpu")
     with torch.no_grad():
-        clean = metric(model(tokens))
-        with model.hooks(fwd_hooks=head_ablation_hooks([(1, 2)])):
-            ablated = metric(model(tokens))
-    assert math.isclose(float(effects[1, 2]), float((ablated - clean).mean()), abs_tol=1e-6)
-    grad = bench.floor(model, tokens, targets)
-    assert grad.shape == (2, 8, 32)
+        torch.testing.assert_close(got["forward"], model(tokens))
+    ref = ra_lens.reversed_attention(model, tokens, target_nll(targets), keep="maps")
+    torch.testing.assert_close(got["ra_maps"].maps, ref.maps)
+    torch.testing.assert_close(got["ra_norms"].norms, ref.norms)
+    torch.testing.assert_close(got["official_loop"][0], ref.maps, atol=1e-6, rtol=0)
+    torch.testing.assert_close(got["hf_floor"], got["floor"])
+    torch.testing.assert_close(
+        got["attribution"], ranking.attribution_patching(model, tokens, corrupted, targets)
+    )
 
 
-def test_tiny_run_writes_every_figure(bench, tmp_path):
+def test_clock_is_passed_in(bench):
+    h = bench.harness
+    clock = h.Clock("fake", FakeClock(0.5))
+    assert h.timed(lambda: 42, clock, "cpu") == (42, 0.5)
+    assert h.choose_clock("cpu", 1) is h.CPU_CLOCK
+    assert h.choose_clock("cpu", 2) is h.WALL_CLOCK
+    assert h.choose_clock("cpu", 1, wall=True) is h.WALL_CLOCK
+    assert h.choose_clock("cuda", 1) is h.WALL_CLOCK
+
+
+def test_run_group_interleaves_and_takes_medians(bench):
+    h = bench.harness
+    calls: list[str] = []
+    configs = [
+        h.Config("a", lambda: calls.append("a"), reps=3),
+        h.Config("b", lambda: calls.append("b"), reps=1, memory=False),
+    ]
+    results = h.run_group(
+        configs, clock=h.Clock("fake", FakeClock(2.0)), device="cpu", memory=h.PeakMemory("cpu"),
+        log=lambda s: None,
+    )  # fmt: skip
+    # one memory run of "a" (the warm-up), then round-robin with a rotating order
+    assert calls == ["a", "a", "b", "a", "a"]
+    assert results["a"]["times_s"] == [2.0, 2.0, 2.0] and results["a"]["median_s"] == 2.0
+    assert results["a"]["reps"] == 3 and results["b"]["reps"] == 1
+    assert results["a"]["memory_run_s"] == 2.0 and results["a"]["peak_mb"] >= 0
+    assert math.isnan(results["b"]["peak_mb"])
+
+
+def test_causal_mediation_is_timed_on_the_library_scan(bench):
+    model = _model("llama")
+    clock = bench.harness.Clock("fake", FakeClock(3.0))
+    out = bench.bench_ra.measure_causal_mediation(model, 1, 8, clock, "cpu", lambda s: None)
+    assert out == {"median_s": 3.0, "reps": 1, "heads": 8}
+
+
+def test_tiny_run_is_consistent_with_its_timings(bench, tmp_path):
     out = tmp_path / "bench.json"
-    res = bench.main(["--tiny", "--quiet", "--json", str(out)])
+    res = bench.bench_ra.main(["--tiny", "--quiet", "--json", str(out)])
     data = json.loads(out.read_text())
-    assert data["meta"]["mode"] == "tiny"
-    for key in (
-        "maps_vs_floor",
-        "norms_vs_floor",
-        "norms_peak_memory_vs_floor",
-        "causal_mediation_vs_ra",
-        "official_loop_vs_ra",
-    ):
-        assert isinstance(data["ratios"][key], float) and data["ratios"][key] > 0, key
-    assert {g["status"] for g in data["goals"]} <= {"PASS", "MISS"}
-    assert len(data["goals"]) == 6
+    assert data["meta"]["mode"] == "tiny" and data["meta"]["time_basis"] == "cpu"
+    assert data["meta"]["memory_calibration"]["measured_mb"] == pytest.approx(320.0, abs=1.0)
+    assert res["ratios"]["official_loop_vs_ra"] == data["ratios"]["official_loop_vs_ra"]
+
+    def m(model: str, setting: str, name: str, what: str = "median_s") -> float:
+        return data["models"][model]["settings"][setting]["measurements"][name][what]
+
     for model in data["models"].values():
         for setting in model["settings"].values():
-            for name, m in setting["measurements"].items():
-                assert m["median_s"] > 0 and m["reps"] >= 1, name
+            for name, r in setting["measurements"].items():
+                assert r["reps"] == len(r["times_s"]) >= 1, name
+                assert r["median_s"] == statistics.median(r["times_s"]) > 0, name
                 if name in ("floor", "ra_norms"):  # always measured (others skip heavy settings)
-                    assert math.isfinite(m["peak_mb"]) and m["peak_mb"] > 0, name
-        assert model["causal_mediation"]["heads_measured"] > 0
-    assert res["ratios"]["official_loop_vs_ra"] == data["ratios"]["official_loop_vs_ra"]
-    assert data["meta"]["memory_calibration"]["measured_mb"] == pytest.approx(320.0, abs=1.0)
+                    assert math.isfinite(r["peak_mb"]) and r["peak_mb"] > 0, name
+        assert model["causal_mediation"]["heads"] == model["n_layers"] * model["n_heads"]
+
+    d, g, ratios = "tiny-llama", "tiny-gpt2", data["ratios"]
+    cm = data["models"][d]["causal_mediation"]
+    expected = {
+        "maps_vs_floor": m(d, "b1_n32", "ra_maps") / m(d, "b1_n32", "floor"),
+        "norms_vs_floor": m(d, "b1_n32", "ra_norms") / m(d, "b1_n32", "floor"),
+        "norms_peak_memory_vs_floor": m(d, "b1_n32", "ra_norms", "peak_mb")
+        / m(d, "b1_n32", "floor", "peak_mb"),
+        "causal_mediation_vs_ra": cm["median_s"] / m(d, "b1_n8", "ra_norms"),
+        "official_loop_vs_ra": m(g, "b2_n8", "official_loop") / m(g, "b2_n8", "ra_maps"),
+        "attribution_vs_ra_norms": m(d, "b1_n8", "attribution") / m(d, "b1_n8", "ra_norms"),
+        "floor_vs_forward": m(d, "b1_n32", "floor") / m(d, "b1_n32", "forward"),
+    }
+    for key, value in expected.items():
+        assert math.isfinite(ratios[key]) and ratios[key] > 0, key
+        assert ratios[key] == pytest.approx(value, rel=1e-12), key
+
+    assert len(data["goals"]) == 6
+    for goal in data["goals"]:
+        op, threshold = goal["target"].split()
+        value = ratios[goal["ratio"]]
+        assert goal["value"] == value
+        ok = value <= float(threshold) if op == "<=" else value >= float(threshold)
+        assert goal["status"] == ("PASS" if ok else "MISS"), goal
 
 
 def test_live_tensor_bytes_counts_temporaries_and_frees(bench):
-    tracker = bench.LiveTensorBytes()
+    tracker = bench.harness.LiveTensorBytes()
     x = torch.ones(1000)  # created before: not counted
     with tracker:
         y = x * 2  # 4000 bytes
@@ -106,20 +220,3 @@ def test_live_tensor_bytes_counts_temporaries_and_frees(bench):
     assert tracker.live == 40
     del w
     assert tracker.live == 0
-
-
-def test_baselines_agree_with_library_ranking(bench):
-    """When ra_lens.ranking is there, the benchmark's own baselines give its scores."""
-    ranking = pytest.importorskip("ra_lens.ranking")
-    from ra_lens.toy_models import tiny_model
-
-    model = tiny_model("gpt2", d_model=32, n_layers=2, n_heads=4, n_ctx=16)
-    tokens = bench.make_tokens(int(model.cfg.d_vocab), 2, 8, 1, "cpu")
-    corrupted = bench.make_tokens(int(model.cfg.d_vocab), 2, 8, 3, "cpu")
-    targets = torch.tensor([5, 7])
-    effects = bench.causal_mediation_scan(model, tokens, targets)
-    torch.testing.assert_close(-effects, ranking.causal_mediation(model, tokens, targets))
-    # The benchmark differentiates on the clean run, the library on the corrupted one: same cost
-    # (one backward pass), different first-order estimates; only shapes and finiteness compare.
-    lib = ranking.attribution_patching(model, tokens, corrupted, targets)
-    assert lib.shape == bench.attribution_patching(model, tokens, corrupted, targets).shape

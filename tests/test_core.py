@@ -4,34 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import FLORENCE, PROMPTS, all_archs, live_archs, snapshot
+from helpers import bridge_model as tl4_arch
 
 import ra_lens
 from ra_lens import capture
 from ra_lens.metrics import completion, logit_diff, target_nll, target_prob
 from ra_lens.toy_models import tiny_model
-
-PROMPT = "I like Italy and France. I visited the city of"
-PROMPTS = ["I like Italy and France. I visited", "The quick brown fox jumps", "Q: hot\nA:"]
-
-
-def tl4_arch(arch: str, **kwargs):
-    pytest.importorskip("transformer_lens.model_bridge")
-    return tiny_model(arch, **kwargs)
-
-
-def all_archs():
-    """Architectures available under the installed TransformerLens."""
-    try:
-        import transformer_lens.model_bridge  # noqa: F401
-
-        return ["gpt2", "llama", "opt", "native"]
-    except ImportError:
-        return ["hooked"]
-
-
-def live_archs():
-    """Architectures whose hook_attn_scores and hook_pattern are in the autograd graph."""
-    return [a for a in all_archs() if a in ("gpt2", "llama", "hooked")]
 
 
 @pytest.fixture(scope="module", params=all_archs())
@@ -60,7 +39,7 @@ def scores_grad(model, tokens, metric, layer):
 @pytest.mark.parametrize("arch_name", live_archs())
 def test_qk_equals_autograd_scores_grad_over_scale(arch_name):
     model = tiny_model(arch_name, n_layers=3)
-    tokens = model.to_tokens([PROMPT, PROMPT.replace("Italy", "Spain")])
+    tokens = model.to_tokens([FLORENCE, FLORENCE.replace("Italy", "Spain")])
     metric = target_nll([5, 7])
     ra = ra_lens.reversed_attention(model, tokens, metric)
     for i, layer in enumerate(ra.layers):
@@ -86,7 +65,7 @@ def test_scale_read_from_model_matches_qk_over_scores(arch):
 
     names = [f"blocks.1.attn.{n}" for n in (q_name, k_name, "hook_attn_scores")]
     with torch.no_grad(), model.hooks(fwd_hooks=[(n, save(n)) for n in names]):
-        model(model.to_tokens(PROMPT))
+        model(model.to_tokens(FLORENCE))
     q, k, scores = (cache[n] for n in names)
     if q.shape[1] != scores.shape[2]:  # [batch, head, pos, d] layout -> [batch, pos, head, d]
         q, k = q.transpose(1, 2), k.transpose(1, 2)
@@ -105,7 +84,7 @@ def test_finite_differences_float64():
     """
     model = tiny_model(live_archs()[0], n_layers=2)
     model = model.to(torch.float64)
-    tokens = model.to_tokens(PROMPT)
+    tokens = model.to_tokens(FLORENCE)
     metric = target_nll([11])
     ra = ra_lens.reversed_attention(model, tokens, metric)
     layer = 1
@@ -135,7 +114,7 @@ def test_pattern_convention_by_finite_differences(arch):
     if arch == "llama":
         pytest.skip("HF's RMSNorm computes in float32: differences are float32-noisy")
     model = tiny_model(arch).to(torch.float64)
-    tokens = model.to_tokens(PROMPT)
+    tokens = model.to_tokens(FLORENCE)
     metric = target_nll([3])
     ra = ra_lens.reversed_attention(model, tokens, metric, convention="pattern")
     eps = 1e-6
@@ -155,7 +134,7 @@ def test_pattern_convention_by_finite_differences(arch):
 
 def test_conventions_are_related(arch):
     model = tiny_model(arch)
-    tokens = model.to_tokens(PROMPT)
+    tokens = model.to_tokens(FLORENCE)
     metric = target_nll([4])
     qk = ra_lens.reversed_attention(model, tokens, metric)
     scores = ra_lens.reversed_attention(model, tokens, metric, convention="scores")
@@ -184,7 +163,7 @@ def test_opt_uses_z_route_and_matches_autograd_of_pattern():
     """OPT delegates attention to HuggingFace: hook_pattern gets no gradient, hook_z does."""
     model = tl4_arch("opt")
     assert capture.live_pattern_layers(model) == [False, False]
-    tokens = model.to_tokens(PROMPT)
+    tokens = model.to_tokens(FLORENCE)
     ra = ra_lens.reversed_attention(model, tokens, target_nll([6]), convention="pattern")
     assert ra.routes == ["z", "z"]
     # Reference: dL/dA in a plain HuggingFace copy (same seed, same weights), outside the bridge.
@@ -208,7 +187,7 @@ def test_opt_uses_z_route_and_matches_autograd_of_pattern():
 
 def test_properties(arch):
     model = tiny_model(arch, n_layers=3)
-    tokens = model.to_tokens(PROMPT)
+    tokens = model.to_tokens(FLORENCE)
     n = tokens.shape[1]
     loss_pos = n - 4
     ra = ra_lens.reversed_attention(model, tokens, target_nll([8], position=loss_pos))
@@ -240,20 +219,24 @@ def test_batched_equals_per_prompt_and_padded_equals_unpadded(arch):
     targets = [5, 17, 42]
     batched = ra_lens.reversed_attention(model, PROMPTS, target_nll(targets))
     assert batched.lengths.unique().numel() == 3  # really padded
+    assert int(batched.lengths.min()) < batched.maps.shape[-1]  # so the padding checks check
     for i, prompt in enumerate(PROMPTS):
         alone = ra_lens.reversed_attention(model, prompt, target_nll([targets[i]]))
         n = int(batched.lengths[i])
         torch.testing.assert_close(
             batched.maps[i, ..., :n, :n], alone.maps[0], atol=1e-8, rtol=1e-4
         )
-        assert batched.maps[i, ..., n:, :].abs().max() == 0 if n < batched.maps.shape[-1] else True
-        assert batched.maps[i, ..., :, n:].abs().max() == 0 if n < batched.maps.shape[-1] else True
+        # padded rows and columns are exactly zero (empty for the longest prompt)
+        assert not batched.maps[i, ..., n:, :].any() and not batched.maps[i, ..., :, n:].any()
+        assert (
+            not batched.patterns[i, ..., n:, :].any() and not batched.patterns[i, ..., :, n:].any()
+        )
         torch.testing.assert_close(batched.norms[i], alone.norms[0], atol=1e-8, rtol=1e-4)
 
 
 def test_metrics_other_than_nll():
     model = tiny_model(all_archs()[0])
-    tokens = model.to_tokens(PROMPT)
+    tokens = model.to_tokens(FLORENCE)
     nll = ra_lens.reversed_attention(model, tokens, target_nll([5]))
     prob = ra_lens.reversed_attention(model, tokens, target_prob([5]))
     p = prob.metric_values[0]
@@ -265,45 +248,28 @@ def test_metrics_other_than_nll():
 
 def test_teacher_forced_completion_equals_single_token_nll_for_one_token():
     model = tiny_model(all_archs()[0])
-    batch, metric = completion(model, [PROMPT], [" the"])
-    assert int(batch.lengths[0]) == model.to_tokens(PROMPT + " the").shape[1]
+    batch, metric = completion(model, [FLORENCE], [" the"])
+    assert int(batch.lengths[0]) == model.to_tokens(FLORENCE + " the").shape[1]
     target = int(batch.tokens[0, -1])
     forced = ra_lens.reversed_attention(model, batch, metric)
-    prompt_only = model.to_tokens(PROMPT)
+    prompt_only = model.to_tokens(FLORENCE)
     n = prompt_only.shape[1]
     single = ra_lens.reversed_attention(model, batch, target_nll([target], position=n - 1))
     torch.testing.assert_close(forced.maps, single.maps)
-    multi_batch, multi = completion(model, [PROMPT, "The quick"], [" the city", " brown fox jumps"])
+    multi_batch, multi = completion(
+        model, [FLORENCE, "The quick"], [" the city", " brown fox jumps"]
+    )
     ra = ra_lens.reversed_attention(model, multi_batch, multi)
     assert ra.metric_values.shape == (2,) and bool((ra.metric_values > 0).all())
-
-
-def hook_count(model):
-    points = sum(len(hp.fwd_hooks) + len(hp.bwd_hooks) for hp in model.hook_dict.values())
-    modules = sum(
-        len(m._forward_hooks) + len(m._backward_hooks) + len(m._forward_pre_hooks)
-        for m in model.modules()
-    )
-    return points, modules
-
-
-def snapshot(model):
-    params = list(model.parameters())
-    return (
-        model.training,
-        [p.requires_grad for p in params],
-        [None if p.grad is None else p.grad.clone() for p in params],
-        hook_count(model),
-    )
 
 
 @pytest.mark.parametrize("frozen", [True, False])
 def test_model_left_as_it_was(arch, frozen):
     model = tiny_model(arch, frozen=frozen)
     model.train()
-    ra_lens.reversed_attention(model, PROMPT, target_nll([1]))  # warm the liveness cache
+    ra_lens.reversed_attention(model, FLORENCE, target_nll([1]))  # warm the liveness cache
     before = snapshot(model)
-    ra_lens.reversed_attention(model, PROMPT, target_nll([1]))
+    ra_lens.reversed_attention(model, FLORENCE, target_nll([1]))
     assert snapshot(model)[:2] == before[:2]
     assert all(g is None for g in snapshot(model)[2]) and snapshot(model)[3] == before[3]
 
@@ -311,7 +277,7 @@ def test_model_left_as_it_was(arch, frozen):
         raise RuntimeError("metric failed")
 
     with pytest.raises(RuntimeError, match="metric failed"):
-        ra_lens.reversed_attention(model, PROMPT, broken)
+        ra_lens.reversed_attention(model, FLORENCE, broken)
     after = snapshot(model)
     assert after[0] is True and after[1] == before[1] and after[3] == before[3]
     assert all(g is None for g in after[2])
@@ -321,15 +287,15 @@ def test_existing_grads_untouched():
     model = tiny_model(all_archs()[0])
     params = list(model.parameters())
     params[3].grad = torch.full_like(params[3], 7.0)
-    ra_lens.reversed_attention(model, PROMPT, target_nll([1]))
+    ra_lens.reversed_attention(model, FLORENCE, target_nll([1]))
     assert torch.equal(params[3].grad, torch.full_like(params[3], 7.0))
     assert all(p.grad is None for i, p in enumerate(params) if i != 3)
 
 
 def test_layers_subset_equals_full():
     model = tiny_model(all_archs()[0], n_layers=3)
-    full = ra_lens.reversed_attention(model, PROMPT, target_nll([5]))
-    part = ra_lens.reversed_attention(model, PROMPT, target_nll([5]), layers=[1, 2])
+    full = ra_lens.reversed_attention(model, FLORENCE, target_nll([5]))
+    part = ra_lens.reversed_attention(model, FLORENCE, target_nll([5]), layers=[1, 2])
     assert part.layers == [1, 2]  # out-of-order layers are refused (test_reliability.py)
     torch.testing.assert_close(part.maps, full.maps[:, 1:])
 
@@ -337,8 +303,8 @@ def test_layers_subset_equals_full():
 def test_half_precision_computes_vjp_in_float32():
     model32 = tiny_model(live_archs()[-1 if "llama" in live_archs() else 0])
     model16 = tiny_model(live_archs()[-1 if "llama" in live_archs() else 0], dtype=torch.bfloat16)
-    ra32 = ra_lens.reversed_attention(model32, PROMPT, target_nll([5]))
-    ra16 = ra_lens.reversed_attention(model16, PROMPT, target_nll([5]))
+    ra32 = ra_lens.reversed_attention(model32, FLORENCE, target_nll([5]))
+    ra16 = ra_lens.reversed_attention(model16, FLORENCE, target_nll([5]))
     assert ra16.maps.dtype == torch.float32
     cos = torch.nn.functional.cosine_similarity(ra16.maps.flatten(), ra32.maps.flatten(), dim=0)
     assert cos > 0.95
@@ -359,7 +325,7 @@ def test_save_and_load_round_trip(tmp_path):
 
 def test_top_heads_order():
     model = tiny_model(all_archs()[0])
-    ra = ra_lens.reversed_attention(model, PROMPT, target_nll([5]))
+    ra = ra_lens.reversed_attention(model, FLORENCE, target_nll([5]))
     top = ra.top_heads(8)
     norms = [n for _, _, n in top]
     assert norms == sorted(norms, reverse=True) and len(top) == 8
@@ -373,7 +339,7 @@ def test_top_heads_order():
 
 def test_errors(arch):
     model = tiny_model(arch)
-    model(model.to_tokens(PROMPT))  # the bridge adds its own hooks lazily on the first forward
+    model(model.to_tokens(FLORENCE))  # the bridge adds its own hooks lazily on the first forward
     before = snapshot(model)
     metric = target_nll([1])
     cases = [
@@ -383,11 +349,11 @@ def test_errors(arch):
     ]
     for kwargs, error, message in cases:
         with pytest.raises(error, match=message):
-            ra_lens.reversed_attention(model, PROMPT, metric, **kwargs)
+            ra_lens.reversed_attention(model, FLORENCE, metric, **kwargs)
     with pytest.raises(ValueError, match="one value per prompt"):
-        ra_lens.reversed_attention(model, PROMPT, lambda logits: logits[:, -1])
+        ra_lens.reversed_attention(model, FLORENCE, lambda logits: logits[:, -1])
     with pytest.raises(ValueError, match="no gradient path"):
-        ra_lens.reversed_attention(model, PROMPT, lambda logits: logits[:, -1, 0].detach())
+        ra_lens.reversed_attention(model, FLORENCE, lambda logits: logits[:, -1, 0].detach())
     with pytest.raises(ValueError, match="empty batch"):
         ra_lens.reversed_attention(model, [], metric)
     with pytest.raises(ValueError, match="exceed the model's context"):
@@ -395,13 +361,13 @@ def test_errors(arch):
     with pytest.raises(ValueError, match="cannot know where each one ends"):
         ra_lens.reversed_attention(model, PROMPTS, lambda logits: logits[:, -1, 0])
     with pytest.raises(TypeError, match="TransformerLens model"):
-        ra_lens.reversed_attention(torch.nn.Linear(2, 2), PROMPT, metric)
+        ra_lens.reversed_attention(torch.nn.Linear(2, 2), FLORENCE, metric)
     assert snapshot(model)[:2] == before[:2] and snapshot(model)[3] == before[3]
 
 
 def test_concat_joins_batches_like_one_call():
     model = tiny_model(all_archs()[0])
-    tokens = model.to_tokens([PROMPT, PROMPT])
+    tokens = model.to_tokens([FLORENCE, FLORENCE])
     whole = ra_lens.reversed_attention(model, tokens, target_nll([5, 6]))
     parts = [
         ra_lens.reversed_attention(model, tokens[i : i + 1], target_nll([t]))

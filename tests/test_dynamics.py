@@ -7,13 +7,15 @@ import math
 
 import pytest
 import torch
+from helpers import PROMPTS as ALL_PROMPTS
+from helpers import bridge_model, snapshot
 
 import ra_lens
 from ra_lens.dynamics import EditDynamics, edit_dynamics
 from ra_lens.metrics import target_nll
 from ra_lens.toy_models import tiny_model
 
-PROMPTS = ["I like Italy and France. I visited", "The quick brown fox jumps"]  # unequal: padded
+PROMPTS = ALL_PROMPTS[:2]  # unequal lengths: padded
 TARGETS = [5, 7]
 # Bridges the prediction is exact for: GPT-2 (biases, split fused qkv), Llama (rotary + GQA),
 # OPT (attention delegated to HF, RA via hook_z) and boot_native (biases, no real scores hook).
@@ -21,8 +23,7 @@ ARCHS = ["llama", "gpt2", "native", "opt"]
 
 
 def bridge(arch: str, **kwargs):
-    pytest.importorskip("transformer_lens.model_bridge")
-    return tiny_model(arch, dtype=torch.float64, **kwargs)
+    return bridge_model(arch, dtype=torch.float64, **kwargs)
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -107,8 +108,10 @@ def test_model_left_untouched(frozen):
     params = dict(model.named_parameters())
     values = {n: p.detach().clone() for n, p in params.items()}
     flags = {n: p.requires_grad for n, p in params.items()}
+    before = snapshot(model)
     run(model, 0.5)
     assert model.training
+    assert snapshot(model)[3] == before[3]  # no hook left behind
     for name, p in model.named_parameters():
         assert torch.equal(p, values[name]), name
         assert p.requires_grad == flags[name], name

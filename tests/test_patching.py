@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import FLORENCE, arch_or_hooked
 
 import ra_lens
 from ra_lens import capture
@@ -16,26 +17,15 @@ from ra_lens.patching import (
 )
 from ra_lens.toy_models import tiny_model
 
-PROMPT = "I like Italy and France. I visited the city of"
-
-
-def live_arch():
-    try:
-        import transformer_lens.model_bridge  # noqa: F401
-
-        return "llama"
-    except ImportError:
-        return "hooked"
-
 
 @pytest.fixture(scope="module")
 def model():
-    return tiny_model(live_arch(), n_layers=3)
+    return tiny_model(arch_or_hooked("llama"), n_layers=3)
 
 
 @pytest.fixture(scope="module")
 def ra(model):
-    tokens = model.to_tokens([PROMPT, PROMPT])  # equal lengths, as the paper averages maps
+    tokens = model.to_tokens([FLORENCE, FLORENCE])  # equal lengths, as the paper averages maps
     return ra_lens.reversed_attention(model, tokens, target_nll([5, 6]))
 
 
@@ -174,7 +164,10 @@ def test_bad_maps_are_refused(model, ra):
     maps[0, 0, 1, 0] = float("nan")
     with pytest.raises(ValueError, match="NaN or inf"):
         attention_patch_hooks(maps, 1.0)
-    with pytest.raises(ValueError, match="layery head query key|layer head query key"):
+    with pytest.raises(
+        ValueError,
+        match=r"maps must be Float\[Tensor, 'layer head query key'\], got \(4, \d+, \d+\)",
+    ):
         attention_patch_hooks(ra.mean_maps()[0], 1.0)
     with pytest.raises(ValueError, match="no maps for layers"):
         attention_patch_hooks(ra.mean_maps(), 1.0, layers=[7])
@@ -185,13 +178,13 @@ def test_bad_maps_are_refused(model, ra):
 def test_liveness_error_on_opt():
     pytest.importorskip("transformer_lens.model_bridge")
     opt = tiny_model("opt")
-    ra = ra_lens.reversed_attention(opt, PROMPT, target_nll([5]))
+    ra = ra_lens.reversed_attention(opt, FLORENCE, target_nll([5]))
     with pytest.raises(RuntimeError, match="silently do nothing"):
         attention_patch_hooks(ra, -10.0, model=opt)
 
 
 def test_zero_ablation_really_zeroes_head_outputs(model):
-    tokens = model.to_tokens(PROMPT)
+    tokens = model.to_tokens(FLORENCE)
     seen = {}
 
     def record(z, hook):
@@ -211,8 +204,8 @@ def test_zero_ablation_really_zeroes_head_outputs(model):
 
 
 def test_mean_ablation(model):
-    tokens = model.to_tokens([PROMPT, "The quick brown fox jumps"])
-    means = mean_head_outputs(model, [PROMPT, "The quick brown fox jumps"])
+    tokens = model.to_tokens([FLORENCE, "The quick brown fox jumps"])
+    means = mean_head_outputs(model, [FLORENCE, "The quick brown fox jumps"])
     assert means.shape == (3, 4, model.cfg.d_head)
     seen = {}
 

@@ -9,6 +9,7 @@ import matplotlib
 import numpy as np
 import pytest
 import torch
+from helpers import PROMPTS, arch_or_hooked
 from matplotlib.figure import Figure
 
 import ra_lens
@@ -16,22 +17,13 @@ from ra_lens import viz
 from ra_lens.metrics import target_nll
 from ra_lens.toy_models import tiny_model
 
-PROMPT = "I like Italy and France. I visited"
+PROMPT = PROMPTS[0]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-
-
-def _arch() -> str:
-    try:
-        import transformer_lens.model_bridge  # noqa: F401
-
-        return "gpt2"
-    except ImportError:
-        return "hooked"
 
 
 @pytest.fixture(scope="module")
 def model():
-    return tiny_model(_arch())
+    return tiny_model(arch_or_hooked("gpt2"))
 
 
 @pytest.fixture(scope="module")

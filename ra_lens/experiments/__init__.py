@@ -5,8 +5,10 @@ from ra_lens.experiments.patching import (
     PAPER_SCALES,
     PatchingResult,
     attention_patching,
+    evaluate_by_length,
+    task_prompts,
 )
-from ra_lens.experiments.ranking import HeadRankingResult, head_ranking
+from ra_lens.experiments.ranking import HeadRankingResult, head_ranking, shuffled_label_prompts
 
 __all__ = [
     "DEFAULT_SCALES",
@@ -14,5 +16,8 @@ __all__ = [
     "HeadRankingResult",
     "PatchingResult",
     "attention_patching",
+    "evaluate_by_length",
     "head_ranking",
+    "shuffled_label_prompts",
+    "task_prompts",
 ]

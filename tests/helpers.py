@@ -1,0 +1,71 @@
+"""Test helpers shared by several test files: prompts, the tiny architectures the installed
+TransformerLens offers (from `ra_lens.toy_models.ARCHITECTURES`), and a model-state snapshot.
+
+Imported as `from helpers import ...` (pytest puts tests/ on sys.path: it has no __init__.py).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+import pytest
+
+from ra_lens.toy_models import ARCHITECTURES, tiny_model
+
+#: The paper's Figure-1 prompt.
+FLORENCE = "I like Italy and France. I visited the city of"
+#: Three prompts of different token lengths (a right-padded batch), the last with a newline.
+PROMPTS = ["I like Italy and France. I visited", "The quick brown fox jumps", "Q: hot\nA:"]
+#: Architectures whose hook_attn_scores and hook_pattern are in the autograd graph (OPT delegates
+#: attention to HuggingFace; boot_native's hook_attn_scores is a copy of the pattern).
+LIVE = ("gpt2", "llama", "hooked")
+
+
+def has_bridge() -> bool:
+    """TransformerLens >= 3 (TransformerBridge) is installed."""
+    return importlib.util.find_spec("transformer_lens.model_bridge") is not None
+
+
+def all_archs() -> list[str]:
+    """Tiny architectures available under the installed TransformerLens: the bridge ones on
+    TL 4, HookedTransformer ("hooked") on TL 2."""
+    return [a for a in ARCHITECTURES if (a != "hooked") == has_bridge()]
+
+
+def live_archs() -> list[str]:
+    """all_archs() whose attention hooks are in the autograd graph."""
+    return [a for a in all_archs() if a in LIVE]
+
+
+def arch_or_hooked(bridge_arch: str) -> str:
+    """`bridge_arch` under TL 4, "hooked" (HookedTransformer) under TL 2."""
+    return bridge_arch if has_bridge() else "hooked"
+
+
+def bridge_model(arch: str, **kwargs: Any) -> Any:
+    """tiny_model(arch, **kwargs) for a TransformerBridge architecture; skips under TL 2."""
+    pytest.importorskip("transformer_lens.model_bridge")
+    return tiny_model(arch, **kwargs)
+
+
+def hook_count(model: Any) -> tuple[int, int]:
+    """(TransformerLens hooks on every hook point, PyTorch hooks on every module)."""
+    points = sum(len(hp.fwd_hooks) + len(hp.bwd_hooks) for hp in model.hook_dict.values())
+    modules = sum(
+        len(m._forward_hooks) + len(m._backward_hooks) + len(m._forward_pre_hooks)
+        for m in model.modules()
+    )
+    return points, modules
+
+
+def snapshot(model: Any) -> tuple[Any, ...]:
+    """Train/eval mode, requires_grad and .grad of every parameter, and the hook counts: what
+    ra_lens must leave exactly as it was."""
+    params = list(model.parameters())
+    return (
+        model.training,
+        [p.requires_grad for p in params],
+        [None if p.grad is None else p.grad.clone() for p in params],
+        hook_count(model),
+    )

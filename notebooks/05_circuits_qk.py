@@ -1,9 +1,12 @@
 # ---
 # jupyter:
 #   jupytext:
+#     cell_metadata_filter: -all
+#     notebook_metadata_filter: kernelspec,-jupytext.text_representation.jupytext_version
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
 #   kernelspec:
 #     display_name: Python 3 (ipykernel)
 #     language: python
@@ -38,15 +41,15 @@
 import time
 import warnings
 
-# tqdm warns once when ipywidgets is missing; progress bars still work as plain text
-warnings.filterwarnings("ignore", message="IProgress not found")
-
 from IPython.display import HTML
 
 import ra_lens
 from ra_lens import viz
 from ra_lens.experiments.attention_attribution import patching_effects, pearson, top_recall
 from ra_lens.tasks import ioi
+
+# tqdm warns once when ipywidgets is missing; progress bars still work as plain text
+warnings.filterwarnings("ignore", message="IProgress not found")
 
 model = ra_lens.load_model(device="cpu")
 n_layers, n_heads, n_kv = model.cfg.n_layers, model.cfg.n_heads, model.cfg.n_key_value_heads
@@ -76,8 +79,10 @@ linear = ra_lens.attention_attribution(model, clean, corrupted, metric, method="
 seconds["linear"] = time.perf_counter() - began
 ra = ra_lens.reversed_attention(model, clean, metric)  # RA of the same metric, clean prompt
 print(f"metric: clean {float(exact.other_metric[0]):.2f}, corrupted {float(exact.metric[0]):.2f}")
-print(f"exact estimate of all {3 * n_layers * n_heads} q/k/pattern nodes x positions: "
-      f"{seconds['exact']:.1f} s; linear: {seconds['linear']:.1f} s")
+print(
+    f"exact estimate of all {3 * n_layers * n_heads} q/k/pattern nodes x positions: "
+    f"{seconds['exact']:.1f} s; linear: {seconds['linear']:.1f} s"
+)
 assert float(exact.other_metric[0]) > float(exact.metric[0]) + 1, "clean should favour the answer"
 print("top query heads (exact):", [(la, h, round(v, 3)) for la, h, v in exact.top(5, "query")])
 print("top KV heads by key (exact):", [(la, h, round(v, 3)) for la, h, v in exact.top(5, "key")])
@@ -100,8 +105,10 @@ truth = {
     "query": effects[: n_layers * n_heads].reshape(n_layers, n_heads).float(),
     "key": effects[n_layers * n_heads :].reshape(n_layers, n_kv).float(),
 }
-print(f"activation patching: {seconds['activation patching']:.0f} s, "
-      f"{seconds['activation patching'] / seconds['exact']:.0f}x the exact estimate")
+print(
+    f"activation patching: {seconds['activation patching']:.0f} s, "
+    f"{seconds['activation patching'] / seconds['exact']:.0f}x the exact estimate"
+)
 
 # %% [markdown]
 # ## Side by side
@@ -164,6 +171,7 @@ viz.estimate_scatter(
 # one-hot has a tiny softmax derivative, so the linear estimate and its RA map are small even
 # when patching it moves the answer.
 
+
 # %%
 def rank_of(scores, index):
     return int((scores.flatten().abs() > scores.flatten().abs()[index]).sum()) + 1
@@ -176,17 +184,34 @@ for kind in ("query", "key"):
     width = truth[kind].shape[1]
     for flat in truth[kind].flatten().abs().argsort(descending=True)[:6].tolist():
         layer, head = divmod(flat, width)
-        heads = [head] if kind == "query" else range(head * (n_heads // n_kv), (head + 1) * (n_heads // n_kv))
+        heads = (
+            [head]
+            if kind == "query"
+            else range(head * (n_heads // n_kv), (head + 1) * (n_heads // n_kv))
+        )
         row_max = max(float(exact.patterns[0, layer, h, last].max()) for h in heads)
         best_ra = min(rank_of(ra_scores, layer * n_heads + h) for h in heads)
-        rows.append((kind, layer, head, float(truth[kind][layer, head]),
-                     rank_of(exact.scores[kind], flat), rank_of(linear.scores[kind], flat),
-                     best_ra, row_max))
-print(f"{'node':>6} {'L':>3} {'H':>3} {'truth':>8} {'exact rank':>10} {'linear rank':>11} "
-      f"{'RA rank':>7} {'row max':>7}")
+        rows.append(
+            (
+                kind,
+                layer,
+                head,
+                float(truth[kind][layer, head]),
+                rank_of(exact.scores[kind], flat),
+                rank_of(linear.scores[kind], flat),
+                best_ra,
+                row_max,
+            )
+        )
+print(
+    f"{'node':>6} {'L':>3} {'H':>3} {'truth':>8} {'exact rank':>10} {'linear rank':>11} "
+    f"{'RA rank':>7} {'row max':>7}"
+)
 for kind, layer, head, value, r_exact, r_linear, r_ra, row_max in rows:
-    print(f"{kind:>6} {layer:>3} {head:>3} {value:>+8.3f} {r_exact:>10} {r_linear:>11} "
-          f"{r_ra:>7} {row_max:>7.3f}")
+    print(
+        f"{kind:>6} {layer:>3} {head:>3} {value:>+8.3f} {r_exact:>10} {r_linear:>11} "
+        f"{r_ra:>7} {row_max:>7.3f}"
+    )
 
 # %% [markdown]
 # ## The links that carry the effect
@@ -216,5 +241,7 @@ HTML(page)
 result = exact.to_transformer_lens()
 for node, score in result.top_nodes(6):
     token = exact.str_tokens[0][node.position]
-    print(f"{node.kind:8} L{node.layer:<2} H{node.head}  pos {node.position:>2} {token!r:>10}  {score:+.3f}")
+    print(
+        f"{node.kind:8} L{node.layer:<2} H{node.head}  pos {node.position:>2} {token!r:>10}  {score:+.3f}"
+    )
 assert result.top_nodes(1)[0][1] == max(result.node_scores.values(), key=abs)

@@ -33,7 +33,7 @@ $(VENV_TL2)/.installed: pyproject.toml
 		"transformers>=4.57,<4.58" "huggingface-hub<1.0" "numpy<2" "pyarrow<20"
 	touch $@
 
-test: test-tl4 test-tl2
+test: lint test-tl4 test-tl2
 
 test-tl4: setup
 	$(PY) -m pytest -q

@@ -238,10 +238,15 @@ HTML(page)
 # models such as SmolLM2.)
 
 # %%
-result = exact.to_transformer_lens()
-for node, score in result.top_nodes(6):
-    token = exact.str_tokens[0][node.position]
-    print(
-        f"{node.kind:8} L{node.layer:<2} H{node.head}  pos {node.position:>2} {token!r:>10}  {score:+.3f}"
-    )
-assert result.top_nodes(1)[0][1] == max(result.node_scores.values(), key=abs)
+try:
+    result = exact.to_transformer_lens()
+except ImportError as error:  # TransformerLens 2.x has no attribution module
+    print(f"skipped: {error}")
+    result = None
+if result is not None:
+    for node, score in result.top_nodes(6):
+        token = exact.str_tokens[0][node.position]
+        print(
+            f"{node.kind:8} L{node.layer:<2} H{node.head}  pos {node.position:>2} {token!r:>10}  {score:+.3f}"
+        )
+    assert result.top_nodes(1)[0][1] == max(result.node_scores.values(), key=abs)

@@ -8,12 +8,11 @@ from importlib import resources
 
 import pytest
 import torch
+from helpers import arch_or_hooked, bridge_model
 
 from ra_lens import tasks
 from ra_lens.tasks import Prompt, Task
-
-# Tiny TransformerBridge models: TransformerLens >= 3 only (the TL 2 run deselects these).
-pytestmark = pytest.mark.tl4
+from ra_lens.toy_models import tiny_model
 
 REQUIRED = {
     "antonym",
@@ -28,9 +27,7 @@ MIN_PAIRS = 100
 
 @pytest.fixture(scope="module")
 def model():
-    from ra_lens.toy_models import tiny_model
-
-    return tiny_model("gpt2")
+    return tiny_model(arch_or_hooked("gpt2"))
 
 
 def _pairs(n: int) -> list[tuple[str, str]]:
@@ -228,6 +225,7 @@ def _mixed_prompts(n_shots: int = 1) -> list[Prompt]:
     return tasks.build_prompts(task, splits.test[:9], shots=n_shots, demos_from=splits.train)
 
 
+@pytest.mark.tl4  # rigs the logits at unembed.hook_out, which HookedTransformer lacks
 def test_evaluate_known_logits_via_hook(model):
     """Replace the logits by a pattern whose ranks are known exactly at every position."""
     vocab = model.cfg.d_vocab
@@ -256,6 +254,7 @@ def test_evaluate_known_logits_via_hook(model):
         assert getattr(acc, f"top{k}") == pytest.approx(float((expected < k).float().mean()))
 
 
+@pytest.mark.tl4  # rigs the logits at unembed.hook_out, which HookedTransformer lacks
 def test_evaluate_topk_fractions(model):
     """Make the answer rank 0, 1, 2 or 5 on purpose and check the top-k fractions."""
     prompts = _mixed_prompts()[:4]
@@ -307,9 +306,7 @@ def test_evaluate_matches_brute_force_and_padding(model):
 
 @pytest.mark.parametrize("arch", ["llama", "opt"])
 def test_evaluate_padding_other_architectures(arch):
-    from ra_lens.toy_models import tiny_model
-
-    other = tiny_model(arch)
+    other = bridge_model(arch)
     prompts = _mixed_prompts(n_shots=2)
     assert tasks.evaluate(other, prompts, batch_size=5).ranks.tolist() == _brute_force_ranks(
         other, prompts

@@ -42,7 +42,7 @@ test-tl4: setup
 # real-model tests load SmolLM2 as a HookedTransformer here. Tests comparing the two backends
 # run the other environment's Python when it exists (after `make test-tl4`, or `make setup`).
 test-tl2: setup-tl2
-	$(PY_TL2) -m pytest -q -m "not tl4" tests
+	$(PY_TL2) -m pytest -q -m "not tl4" tests ra_lens
 
 demo: setup
 	$(VENV)/bin/ra-lens maps --prompt "I like Italy and France. I visited the city of" \

@@ -14,10 +14,10 @@ float32 by transformers (about 40 s) and saved as safetensors in the cache folde
 (``$RA_LENS_CACHE``, default ``~/.cache/ra_lens``); later calls read that copy in seconds.
 
     >>> from ra_lens.models import load_model
-    >>> model = load_model()                                           # doctest: +SKIP
-    >>> model.cfg.n_layers, model.cfg.n_heads, model.cfg.n_key_value_heads
-    (30, 9, 3)                                                         # doctest: +SKIP
-    >>> model.to_str_tokens("The capital of France is")                 # doctest: +SKIP
+    >>> model = load_model()                                  # doctest: +SKIP
+    >>> model.cfg.n_layers, model.cfg.n_heads, model.cfg.n_key_value_heads  # doctest: +SKIP
+    (30, 9, 3)
+    >>> model.to_str_tokens("The capital of France is")        # doctest: +SKIP
     ['<|im_start|>', 'The', ' capital', ' of', ' France', ' is']
 
 BOS: ``model.to_tokens`` prepends ``<|im_start|>`` (id 1), the tokenizer's ``bos_token`` and the

@@ -53,8 +53,7 @@ def layerwise_backward(
 
     Raises:
         RuntimeError: the model's blocks cannot be recomputed one by one (not called back to
-            back on the residual stream, a KV cache in use, or a head that is not ln_final ->
-            unembed).
+            back on the residual stream, or a head that is not ln_final -> unembed).
     """
     blocks = _blocks(model)
     head = _head(model)
@@ -99,6 +98,10 @@ def _with_residual(args: tuple, kwargs: dict, x: Tensor) -> tuple[tuple, dict]:
     return args, {**kwargs, "hidden_states": x}
 
 
+def _is_cache(value: Any) -> bool:
+    return hasattr(value, "get_seq_length") and hasattr(value, "update")
+
+
 def _first_tensor(output: Any) -> Tensor:
     return output[0] if isinstance(output, (tuple, list)) else output
 
@@ -128,7 +131,11 @@ def _record(
         def hook(module: Any, args: tuple, kwargs: dict) -> None:
             x = _residual(args, kwargs)
             check_link(f"block {index}", x)
-            calls[index] = (args, dict(kwargs))
+            # The model made a fresh key/value cache for this forward pass (reversed_attention
+            # passes tokens only); recomputing with it would append the keys again, so the
+            # recomputation runs without one.
+            kwargs = {k: None if _is_cache(v) else v for k, v in kwargs.items()}
+            calls[index] = (args, kwargs)
 
         return hook
 
@@ -155,14 +162,6 @@ def _record(
             "the forward pass did not call every block and the head once: "
             f"{type(model).__name__} cannot be recomputed block by block: {_UNSUPPORTED}"
         )
-    for _args, kwargs in calls.values():
-        for name, value in kwargs.items():
-            # A cache that the forward pass filled would be extended again by the recomputation.
-            if hasattr(value, "get_seq_length") and value.get_seq_length() > 0:
-                raise RuntimeError(
-                    f"the blocks are called with a filled key/value cache ({name!r}): "
-                    "memory='layerwise' recomputes blocks and needs a forward pass without one"
-                )
     # Kept to check that ln_final -> unembed reproduces the model's own logits.
     final["last_logits"] = logits[:, -1].clone()
     return calls, final

@@ -13,7 +13,7 @@ PIP_FLAGS := --disable-pip-version-check -q
 # another process are several times slower than one.
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup setup-tl2 test test-tl4 test-tl2 demo bench notebooks lint clean
+.PHONY: setup setup-tl2 test test-tl4 test-tl2 demo bench bench-long notebooks lint clean
 
 setup: $(VENV)/.installed
 setup-tl2: $(VENV_TL2)/.installed
@@ -46,6 +46,11 @@ demo: setup
 
 bench: setup
 	$(PY) benchmarks/bench_ra.py --json bench_out/bench.json
+
+# memory="layerwise" at long context (SmolLM2; the 8,192-token run takes many minutes on a CPU).
+bench-long: setup
+	$(PY) benchmarks/bench_long_context.py --compare 1024 --lengths 2048 4096 8192 \
+		--json bench_out/long_context.json
 
 notebooks: setup
 	$(PY) -m pytest -q tests/test_notebooks.py

@@ -261,7 +261,9 @@ class _Collector:
         maps = convert(pattern, pattern_grad, self.convention, self.scales[i], out=slot)
         pattern = upcast(pattern)
         if self.real is not None:
-            keep = self.real[:, None, :, None] & self.real[:, None, None, :]
+            # .to: on a model split across devices, this layer may sit elsewhere than the tokens.
+            real = self.real.to(maps.device)
+            keep = real[:, None, :, None] & real[:, None, None, :]
             maps = maps * keep
             pattern = pattern * keep
         self.norms[layer] = frobenius_norms(maps).to("cpu", torch.float32)

@@ -10,8 +10,9 @@ tokens are the ones gradient descent would tune to read it. Whether the model an
 not assumed: greedy next token and p(" Oslo") with the fact, and with the fact naming Kyoto instead
 (if the model read the fact, p(" Oslo") drops there and " Kyoto" rises).
 
-Writes <out>/long_context.json (answers, top heads, their top keys) and <out>/long_context.png
-(the RA rows of the top heads over positions, the fact shaded).
+Writes <out>/long_context.json (answers, top heads, their top keys), <out>/long_context.png (the
+RA rows of the top heads over positions, the fact shaded, and a zoom on it) and the rows
+themselves (<out>/long_context_rows.safetensors, ReversedAttention.load).
 """
 
 from __future__ import annotations
@@ -132,28 +133,45 @@ def main(argv: list[str] | None = None) -> None:
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "long_context.json").write_text(json.dumps(report, indent=1))
+    ra.save(args.out / "long_context_rows.safetensors")  # rows: layers x heads x pos floats
     plot(ra, heads, fact_pos, args.out / "long_context.png")
     print(json.dumps(report["top_heads_by_share_of_row_on_fact"], indent=1))
 
 
 def plot(ra: Any, heads: list[tuple[int, int]], fact_pos: list[int], path: Path) -> None:
+    """Left: each head's whole row (the fact shaded); right: a zoom on the fact's tokens."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(len(heads), 1, figsize=(11, 2.2 * len(heads)), sharex=True)
-    for ax, (layer, head) in zip(axes, heads):
-        row = ra.rows[0, ra.layers.index(layer), head]
-        ax.axvspan(fact_pos[0] - 0.5, fact_pos[-1] + 0.5, color="orange", alpha=0.3, lw=0)
-        ax.plot(row.numpy(), lw=0.7, color="tab:blue")
-        ax.set_ylabel(f"L{layer}H{head}")
-        ax.axhline(0, color="grey", lw=0.5)
-    axes[0].set_title(
-        "RA row at the question's last token (-log p(' Oslo')): negative = the loss wants "
-        "more attention there; orange = the fact"
+    fig, axes = plt.subplots(
+        len(heads),
+        2,
+        figsize=(13, 2.3 * len(heads)),
+        sharex="col",
+        gridspec_kw={"width_ratios": [3, 1.3]},
+        squeeze=False,
     )
-    axes[-1].set_xlabel("key position")
+    lo, hi = max(fact_pos[0] - 6, 0), fact_pos[-1] + 7
+    for (whole, zoom), (layer, head) in zip(axes, heads):
+        row = ra.rows[0, ra.layers.index(layer), head].numpy()
+        whole.axvspan(fact_pos[0] - 5, fact_pos[-1] + 5, color="orange", alpha=0.4, lw=0)
+        whole.plot(row, lw=0.7, color="tab:blue")
+        whole.axhline(0, color="grey", lw=0.5)
+        whole.set_ylabel(f"L{layer}H{head}")
+        zoom.axvspan(fact_pos[0] - 0.5, fact_pos[-1] + 0.5, color="orange", alpha=0.3, lw=0)
+        zoom.bar(range(lo, hi), row[lo:hi], color="tab:blue")
+        zoom.axhline(0, color="grey", lw=0.5)
+    axes[0][0].set_title(
+        "RA row at the question's last token, metric -log p(' Oslo'): negative = the loss wants "
+        "more attention there"
+    )
+    axes[0][1].set_title("zoom: the fact (orange)")
+    axes[-1][0].set_xlabel("key position")
+    tokens = ra.str_tokens[0][lo:hi] if ra.str_tokens is not None else None
+    if tokens is not None:
+        axes[-1][1].set_xticks(range(lo, hi), tokens, rotation=90, fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

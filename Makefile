@@ -14,7 +14,7 @@ PIP_FLAGS := --disable-pip-version-check -q
 # another process are several times slower than one.
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup setup-tl2 test test-tl4 test-tl2 demo bench figures notebooks lint clean
+.PHONY: setup setup-tl2 test test-tl4 test-tl2 demo bench bench-long figures notebooks lint clean
 
 setup: $(VENV)/.installed
 setup-tl2: $(VENV_TL2)/.installed
@@ -48,14 +48,19 @@ demo: setup
 	$(VENV)/bin/ra-lens maps --prompt "I like Italy and France. I visited the city of" \
 		--target " Florence" --top 8 --out demo_out --json demo_out/maps.json
 
-# Every benchmark script takes --json FILE (see benchmarks/README.md).
+# The ratio goals (benchmarks/README.md): bench_ra's plan, and layerwise vs the default route at
+# 1,024 tokens. bench-long adds the long lengths (the 8,192-token run takes many minutes on a CPU).
 bench: setup
-	set -e; for script in benchmarks/bench_*.py; do \
-		$(PY) $$script --json bench_out/$$(basename $$script .py).json; \
-	done
+	$(PY) benchmarks/bench_ra.py --json bench_out/bench_ra.json
+	$(PY) benchmarks/bench_long_context.py --compare 1024 --json bench_out/long_context_1024.json
 
 figures: setup
 	$(PY) docs/make_figures.py
+
+# memory="layerwise" at long context (SmolLM2; the 8,192-token run takes many minutes on a CPU).
+bench-long: setup
+	$(PY) benchmarks/bench_long_context.py --compare 1024 --lengths 2048 4096 8192 \
+		--json bench_out/long_context.json
 
 notebooks: setup
 	$(PY) -m pytest -q tests/test_notebooks.py

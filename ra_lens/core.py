@@ -8,8 +8,9 @@ the gradient at `hook_z` and the values at `hook_v` instead: R = G V^T.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from typing import Any, Literal
 
@@ -19,6 +20,7 @@ from torch import Tensor
 
 from ra_lens import capture
 from ra_lens.capture import PATTERN, RESID_PRE, Batch, HookedModel, V, Z
+from ra_lens.layerwise import layerwise_backward
 from ra_lens.math import (
     CONVENTIONS,
     Convention,
@@ -29,7 +31,8 @@ from ra_lens.math import (
 )
 from ra_lens.result import ReversedAttention, stack_layers
 
-Keep = Literal["maps", "norms"]
+Keep = Literal["maps", "norms", "rows"]
+Memory = Literal["full", "layerwise"]
 MetricFn = Callable[..., Tensor]
 RawHook = Callable[[Tensor], None]
 
@@ -42,6 +45,8 @@ def reversed_attention(
     layers: Sequence[int] | None = None,
     keep: Keep = "maps",
     convention: Convention = "qk",
+    memory: Memory = "full",
+    rows_at: Int[Tensor, "batch"] | None = None,
 ) -> ReversedAttention:
     """Reversed Attention dL/d(QK^T) of every head, for each prompt's own metric.
 
@@ -55,9 +60,17 @@ def reversed_attention(
             prompt's real length (all of `ra_lens.metrics` do).
         layers: layers to compute (default all); the backward pass stops at the first of them.
         keep: "maps" keeps maps and patterns; "norms" keeps only per-head norms (memory
-            O(layer x head) rather than O(batch x layer x head x pos^2)).
+            O(layer x head) rather than O(batch x layer x head x pos^2)); "rows" keeps the norms
+            and each prompt's RA row at its loss position, `ra.rows` (O(batch x layer x head x
+            pos)).
         convention: "qk" (the paper's RA), "scores" (dL/d pre-softmax scores = s * RA) or
             "pattern" (dL/dA, masked to the causal triangle).
+        memory: "full" keeps the whole autograd graph (one forward + one backward); "layerwise"
+            runs the forward without autograd, then recomputes one block at a time from the last
+            down (about one forward more; peak memory one block's attention instead of every
+            layer's). Same result; see `ra_lens.layerwise`.
+        rows_at: with keep="rows", the query position of each prompt's row, Int[Tensor, "batch"]
+            (default: each prompt's last real position, where the ra_lens.metrics read by default).
 
     Returns:
         ReversedAttention with maps Float[Tensor, "batch layer head query key"] (CPU, float32).
@@ -68,8 +81,12 @@ def reversed_attention(
     """
     if convention not in CONVENTIONS:
         raise ValueError(f"unknown convention {convention!r}: choose one of {CONVENTIONS}")
-    if keep not in ("maps", "norms"):
-        raise ValueError(f"unknown keep {keep!r}: choose 'maps' or 'norms'")
+    if keep not in ("maps", "norms", "rows"):
+        raise ValueError(f"unknown keep {keep!r}: choose 'maps', 'norms' or 'rows'")
+    if rows_at is not None and keep != "rows":
+        raise ValueError("rows_at chooses the rows of keep='rows': pass keep='rows' with it")
+    if memory not in ("full", "layerwise"):
+        raise ValueError(f"unknown memory {memory!r}: choose 'full' or 'layerwise'")
     shape = capture.model_shape(model)
     chosen = capture.check_layers(layers, shape.n_layers)
     batch = capture.to_batch(model, tokens)
@@ -79,11 +96,21 @@ def reversed_attention(
         _check_z_route(model, [layer for layer, r in zip(chosen, routes) if r == "z"])
     scales = [capture.attention_scale(model, layer) for layer in chosen]
 
-    collector = _Collector(batch, chosen, routes, scales, convention, keep)
+    collector = _Collector(batch, chosen, routes, scales, convention, keep, rows_at)
+    if memory == "layerwise":
+        with capture.preserved_state(model):
+            values = layerwise_backward(
+                model,
+                batch.tokens,
+                chosen[0],
+                lambda logits: metric_loss(metric, logits, batch),
+                lambda: _collecting(model, collector),
+            )
+        return collector.result(values.detach().float().cpu(), _str_tokens(model, batch))
     store: dict[str, Tensor] = {}
-    fwd = [(RESID_PRE.format(chosen[0]), capture.gradient_leaf_hook(store))] + collector.fwd_hooks()
+    leaf = [(RESID_PRE.format(chosen[0]), capture.gradient_leaf_hook(store))]
     with capture.preserved_state(model), torch.enable_grad():
-        with capture.raw_input_hooks(model, *collector.raw_hooks()), model.hooks(fwd_hooks=fwd):
+        with _collecting(model, collector), model.hooks(fwd_hooks=leaf):
             logits = model(batch.tokens)
             values, loss = metric_loss(metric, logits, batch)
             (leaf_grad,) = torch.autograd.grad(loss, [store["leaf"]], allow_unused=True)
@@ -93,6 +120,14 @@ def reversed_attention(
             "(no gradient path): compute it from the logits the model returns"
         )
     return collector.result(values.detach().float().cpu(), _str_tokens(model, batch))
+
+
+@contextlib.contextmanager
+def _collecting(model: HookedModel, collector: _Collector) -> Iterator[None]:
+    """The collector's hooks, on for the forward (and backward) passes inside the block."""
+    with capture.raw_input_hooks(model, *collector.raw_hooks()):
+        with model.hooks(fwd_hooks=collector.fwd_hooks()):
+            yield
 
 
 def _check_z_route(model: HookedModel, layers: list[int]) -> None:
@@ -170,9 +205,13 @@ class _Collector:
         scales: list[float],
         convention: Convention,
         keep: Keep,
+        rows_at: Tensor | None = None,
     ):
         self.batch, self.layers, self.routes, self.scales = batch, layers, routes, scales
         self.convention, self.keep = convention, keep
+        # keep="rows": the query position of each prompt's row (its loss position).
+        self.row_positions = _row_positions(rows_at, batch) if keep == "rows" else None
+        self.rows: dict[int, Tensor] = {}
         self.patterns: dict[int, Tensor] = {}
         self.values: dict[int, Tensor] = {}
         self.norms: dict[int, Tensor] = {}
@@ -235,11 +274,17 @@ class _Collector:
         maps = convert(pattern, pattern_grad, self.convention, self.scales[i], out=slot)
         pattern = upcast(pattern)
         if self.real is not None:
-            keep = self.real[:, None, :, None] & self.real[:, None, None, :]
+            # .to: on a model split across devices, this layer may sit elsewhere than the tokens.
+            real = self.real.to(maps.device)
+            keep = real[:, None, :, None] & real[:, None, None, :]
             maps = maps * keep
             pattern = pattern * keep
         self.norms[layer] = frobenius_norms(maps).to("cpu", torch.float32)
         self.pattern_norms[layer] = frobenius_norms(pattern).to("cpu", torch.float32)
+        if self.row_positions is not None:
+            prompts = torch.arange(maps.shape[0], device=maps.device)
+            rows = maps[prompts, :, self.row_positions.to(maps.device)]
+            self.rows[layer] = rows.to("cpu", torch.float32)
         if self.maps is not None and self.kept_patterns is not None:
             if maps is not slot:
                 self.maps[:, i].copy_(maps)
@@ -287,5 +332,22 @@ class _Collector:
             routes=list(self.routes),
             maps=self.maps,
             patterns=self.kept_patterns,
+            rows=stack_layers([self.rows[la] for la in self.layers]) if self.rows else None,
+            row_positions=None if self.row_positions is None else self.row_positions.cpu(),
             str_tokens=str_tokens,
         )
+
+
+def _row_positions(rows_at: Tensor | None, batch: Batch) -> Tensor:
+    """Each prompt's row position for keep="rows", checked against its real length."""
+    if rows_at is None:
+        return batch.lengths - 1
+    positions = torch.as_tensor(rows_at, dtype=torch.long).reshape(-1).to(batch.lengths.device)
+    if positions.shape[0] != batch.lengths.shape[0] or bool(
+        ((positions < 0) | (positions >= batch.lengths)).any()
+    ):
+        raise ValueError(
+            f"rows_at {positions.tolist()} must give one position per prompt inside its real "
+            f"length {batch.lengths.tolist()}"
+        )
+    return positions

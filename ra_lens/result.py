@@ -14,7 +14,17 @@ from jaxtyping import Float, Int
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-_TENSORS = ("maps", "patterns", "norms", "pattern_norms", "tokens", "lengths", "metric_values")
+_TENSORS = (
+    "maps",
+    "patterns",
+    "norms",
+    "pattern_norms",
+    "tokens",
+    "lengths",
+    "metric_values",
+    "rows",
+    "row_positions",
+)
 
 
 @dataclass
@@ -33,6 +43,8 @@ class ReversedAttention:
         convention: "qk" (dL/d(QK^T), the paper's RA), "scores" or "pattern".
         scales: the attention scale s of each layer in `layers`.
         routes: how each layer's gradient was read: "pattern" (hook_pattern) or "z" (hook_z, hook_v).
+        rows: Float[Tensor, "batch layer head key"], each prompt's RA row at its loss position
+            (keep="rows"); row_positions: Int[Tensor, "batch"], the query position of each row.
     """
 
     norms: Float[Tensor, "batch layer head"]
@@ -46,11 +58,13 @@ class ReversedAttention:
     routes: list[str]
     maps: Float[Tensor, "batch layer head query key"] | None = None
     patterns: Float[Tensor, "batch layer head query key"] | None = None
+    rows: Float[Tensor, "batch layer head key"] | None = None
+    row_positions: Int[Tensor, "batch"] | None = None
     str_tokens: list[list[str]] | None = field(default=None, repr=False)
 
     def __repr__(self) -> str:
         batch, n_layers, n_heads = self.norms.shape
-        kept = "maps" if self.maps is not None else "norms"
+        kept = "maps" if self.maps is not None else "rows" if self.rows is not None else "norms"
         return (
             f"ReversedAttention(batch={batch}, layers={n_layers}, heads={n_heads}, "
             f"pos={self.tokens.shape[1]}, convention={self.convention!r}, keep={kept!r})"
@@ -87,10 +101,29 @@ class ReversedAttention:
         n = int(self.lengths[prompt])
         return self._need("maps")[prompt, self.layers.index(layer), head, :n, :n]
 
-    def _need(self, name: str) -> Tensor:
+    def top_keys(
+        self, layer: int, head: int, k: int = 10, prompt: int = 0
+    ) -> list[tuple[int, str | None, float]]:
+        """The k keys with the largest |RA| in one head's loss row: which tokens the metric's
+        gradient most wants this head to read more or less (keep="rows").
+
+        Returns (position, token string or None, signed RA value), largest |RA| first. With a
+        loss to minimise (NLL), gradient descent moves the logits along -RA: a negative value
+        asks for more attention to that key, a positive one for less.
+        """
+        row = self._need("rows", keep="rows")[prompt, self.layers.index(layer), head]
+        row = row[: int(self.lengths[prompt])]
+        _, positions = row.abs().topk(min(k, row.shape[0]))
+        tokens = self.str_tokens[prompt] if self.str_tokens is not None else None
+        return [
+            (p, tokens[p] if tokens is not None else None, float(row[p]))
+            for p in positions.tolist()
+        ]
+
+    def _need(self, name: str, keep: str = "maps") -> Tensor:
         value = getattr(self, name)
         if value is None:
-            raise ValueError(f"{name} were not kept: call reversed_attention(..., keep='maps')")
+            raise ValueError(f"{name} were not kept: call reversed_attention(..., keep={keep!r})")
         return value
 
     @classmethod

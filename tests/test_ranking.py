@@ -728,3 +728,63 @@ def test_spearman_interval_resamples_prompts():
     mixed = rk.spearman_interval(a, fixed, n_boot=100, seed=0)
     assert mixed.estimate == pytest.approx(rk.spearman(a.mean(0), fixed))
     assert mixed.low <= mixed.estimate <= mixed.high
+
+
+# --------------------------------------------------------------------------------------------
+# the study script and the command line
+
+
+def test_ranking_study_quick_writes_runtime_seconds_and_intervals(tmp_path, capsys):
+    from ra_lens.experiments.ranking_study import main
+
+    out = tmp_path / "study.json"
+    assert main(["--quick", "--json", str(out), "--plots", str(tmp_path / "plots")]) == 0
+    data = json.loads(out.read_text())
+    assert data["runtime_seconds"] > 0 and data["config"]["model"].startswith("tiny-llama")
+    cells = {(c["task"], c["shots"], c["ablation"]) for c in data["cells"]}
+    assert cells == {("toy", s, a) for s in (0, 2) for a in ("zero", "mean")}
+    goals = data["goals"]
+    assert set(goals["cm_over_ra_speed_ratio"]) == {f"toy {s}-shot {a}" for _, s, a in cells}
+    assert goals["cm_over_ra_speed_ratio_goal"] == 50.0  # reported, never asserted on timing
+    for cell in data["cells"]:
+        expected = set(RANKINGS) if cell["shots"] else {
+            n for n, spec in RANKINGS.items() if not spec.needs_labels
+        }  # fmt: skip
+        assert set(cell["rankings"]) == expected
+        assert cell["fractions"] == list(rk.DENSE_FRACTIONS)
+        for name, entry in cell["rankings"].items():
+            assert entry["seconds"] >= 0
+            auc = entry["intervals"]["auc"]
+            assert auc["estimate"] == pytest.approx(entry["auc"])
+            assert auc["low"] <= auc["estimate"] <= auc["high"]
+            assert auc["n"] == cell["n_test"]
+            if name != "ra":
+                assert "paired_vs_ra" in entry["intervals"] and "spearman" in entry["intervals"]
+    # mean ablation reuses the protocol-independent rankings, recomputes causal mediation
+    zero, mean = data["cells"][2], data["cells"][3]
+    assert zero["rankings"]["ra"]["scores"] == mean["rankings"]["ra"]["scores"]
+    assert (
+        zero["rankings"]["causal_mediation"]["scores"]
+        != mean["rankings"]["causal_mediation"]["scores"]
+    )
+    rows = data["summary"]
+    assert all(row["n_test"] == 4 for row in rows)
+    assert len(list((tmp_path / "plots").glob("toy_*shot_*.png"))) == 4
+    assert "causal mediation / RA seconds" in capsys.readouterr().out
+
+
+def test_rank_command_takes_several_tasks_and_rankings(capsys):
+    from ra_lens.cli import _parser, main
+
+    args = _parser().parse_args(
+        ["rank", "--task", "antonym", "--task", "capitalize", "--ablation", "mean",
+         "--rankings", "ra,cm_first_order,ra_temperature"]
+    )  # fmt: skip
+    assert args.task == ["antonym", "capitalize"] and args.ablation == "mean"
+    assert (
+        main(["rank", "--task", "antonym", "--rankings", "ra,nope", "--model", "tiny-llama"]) == 2
+    )
+    err = capsys.readouterr().err
+    assert "unknown ranking 'nope'" in err and "indirect_effect" in err
+    with pytest.raises(SystemExit):
+        main(["rank", "--task", "antonym", "--ablation", "resample"])

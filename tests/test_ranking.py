@@ -633,7 +633,9 @@ def beta_gradient(model, text, target):
     def scale(layer):
         def hook(scores, hook):
             b = beta[layer].to(scores.dtype)[None, :, None, None]
-            return torch.where(torch.isfinite(scores), scores * b, scores)
+            # masked entries (-inf) stay out of the product: -inf * 0 would make the gradient NaN
+            finite = torch.isfinite(scores)
+            return torch.where(finite, scores, 0.0) * b + torch.where(finite, 0.0, scores)
 
         return hook
 

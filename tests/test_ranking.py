@@ -773,6 +773,11 @@ def test_ranking_study_quick_writes_runtime_seconds_and_intervals(tmp_path, caps
     assert all(row["n_test"] == 4 for row in rows)
     assert len(list((tmp_path / "plots").glob("toy_*shot_*.png"))) == 4
     assert "causal mediation / RA seconds" in capsys.readouterr().out
+    assert main(["--markdown", str(out)]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert len(table) == 2 + len(rows) and "| toy | 2 | mean | 4 | causal_mediation |" in "\n".join(
+        table
+    )
 
 
 def test_rank_command_takes_several_tasks_and_rankings(capsys):

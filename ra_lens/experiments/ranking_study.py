@@ -181,6 +181,32 @@ class StudyResult:
         return paths
 
 
+def markdown_summary(data: dict[str, Any]) -> str:
+    """A markdown table from a saved study (`StudyResult.to_dict()` or its JSON): one row per
+    task x shots x ablation x ranking with the top-1 AUC and its 95% interval, the reverse AUC,
+    AUC(RA) - AUC(ranking) with its paired interval, Spearman with RA and seconds."""
+
+    def ci(entry: dict[str, Any] | None) -> str:
+        if not entry or entry["estimate"] is None:
+            return "-"
+        return f"{entry['estimate']:.3f} [{entry['low']:.3f}, {entry['high']:.3f}]"
+
+    lines = [
+        "| task | shots | ablation | n test | ranking | AUC top-1 [95% CI] | reverse AUC | "
+        "AUC(RA) - AUC(it) [95% CI] | Spearman with RA [95% CI] | seconds |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in data["summary"]:
+        reverse = row["reverse_auc"]["estimate"] if row["reverse_auc"] else float("nan")
+        lines.append(
+            f"| {row['task']} | {row['shots']} | {row['ablation']} | {row['n_test']} | "
+            f"{row['ranking']} | {ci(row['auc'])} | {reverse:.3f} | "
+            f"{ci(row['ra_minus_ranking_auc'])} | {ci(row['spearman_with_ra'])} | "
+            f"{row['seconds']:.1f} |"
+        )
+    return "\n".join(lines)
+
+
 def _label(cell: HeadRankingResult) -> str:
     return f"{cell.task} {cell.shots}-shot {cell.ablation}"
 
@@ -308,7 +334,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--json", default=None, metavar="FILE", help="write the results here")
     parser.add_argument("--plots", type=Path, default=None, metavar="DIR", help="write plots here")
+    parser.add_argument(
+        "--markdown", type=Path, default=None, metavar="JSON", help="print a saved study's table"
+    )
     args = parser.parse_args(argv)
+    if args.markdown is not None:
+        print(markdown_summary(json.loads(args.markdown.read_text())))
+        return 0
     try:
         rankings = [n.strip() for n in args.rankings.split(",") if n.strip()]
         ablations = [a.strip() for a in args.ablations.split(",") if a.strip()]

@@ -87,7 +87,17 @@ def _parser() -> argparse.ArgumentParser:
         description="Rank attention heads for an ICL task by RA norm and by the baselines, then "
         "keep the top p% of heads (ablating the rest) and measure accuracy.",
     )
-    _task_args(rank)
+    rank.add_argument(
+        "--task",
+        required=True,
+        action="append",
+        help="ICL task (repeat for several), one of: " + ", ".join(_task_names()),
+    )
+    rank.add_argument(
+        "--rankings",
+        default=None,
+        help="comma-separated rankings (default all): " + ", ".join(_ranking_names()),
+    )
     rank.add_argument("--shots", type=int, default=5, help="demonstrations per prompt (5)")
     rank.add_argument("--n-prompts", type=int, default=25, help="prompts per ranking (25)")
     rank.add_argument("--n-test", type=int, default=None, help="cap on test prompts (all)")
@@ -352,23 +362,34 @@ def _run_patch(args: argparse.Namespace) -> int:
 
 def _run_rank(args: argparse.Namespace) -> int:
     from ra_lens.experiments import head_ranking
+    from ra_lens.experiments.ranking import check_rankings
 
+    extra: dict[str, Any] = {} if args.fractions is None else {"fractions": _floats(args.fractions)}
+    if args.rankings is not None:
+        extra["rankings"] = check_rankings(
+            [n.strip() for n in args.rankings.split(",") if n.strip()]
+        )
     model = _load(args.model, args.backend)
-    extra = {} if args.fractions is None else {"fractions": _floats(args.fractions)}
-    result = head_ranking(
-        model,
-        args.task,
-        shots=args.shots,
-        n_prompts=args.n_prompts,
-        n_test=args.n_test,
-        ablation=args.ablation,
-        **extra,
-    )
-    _say(args, result.table())
-    if args.out is not None:
-        for path in result.plot(args.out):
-            _say(args, f"wrote {path}")
-    _emit_json(args.json, result.to_dict())
+    results = []
+    for task in args.task:
+        result = head_ranking(
+            model,
+            task,
+            shots=args.shots,
+            n_prompts=args.n_prompts,
+            n_test=args.n_test,
+            ablation=args.ablation,
+            **extra,
+        )
+        results.append(result)
+        _say(args, result.table())
+        if args.out is not None:
+            out = args.out if len(args.task) == 1 else args.out / task
+            for path in result.plot(out):
+                _say(args, f"wrote {path}")
+    # One task: its result as before; several: {"results": [one per task]}.
+    dicts = [r.to_dict() for r in results]
+    _emit_json(args.json, dicts[0] if len(dicts) == 1 else {"results": dicts})
     return 0
 
 
@@ -384,7 +405,7 @@ def _run_attribute(args: argparse.Namespace) -> int:
 
     seconds: dict[str, float] = {}
     start = time.perf_counter()
-    model = _load(args.model)
+    model = _load(args.model, args.backend)
     seconds["load_model"] = time.perf_counter() - start
     target = _first_token(model, args.target, "--target")
     if args.wrong is None:
@@ -471,6 +492,18 @@ def _run_attribute(args: argparse.Namespace) -> int:
         },
     )
     return 0
+
+
+def _task_names() -> list[str]:
+    from ra_lens import tasks
+
+    return tasks.available()
+
+
+def _ranking_names() -> list[str]:
+    from ra_lens.experiments.ranking import RANKINGS
+
+    return list(RANKINGS)
 
 
 def _floats(text: str) -> list[float]:

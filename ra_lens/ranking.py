@@ -14,10 +14,17 @@ Every ranking is a score per head, Float[Tensor, "layer head"] (the shape of
   p(target) when one head's clean output (all positions) is patched into the corrupted run.
 - `attribution_patching`: its first-order approximation, sum of dM/dz (corrupted run) times
   (z_clean - z_corrupted) at hook_z, from two forward passes and one backward pass.
+- `first_order_mediation`: the same first-order estimate of `causal_mediation` (gradient at hook_z
+  times actual minus ablated output), one forward + backward pass for all heads.
+- `indirect_effect`: Todd et al.'s: a head's mean last-token output patched into shuffled-label
+  prompts, gain in p(target).
+- `temperature_ranking`: |d loss / d inverse temperature| per head = |sum of RA * QK^T|.
 
-`ablation_curve` keeps the top (or bottom) fraction of heads under a ranking, zeroes every other
-head's output at hook_z, and records the task's top-k accuracy; `AblationCurve.auc` is the area
-under that curve. `spearman` and `top_k_overlap` compare two rankings.
+`ablation_curve` keeps the top (or bottom) fraction of heads under a ranking, zeroes (or
+mean-ablates, `last_token_means`) every other head's output at hook_z, and records the task's
+top-k accuracy; `AblationCurve.auc` is the area under that curve. `spearman` and `top_k_overlap`
+compare two rankings; `auc_interval`, `paired_auc_difference` and `spearman_interval` put
+percentile bootstrap intervals over prompts on them.
 
     >>> scores = ra_ranking(model, tokens, targets)                        # doctest: +SKIP
     >>> curve = ablation_curve(model, test_prompts, scores)                # doctest: +SKIP
@@ -30,7 +37,7 @@ import contextlib
 import functools
 import math
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import torch
@@ -47,30 +54,53 @@ from ra_lens.patching import head_ablation_hooks
 
 __all__ = [
     "DEFAULT_FRACTIONS",
+    "DENSE_FRACTIONS",
     "AblationCurve",
+    "Interval",
     "ablation_curve",
+    "ablation_hooks",
     "activation_patching",
     "attribution_patching",
+    "auc_interval",
+    "bootstrap_indices",
+    "bootstrap_mean",
     "causal_mediation",
     "check_fractions",
     "check_scores",
+    "evaluate_ablated",
+    "first_order_mediation",
     "forward_ranking",
     "head_order",
+    "indirect_effect",
     "kept_heads",
+    "last_token_means",
     "layer_ranking",
+    "paired_auc_difference",
+    "per_prompt_auc",
     "ra_ranking",
     "random_ranking",
     "spearman",
+    "spearman_interval",
     "target_probs",
+    "temperature_ranking",
+    "temperature_scores",
     "top_k_overlap",
 ]
 
 Tokens = Int[Tensor, "batch pos"] | Batch | str | Sequence[str]
 Targets = Int[Tensor, " batch"] | Sequence[int]
 Scores = Float[Tensor, "layer head"]
+PerPrompt = Float[Tensor, "batch layer head"]
+#: Mean head outputs for mean ablation: one vector per head (`patching.mean_head_outputs`, used at
+#: every position) or one per position counted back from the last token (`last_token_means`).
+HeadMeans = Float[Tensor, "layer head d_head"] | Float[Tensor, "layer head pos d_head"]
 
 #: p = 0, 10, ..., 100% of heads kept.
 DEFAULT_FRACTIONS: tuple[float, ...] = tuple(i / 10 for i in range(11))
+#: Dense where the curves move (most models break when over half their heads are removed).
+DENSE_FRACTIONS: tuple[float, ...] = (
+    0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9, 0.95, 1.0,
+)  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------
@@ -107,6 +137,11 @@ def target_probs(
     return last.softmax(-1)[rows, targets.to(logits.device)]
 
 
+def _reduce(values: Tensor, per_prompt: bool) -> Tensor:
+    """Per-prompt values [batch layer head] as float32, or their mean over prompts."""
+    return values.float() if per_prompt else values.double().mean(0).float()
+
+
 def _device(model: Any) -> torch.device:
     return next(model.parameters()).device
 
@@ -139,7 +174,8 @@ def ra_ranking(
     *,
     loss_row: bool = False,
     batch_size: int = 8,
-) -> Scores:
+    per_prompt: bool = False,
+) -> Scores | PerPrompt:
     """Mean Reversed Attention norm of each head, for each prompt's own -log p(target).
 
     Args:
@@ -150,6 +186,8 @@ def ra_ranking(
             memory stays O(layer x head)); True: norm of the map's row at the loss position
             (each prompt's last real token) only, which needs the maps (keep="maps").
         batch_size: prompts per forward + backward pass.
+        per_prompt: return each prompt's norms, Float[Tensor, "batch layer head"], instead of
+            their mean (for bootstrap intervals over prompts).
 
     Returns:
         Float[Tensor, "layer head"]: the mean over prompts (equals
@@ -158,7 +196,7 @@ def ra_ranking(
     """
     batch = capture.to_batch(model, tokens)
     targets = _targets(targets, batch.tokens.shape[0])
-    total, n = None, 0
+    parts = []
     for rows in _chunks(batch.tokens.shape[0], batch_size):
         part = _part(batch, rows)
         ra = reversed_attention(
@@ -171,40 +209,40 @@ def ra_ranking(
             norms = rows_at_loss.double().pow(2).sum(-1).sqrt().float()
         else:
             norms = ra.norms
-        total = norms.sum(0) if total is None else total + norms.sum(0)
-        n += norms.shape[0]
-    assert total is not None
-    return total / n
+        parts.append(norms)
+    return _reduce(torch.cat(parts), per_prompt)
 
 
-def forward_ranking(model: Any, tokens: Tokens, *, batch_size: int = 8) -> Scores:
+def forward_ranking(
+    model: Any, tokens: Tokens, *, batch_size: int = 8, per_prompt: bool = False
+) -> Scores | PerPrompt:
     """Mean Frobenius norm of each head's forward attention pattern (real positions only).
 
     One forward pass per batch, no gradient; equals `reversed_attention(...).forward_norms()`.
 
     Returns:
-        Float[Tensor, "layer head"].
+        Float[Tensor, "layer head"] (per_prompt: Float[Tensor, "batch layer head"]).
     """
     shape = capture.model_shape(model)
     batch = capture.to_batch(model, tokens)
-    sums = torch.zeros(shape.n_layers, shape.n_heads, dtype=torch.float64)
+    norms = torch.zeros(batch.tokens.shape[0], shape.n_layers, shape.n_heads, dtype=torch.float64)
     for rows in _chunks(batch.tokens.shape[0], batch_size):
         part = _part(batch, rows)
         positions = torch.arange(part.tokens.shape[1], device=part.tokens.device)
         real = positions[None, :] < part.lengths.to(part.tokens.device)[:, None]
         keep = real[:, None, :, None] & real[:, None, None, :]
 
-        def record(layer: int, keep: Tensor = keep):
+        def record(layer: int, keep: Tensor = keep, rows: slice = rows):
             def hook(pattern: Tensor, hook: Any) -> None:
-                norms = frobenius_norms(upcast(pattern) * keep.to(pattern.device))
-                sums[layer] += norms.double().sum(0).cpu()
+                head_norms = frobenius_norms(upcast(pattern) * keep.to(pattern.device))
+                norms[rows, layer] = head_norms.double().cpu()
 
             return hook
 
         hooks = [(PATTERN.format(la), record(la)) for la in range(shape.n_layers)]
         with torch.no_grad(), model.hooks(fwd_hooks=hooks):
             model(part.tokens)
-    return (sums / batch.tokens.shape[0]).float()
+    return _reduce(norms, per_prompt)
 
 
 def random_ranking(n_layers: int, n_heads: int, seed: int = 0) -> Scores:
@@ -229,14 +267,21 @@ def causal_mediation(
     tokens: Tokens,
     targets: Targets,
     *,
+    means: HeadMeans | None = None,
     batch_size: int = 32,
     progress: bool = False,
-) -> Scores:
-    """Drop in p(target) when one head's output is zeroed, mean over prompts.
+    per_prompt: bool = False,
+) -> Scores | PerPrompt:
+    """Drop in p(target) when one head's output is ablated, mean over prompts.
 
-    score[l, h] = mean_i (p_i - p_i with head (l, h) zeroed at hook_z), p at each prompt's last
+    score[l, h] = mean_i (p_i - p_i with head (l, h) ablated at hook_z), p at each prompt's last
     position. One forward pass per head and per batch of prompts (n_layers x n_heads x
     ceil(N / batch_size) passes), plus one clean pass per batch. Positive = the head helps.
+
+    Args:
+        means: None zeroes the head; otherwise its output is replaced by these means
+            (`mean_head_outputs`, or `last_token_means` aligned at each prompt's last token).
+        per_prompt: return Float[Tensor, "batch layer head"] instead of the mean.
 
     Returns:
         Float[Tensor, "layer head"].
@@ -244,17 +289,19 @@ def causal_mediation(
     shape = capture.model_shape(model)
     batch = capture.to_batch(model, tokens)
     targets = _targets(targets, batch.tokens.shape[0])
-    drops = torch.zeros(shape.n_layers, shape.n_heads, dtype=torch.float64)
+    _check_means(means, shape)
+    drops = torch.zeros(batch.tokens.shape[0], shape.n_layers, shape.n_heads, dtype=torch.float64)
     heads = [(la, h) for la in range(shape.n_layers) for h in range(shape.n_heads)]
     with torch.no_grad():
         for rows in _chunks(batch.tokens.shape[0], batch_size):
             part = _part(batch, rows)
             before = target_probs(model(part.tokens), part.lengths, targets[rows]).double()
             for layer, head in tqdm(heads, desc="causal mediation", disable=not progress):
-                with model.hooks(fwd_hooks=head_ablation_hooks([(layer, head)])):
+                hooks = ablation_hooks([(layer, head)], means=means, lengths=part.lengths)
+                with model.hooks(fwd_hooks=hooks):
                     after = target_probs(model(part.tokens), part.lengths, targets[rows]).double()
-                drops[layer, head] += (before - after).sum().cpu()
-    return (drops / batch.tokens.shape[0]).float()
+                drops[rows, layer, head] = (before - after).cpu()
+    return _reduce(drops, per_prompt)
 
 
 def _paired(
@@ -342,7 +389,8 @@ def attribution_patching(
     targets: Targets,
     *,
     batch_size: int = 32,
-) -> Scores:
+    per_prompt: bool = False,
+) -> Scores | PerPrompt:
     """First-order estimate of `activation_patching`: gradient x activation difference at hook_z.
 
     score[l, h] = mean_i sum_{pos, d} dp_i/dz[l, h] (corrupted run) * (z_clean - z_corrupted)[l, h],
@@ -355,7 +403,7 @@ def attribution_patching(
     clean, corrupted, targets = _paired(model, clean_tokens, corrupted_tokens, targets)
     shape = capture.model_shape(model)
     layers = list(range(shape.n_layers))
-    total = torch.zeros(shape.n_layers, shape.n_heads, dtype=torch.float64)
+    total = torch.zeros(clean.tokens.shape[0], shape.n_layers, shape.n_heads, dtype=torch.float64)
     for rows in _chunks(clean.tokens.shape[0], batch_size):
         clean_part, corrupted_part = _part(clean, rows), _part(corrupted, rows)
         clean_z = _z_activations(model, clean_part.tokens, layers)
@@ -386,8 +434,8 @@ def attribution_patching(
             )
         for la, grad in zip(layers, grads, strict=True):
             diff = clean_z[la].to(grad.device) - seen[la].detach()
-            total[la] += (upcast(grad) * upcast(diff)).sum((0, 1, 3)).double().cpu()
-    return (total / clean.tokens.shape[0]).float()
+            total[rows, la] = (upcast(grad) * upcast(diff)).sum((1, 3)).double().cpu()
+    return _reduce(total, per_prompt)
 
 
 def _z_activations(model: Any, tokens: Tensor, layers: list[int]) -> dict[int, Tensor]:
@@ -403,6 +451,327 @@ def _z_activations(model: Any, tokens: Tensor, layers: list[int]) -> dict[int, T
     with torch.no_grad(), model.hooks(fwd_hooks=[(Z.format(la), keep(la)) for la in layers]):
         model(tokens)
     return seen
+
+
+# --------------------------------------------------------------------------------------------
+# mean ablation aligned at the last token (Todd et al.)
+
+
+def last_token_means(
+    model: Any, tokens: Tokens, *, batch_size: int = 16
+) -> Float[Tensor, "layer head pos d_head"]:
+    """Each head's hook_z output averaged over prompts position by position, counted back from
+    each prompt's last real token (Todd et al.'s alignment for function vectors).
+
+    means[l, h, -1] is the mean output at the last token, means[l, h, -2] one token earlier, and
+    so on; entry -1 - j averages the prompts that are longer than j tokens. Use it with
+    `ablation_hooks` (mean ablation) on held-out prompts of the same task; the old
+    `patching.mean_head_outputs` (one mean over all real positions) stays available.
+
+    Returns:
+        Float[Tensor, "layer head pos d_head"] on the CPU, pos = the longest prompt's length.
+    """
+    shape = capture.model_shape(model)
+    batch = capture.to_batch(model, tokens)
+    m = int(batch.lengths.max())
+    sums = torch.zeros(shape.n_layers, shape.n_heads, m, shape.d_head, dtype=torch.float64)
+    counts = torch.zeros(m, dtype=torch.float64)
+    for rows in _chunks(batch.tokens.shape[0], batch_size):
+        part = _part(batch, rows)
+        # offset[i, p] = how many tokens position p lies before prompt i's last token
+        offset = part.lengths[:, None] - 1 - torch.arange(part.tokens.shape[1])[None, :]
+        real = offset >= 0
+        slot = (m - 1 - offset).clamp(0, m - 1)  # where position p lands on the aligned axis
+
+        def collect(layer: int, slot: Tensor = slot, real: Tensor = real):
+            def hook(z: Tensor, hook: Any) -> None:
+                values = upcast(z).double().cpu() * real[:, :, None, None]  # [batch pos head d]
+                flat = values.permute(1, 0, 2, 3).reshape(-1, shape.n_heads, shape.d_head)
+                aligned = torch.zeros(m, shape.n_heads, shape.d_head, dtype=torch.float64)
+                aligned.index_add_(0, slot.T.reshape(-1), flat)
+                sums[layer] += aligned.permute(1, 0, 2)
+
+            return hook
+
+        hooks = [(Z.format(la), collect(la)) for la in range(shape.n_layers)]
+        with torch.no_grad(), model.hooks(fwd_hooks=hooks):
+            model(part.tokens)
+        counts.index_add_(0, slot[real], torch.ones(int(real.sum()), dtype=torch.float64))
+    return (sums / counts[None, None, :, None]).float()
+
+
+def _check_means(means: HeadMeans | None, shape: Any) -> None:
+    if means is None:
+        return
+    if not isinstance(means, Tensor) or means.ndim not in (3, 4):
+        raise ValueError(
+            "means must be Float[Tensor, 'layer head d_head'] (patching.mean_head_outputs) or "
+            "Float[Tensor, 'layer head pos d_head'] (ranking.last_token_means)"
+        )
+    if means.shape[0] != shape.n_layers or means.shape[1] != shape.n_heads:
+        raise ValueError(
+            f"means of shape {tuple(means.shape)} do not fit a model of {shape.n_layers} layers x "
+            f"{shape.n_heads} heads: compute them on this model"
+        )
+
+
+def _replacement(
+    means: Float[Tensor, "head d_head"] | Float[Tensor, "head pos d_head"],
+    lengths: Int[Tensor, " batch"],
+    n_pos: int,
+) -> Float[Tensor, "batch pos head d_head"]:
+    """The value each ablated position takes: one vector per head, or the position-aligned mean
+    counted back from each row's last real token. Positions further back than the means reach
+    take the mean over the positions they cover; padding after the last token (which no real
+    position can see) takes the last token's mean."""
+    if means.ndim == 2:
+        return means[None, None].expand(lengths.shape[0], n_pos, *means.shape)
+    m = means.shape[1]
+    table = torch.cat([means.flip(1), means.mean(1, keepdim=True)], dim=1)  # [head m+1 d]
+    offset = lengths.cpu()[:, None] - 1 - torch.arange(n_pos)[None, :]
+    index = offset.clamp(0, m)  # m = "further back than the means reach"
+    return table[:, index].permute(1, 2, 0, 3)
+
+
+def ablation_hooks(
+    heads: Sequence[tuple[int, int]],
+    *,
+    means: HeadMeans | None = None,
+    lengths: Int[Tensor, " batch"] | None = None,
+) -> list[tuple[str, Callable]]:
+    """Hooks that ablate heads at `blocks.{l}.attn.hook_z`: zero (means None) or mean ablation.
+
+    Args:
+        heads: (layer, head) pairs to ablate.
+        means: Float[Tensor, "layer head d_head"] (the same vector at every position, as
+            `patching.head_ablation_hooks`) or Float[Tensor, "layer head pos d_head"] from
+            `last_token_means`, lined up with each prompt's last real token.
+        lengths: real length of each row of the batch the hooks will see (right padding);
+            default: every row is unpadded. Position-aligned means need it for padded batches.
+
+    Returns:
+        [(hook_name, hook_fn)] for `model.hooks(fwd_hooks=...)`.
+    """
+    if means is None or means.ndim == 3:
+        return head_ablation_hooks(heads, mode="zero" if means is None else "mean", means=means)
+    if means.ndim != 4:
+        raise ValueError(f"means must have 3 or 4 dimensions, got {tuple(means.shape)}")
+    by_layer: dict[int, list[int]] = {}
+    for layer, head in heads:
+        by_layer.setdefault(int(layer), []).append(int(head))
+
+    def ablate(layer: int, chosen: list[int]):
+        index = torch.tensor(chosen)
+
+        def hook(z: Tensor, hook: Any) -> Tensor:
+            rows = (
+                torch.full((z.shape[0],), z.shape[1], dtype=torch.long)
+                if lengths is None
+                else lengths
+            )
+            value = _replacement(means[layer, index], rows, z.shape[1])
+            z = z.clone()
+            z[:, :, index] = value.to(z.device, z.dtype)
+            return z
+
+        return hook
+
+    return [(Z.format(layer), ablate(layer, chosen)) for layer, chosen in sorted(by_layer.items())]
+
+
+def evaluate_ablated(
+    model: Any,
+    prompts: Sequence[Any],
+    ablated: Sequence[tuple[int, int]],
+    *,
+    means: HeadMeans | None = None,
+    batch_size: int = 16,
+) -> Any:
+    """`tasks.evaluate` with `ablated` heads zeroed or mean-ablated.
+
+    With position-aligned means the prompts run one token length at a time, so every row of a
+    batch is unpadded and lines up with the means at its last token. Returns `tasks.Accuracy`.
+    """
+    from ra_lens import tasks
+
+    if means is None or means.ndim == 3 or not ablated:
+        hooks = ablation_hooks(ablated, means=means) if ablated else []
+        return tasks.evaluate(model, list(prompts), fwd_hooks=hooks, batch_size=batch_size)
+    prompts = list(prompts)
+    lengths = tasks.prompt_lengths(prompts, model)
+    ranks = torch.empty(len(prompts), dtype=torch.long)
+    hooks = ablation_hooks(ablated, means=means)
+    for n in sorted(set(lengths)):
+        idx = [i for i, m in enumerate(lengths) if m == n]
+        acc = tasks.evaluate(
+            model, [prompts[i] for i in idx], fwd_hooks=hooks, batch_size=batch_size
+        )
+        ranks[idx] = acc.ranks
+    return tasks.Accuracy.from_ranks(ranks)
+
+
+# --------------------------------------------------------------------------------------------
+# cheap and Todd-style rankings
+
+
+def first_order_mediation(
+    model: Any,
+    tokens: Tokens,
+    targets: Targets,
+    *,
+    means: HeadMeans | None = None,
+    batch_size: int = 32,
+    per_prompt: bool = False,
+) -> Scores | PerPrompt:
+    """First-order estimate of `causal_mediation`: gradient at hook_z times (actual - ablated).
+
+    score[l, h] = mean_i sum_{pos, d} dp_i/dz[l, h] * (z - z_ablated)[l, h], p_i = p(target) at
+    the last position, z_ablated = 0 (zero ablation) or the means. This is the Taylor estimate
+    of p_i - p_i(head ablated), for every head from one forward and one backward pass per batch
+    (attribution patching with the ablation as the "corrupted" activation).
+
+    Returns:
+        Float[Tensor, "layer head"] (per_prompt: Float[Tensor, "batch layer head"]).
+    """
+    shape = capture.model_shape(model)
+    batch = capture.to_batch(model, tokens)
+    targets = _targets(targets, batch.tokens.shape[0])
+    _check_means(means, shape)
+    layers = list(range(shape.n_layers))
+    out = torch.zeros(batch.tokens.shape[0], shape.n_layers, shape.n_heads, dtype=torch.float64)
+    for rows in _chunks(batch.tokens.shape[0], batch_size):
+        part = _part(batch, rows)
+        z, grads = _z_and_grads(model, part, targets[rows], layers)
+        for la in layers:
+            diff = upcast(z[la])
+            if means is not None:
+                diff = diff - _replacement(means[la], part.lengths, diff.shape[1]).to(diff)
+            out[rows, la] = (upcast(grads[la]) * diff).sum((1, 3)).double().cpu()
+    return _reduce(out, per_prompt)
+
+
+def _z_and_grads(
+    model: Any, part: Batch, targets: Tensor, layers: list[int]
+) -> tuple[dict[int, Tensor], list[Tensor]]:
+    """hook_z of each layer and d(sum_i p_i(target))/d hook_z, from one forward + backward."""
+    store: dict[str, Tensor] = {}
+    seen: dict[int, Tensor] = {}
+
+    def keep(layer: int):
+        # On TransformerBridge hook_z sees a view of o's input; only a tensor the hook returns
+        # is used downstream, so return a clone and differentiate with respect to it.
+        def hook(z: Tensor, hook: Any) -> Tensor:
+            z = z.clone()
+            seen[layer] = z
+            return z
+
+        return hook
+
+    fwd = [(RESID_PRE.format(0), capture.gradient_leaf_hook(store))]
+    fwd += [(Z.format(la), keep(la)) for la in layers]
+    with capture.preserved_state(model), torch.enable_grad(), model.hooks(fwd_hooks=fwd):
+        probs = target_probs(model(part.tokens), part.lengths, targets)
+        grads = torch.autograd.grad(probs.sum(), [seen[la] for la in layers], allow_unused=True)
+    missing = [la for la, grad in zip(layers, grads, strict=True) if grad is None]
+    if missing:
+        raise RuntimeError(
+            f"no gradient reached hook_z of layers {missing}: this ranking needs hook_z in the "
+            "autograd graph of the output"
+        )
+    return {la: seen[la].detach() for la in layers}, list(grads)
+
+
+def indirect_effect(
+    model: Any,
+    clean_tokens: Tokens,
+    corrupted_tokens: Tokens,
+    targets: Targets,
+    *,
+    batch_size: int = 32,
+    progress: bool = False,
+    per_prompt: bool = False,
+) -> Scores | PerPrompt:
+    """Todd et al.'s indirect effect: gain in p(target) on shuffled-label prompts when one head's
+    last-token output is replaced by its mean last-token output over the clean prompts.
+
+    score[l, h] = mean_i (p_i(corrupted, z[l, h] at the last token := mean_clean) -
+    p_i(corrupted)). Only the last token is patched, so clean and corrupted prompts may differ in
+    length. One forward pass per head and per batch of corrupted prompts.
+
+    Args:
+        clean_tokens: prompts whose mean last-token hook_z is patched in.
+        corrupted_tokens: the prompts to patch (e.g. `shuffled_label_prompts` of the clean ones).
+        targets: the answer token of each corrupted prompt.
+
+    Returns:
+        Float[Tensor, "layer head"] (per_prompt: Float[Tensor, "batch layer head"]).
+    """
+    shape = capture.model_shape(model)
+    corrupted = capture.to_batch(model, corrupted_tokens)
+    targets = _targets(targets, corrupted.tokens.shape[0])
+    mean_last = last_token_means(model, clean_tokens, batch_size=batch_size)[:, :, -1]
+    gains = torch.zeros(
+        corrupted.tokens.shape[0], shape.n_layers, shape.n_heads, dtype=torch.float64
+    )
+    heads = [(la, h) for la in range(shape.n_layers) for h in range(shape.n_heads)]
+
+    def patch(head: int, value: Tensor, last: Tensor):
+        def hook(z: Tensor, hook: Any) -> Tensor:
+            z = z.clone()
+            z[torch.arange(z.shape[0]), last.to(z.device), head] = value.to(z.device, z.dtype)
+            return z
+
+        return hook
+
+    with torch.no_grad():
+        for rows in _chunks(corrupted.tokens.shape[0], batch_size):
+            part = _part(corrupted, rows)
+            base = target_probs(model(part.tokens), part.lengths, targets[rows]).double()
+            for layer, head in tqdm(heads, desc="indirect effect", disable=not progress):
+                hook = patch(head, mean_last[layer, head], part.lengths - 1)
+                with model.hooks(fwd_hooks=[(Z.format(layer), hook)]):
+                    after = target_probs(model(part.tokens), part.lengths, targets[rows]).double()
+                gains[rows, layer, head] = (after - base).cpu()
+    return _reduce(gains, per_prompt)
+
+
+def temperature_scores(
+    model: Any, tokens: Tokens, targets: Targets, *, batch_size: int = 8
+) -> PerPrompt:
+    """d(-log p(target))/d(beta_h) at beta = 1, per prompt and head, where beta_h multiplies
+    head h's attention logits (an inverse temperature): sum over the causal triangle of
+    RA * QK^T.
+
+    QK^T is not read from a hook: with S = QK^T / s + mask and A = softmax(S), log A = S - lse
+    row by row and every RA row sums to zero, so sum RA * QK^T = s * sum RA * log A over the
+    entries with A > 0 (RA vanishes where A does). It therefore works on every model RA works
+    on. Positive = sharpening the head raises the loss. When a row of A is nearly one-hot both RA
+    and this score go to zero, whatever the head does: the saturation blind spot is shared.
+
+    Returns:
+        Float[Tensor, "batch layer head"], signed.
+    """
+    batch = capture.to_batch(model, tokens)
+    targets = _targets(targets, batch.tokens.shape[0])
+    parts = []
+    for rows in _chunks(batch.tokens.shape[0], batch_size):
+        part = _part(batch, rows)
+        ra = reversed_attention(model, part, target_nll(targets[rows]), keep="maps")
+        assert ra.maps is not None and ra.patterns is not None
+        maps, patterns = ra.maps.double(), ra.patterns.double()
+        log_a = torch.where(patterns > 0, patterns.clamp_min(1e-300).log(), 0.0)
+        scales = torch.tensor(ra.scales, dtype=torch.float64)[None, :, None]
+        parts.append((maps * log_a).sum((-2, -1)) * scales)
+    return torch.cat(parts).float()
+
+
+def temperature_ranking(
+    model: Any, tokens: Tokens, targets: Targets, *, batch_size: int = 8, per_prompt: bool = False
+) -> Scores | PerPrompt:
+    """Mean |d loss / d inverse temperature| of each head (`temperature_scores`): an RA-derived
+    score without the Frobenius norm. Float[Tensor, "layer head"]."""
+    values = temperature_scores(model, tokens, targets, batch_size=batch_size).abs()
+    return _reduce(values, per_prompt)
 
 
 # --------------------------------------------------------------------------------------------
@@ -460,6 +829,182 @@ def top_k_overlap(a: Scores, b: Scores, k: int = 10) -> float:
         raise ValueError(f"k must be between 1 and the number of heads ({a.numel()}), got {k}")
     top_a, top_b = set(head_order(a)[:k]), set(head_order(b)[:k])
     return len(top_a & top_b) / k
+
+
+# --------------------------------------------------------------------------------------------
+# statistics: bootstrap over prompts
+
+
+@dataclass(frozen=True)
+class Interval:
+    """A point estimate with a percentile bootstrap interval.
+
+    Attributes:
+        estimate: the statistic on the data as observed.
+        low, high: the (1 - level) / 2 and (1 + level) / 2 quantiles of the bootstrap statistics.
+        level: coverage (0.95); n: prompts resampled; n_boot: resamples; seed: their seed.
+    """
+
+    estimate: float
+    low: float
+    high: float
+    level: float
+    n: int
+    n_boot: int
+    seed: int
+
+    def __str__(self) -> str:
+        return f"{self.estimate:.3f} [{self.low:.3f}, {self.high:.3f}]"
+
+    def to_dict(self) -> dict[str, float | int | None]:
+        def clean(x: float) -> float | None:
+            return None if math.isnan(x) else x
+
+        return {
+            "estimate": clean(self.estimate),
+            "low": clean(self.low),
+            "high": clean(self.high),
+            "level": self.level,
+            "n": self.n,
+            "n_boot": self.n_boot,
+            "seed": self.seed,
+        }
+
+
+def bootstrap_indices(n: int, n_boot: int = 2000, seed: int = 0) -> Int[Tensor, "n_boot n"]:
+    """Resampled prompt indices (with replacement) from `torch.Generator().manual_seed(seed)`:
+    the same seed gives the same resamples whatever the global RNG state."""
+    if n < 1 or n_boot < 1:
+        raise ValueError(f"need n >= 1 prompts and n_boot >= 1 resamples, got {n} and {n_boot}")
+    generator = torch.Generator().manual_seed(int(seed))
+    return torch.randint(0, n, (n_boot, n), generator=generator)
+
+
+def _interval(estimate: float, stats: Tensor, level: float, n: int, n_boot: int, seed: int):
+    if not 0 < level < 1:
+        raise ValueError(f"level must lie in (0, 1), got {level}")
+    stats = stats.double()
+    stats = stats[~stats.isnan()]
+    if stats.numel() == 0:
+        return Interval(estimate, float("nan"), float("nan"), level, n, n_boot, seed)
+    q = torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=torch.float64)
+    low, high = torch.quantile(stats, q).tolist()
+    return Interval(estimate, low, high, level, n, n_boot, seed)
+
+
+def bootstrap_mean(
+    values: Float[Tensor, " n"], *, n_boot: int = 2000, seed: int = 0, level: float = 0.95
+) -> Interval:
+    """Mean of per-prompt values with a percentile bootstrap interval over prompts."""
+    values = values.detach().double().cpu().reshape(-1)
+    index = bootstrap_indices(values.numel(), n_boot, seed)
+    return _interval(
+        float(values.mean()), values[index].mean(1), level, values.numel(), n_boot, seed
+    )
+
+
+def per_prompt_auc(curve: AblationCurve, k: int = 1) -> Float[Tensor, " n"]:
+    """Each test prompt's own area under its 0/1 top-k curve (trapezoid rule over the fractions,
+    sorted). Their mean is `curve.auc_at(k)`, which is why a bootstrap over prompts is exact
+    resampling of the AUC."""
+    order = sorted(range(len(curve.fractions)), key=lambda j: curve.fractions[j])
+    xs = torch.tensor([curve.fractions[j] for j in order], dtype=torch.float64)
+    hits = torch.stack([(curve.accuracies[j].ranks < k).double() for j in order])  # [step n]
+    if len(order) < 2:
+        return torch.zeros(hits.shape[1], dtype=torch.float64)
+    widths = (xs[1:] - xs[:-1])[:, None]
+    return (widths * (hits[1:] + hits[:-1]) / 2).sum(0)
+
+
+def auc_interval(
+    curve: AblationCurve,
+    k: int = 1,
+    *,
+    n_boot: int = 2000,
+    seed: int = 0,
+    level: float = 0.95,
+) -> Interval:
+    """Top-k ablation AUC with a percentile bootstrap interval over the test prompts."""
+    interval = bootstrap_mean(per_prompt_auc(curve, k), n_boot=n_boot, seed=seed, level=level)
+    return replace(interval, estimate=curve.auc_at(k))
+
+
+def paired_auc_difference(
+    a: AblationCurve,
+    b: AblationCurve,
+    k: int = 1,
+    *,
+    n_boot: int = 2000,
+    seed: int = 0,
+    level: float = 0.95,
+) -> Interval:
+    """AUC(a) - AUC(b) with a paired bootstrap: both curves resampled on the same test prompts.
+
+    Raises:
+        ValueError: the curves were not measured on the same number of prompts.
+    """
+    pa, pb = per_prompt_auc(a, k), per_prompt_auc(b, k)
+    if pa.shape != pb.shape:
+        raise ValueError(
+            f"curves on {pa.numel()} and {pb.numel()} prompts: a paired bootstrap needs both "
+            "measured on the same test prompts"
+        )
+    interval = bootstrap_mean(pa - pb, n_boot=n_boot, seed=seed, level=level)
+    return replace(interval, estimate=a.auc_at(k) - b.auc_at(k))
+
+
+def _fast_ranks(values: Tensor) -> Tensor:
+    """Average ranks; argsort of argsort when there are no ties (the usual case for scores)."""
+    if torch.unique(values).numel() < values.numel():
+        return _average_ranks(values)
+    ranks = torch.empty_like(values, dtype=torch.float64)
+    ranks[torch.argsort(values)] = torch.arange(1, values.numel() + 1, dtype=torch.float64)
+    return ranks
+
+
+def _spearman_flat(a: Tensor, b: Tensor) -> float:
+    ra, rb = _fast_ranks(a), _fast_ranks(b)
+    ra, rb = ra - ra.mean(), rb - rb.mean()
+    denominator = math.sqrt(float((ra * ra).sum()) * float((rb * rb).sum()))
+    return float((ra * rb).sum()) / denominator if denominator > 0 else float("nan")
+
+
+def spearman_interval(
+    a: Scores | PerPrompt,
+    b: Scores | PerPrompt,
+    *,
+    n_boot: int = 1000,
+    seed: int = 0,
+    level: float = 0.95,
+) -> Interval:
+    """Spearman correlation of two rankings with a bootstrap interval over the ranking prompts.
+
+    A per-prompt ranking, Float[Tensor, "batch layer head"], is resampled over its prompts and
+    averaged; a fixed one, Float[Tensor, "layer head"] (random, layer index), stays as it is. Two
+    per-prompt rankings on the same number of prompts are resampled together (paired: the same
+    prompts); otherwise each gets its own resamples (streams seeded `seed` and `seed + 1`).
+    The estimate is the Spearman of the two means. NaN resamples (a constant ranking) are dropped.
+    """
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    mean_a = a.mean(0) if a.ndim == 3 else a
+    mean_b = b.mean(0) if b.ndim == 3 else b
+    if mean_a.shape != mean_b.shape:
+        raise ValueError(
+            f"rankings of different shapes {tuple(mean_a.shape)} and {tuple(mean_b.shape)}"
+        )
+    estimate = spearman(mean_a.float(), mean_b.float())
+    index_a = bootstrap_indices(a.shape[0], n_boot, seed) if a.ndim == 3 else None
+    if b.ndim == 3 and index_a is not None and b.shape[0] == a.shape[0]:
+        index_b = index_a
+    else:
+        index_b = bootstrap_indices(b.shape[0], n_boot, seed + 1) if b.ndim == 3 else None
+    stats = torch.empty(n_boot, dtype=torch.float64)
+    for i in range(n_boot):
+        sa = a[index_a[i]].mean(0) if index_a is not None else mean_a
+        sb = b[index_b[i]].mean(0) if index_b is not None else mean_b
+        stats[i] = _spearman_flat(sa.flatten(), sb.flatten())
+    n = max(a.shape[0] if a.ndim == 3 else 0, b.shape[0] if b.ndim == 3 else 0)
+    return _interval(estimate, stats, level, n, n_boot, seed)
 
 
 # --------------------------------------------------------------------------------------------
@@ -549,7 +1094,7 @@ def ablation_curve(
     *,
     reverse: bool = False,
     mode: Literal["zero", "mean"] = "zero",
-    means: Float[Tensor, "layer head d_head"] | None = None,
+    means: HeadMeans | None = None,
     batch_size: int = 16,
     evaluate: Callable[[list[tuple[int, int]]], Any] | None = None,
 ) -> AblationCurve:
@@ -563,15 +1108,14 @@ def ablation_curve(
         scores: Float[Tensor, "layer head"] of the model's shape; larger = more important.
         fractions: fractions of heads kept, each in [0, 1].
         reverse: keep the lowest-scored heads instead.
-        mode, means: as in `head_ablation_hooks` ("mean" needs `means =
-            mean_head_outputs(model, tokens)`).
+        mode, means: as in `ablation_hooks` ("mean" needs `means =
+            last_token_means(model, held_out_tokens)` or `mean_head_outputs(...)`).
         evaluate: optional `ablated heads -> Accuracy` replacing `tasks.evaluate` with
             `head_ablation_hooks` (e.g. to memoise runs shared by several curves).
 
     Returns:
         AblationCurve with one `Accuracy` per fraction; `.auc` is the top-1 area.
     """
-    from ra_lens import tasks
 
     shape = capture.model_shape(model)
     scores = check_scores(scores, shape.n_layers, shape.n_heads)
@@ -580,8 +1124,8 @@ def ablation_curve(
         raise ValueError("no prompts to evaluate the ablations on")
 
     def default(ablated: list[tuple[int, int]]) -> Any:
-        hooks = head_ablation_hooks(ablated, mode=mode, means=means) if ablated else []
-        return tasks.evaluate(model, list(prompts), fwd_hooks=hooks, batch_size=batch_size)
+        chosen = means if mode == "mean" else None
+        return evaluate_ablated(model, prompts, ablated, means=chosen, batch_size=batch_size)
 
     if evaluate is None:
         head_ablation_hooks([], mode=mode, means=means)  # checks mode and means up front

@@ -9,12 +9,17 @@ import pytest
 import torch
 
 import ra_lens
+from ra_lens import capture, tasks
 from ra_lens import ranking as rk
-from ra_lens import tasks
 from ra_lens.capture import Z
 from ra_lens.experiments import HeadRankingResult, head_ranking
 from ra_lens.experiments.patching import task_prompts
-from ra_lens.experiments.ranking import RANKINGS, check_rankings, shuffled_label_prompts
+from ra_lens.experiments.ranking import (
+    RANKINGS,
+    _mean_prompts,
+    check_rankings,
+    shuffled_label_prompts,
+)
 from ra_lens.metrics import target_nll
 from ra_lens.patching import head_ablation_hooks, mean_head_outputs
 from ra_lens.tasks import Accuracy
@@ -355,7 +360,7 @@ def test_bad_input_gives_clear_errors(llama):
         rk.ablation_curve(llama, ["x"], torch.full((2, n_heads), float("nan")), (0.5,))
     with pytest.raises(TypeError, match="Tensor"):
         rk.ablation_curve(llama, ["x"], [[0.0] * n_heads] * 2, (0.5,))
-    with pytest.raises(ValueError, match="unknown ranking 'gradient'"):
+    with pytest.raises(ValueError, match="unknown ranking 'gradient': choose from ra, ra_loss_row"):
         check_rankings(["ra", "gradient"])
     with pytest.raises(ValueError, match="same token length"):
         rk.activation_patching(llama, CLEAN[:2], ["Q: b\nA:", "Q: c\nA:"], TARGETS[:2])
@@ -446,16 +451,347 @@ def test_head_ranking_rankings_match_the_library(llama, result):
 def test_head_ranking_zero_shot_skips_patching_and_mean_ablates(llama):
     res = head_ranking(
         llama, TOY, shots=0, n_prompts=3, fractions=(0.0, 1.0), ablation="mean",
-        rankings=("ra", "activation_patching", "random"), progress=False,
+        rankings=("ra", "activation_patching", "indirect_effect", "random"), progress=False,
     )  # fmt: skip
     assert list(res.scores) == ["ra", "random"]
     assert any("zero-shot" in note for note in res.notes)
     assert res.ablation == "mean" and res.to_dict()["ablation"] == "mean"
-    train, test = task_prompts(llama, TOY, shots=0)
-    means = mean_head_outputs(llama, [p.text for p in train[:3]])
-    everything = torch.ones(2, llama.cfg.n_heads, dtype=torch.bool)
-    hooks = head_ablation_hooks(everything, mode="mean", means=means)
-    expected = tasks.evaluate(llama, test, fwd_hooks=hooks)
-    assert res.curves["ra"].accuracies[0].ranks.tolist() == expected.ranks.tolist()
+    # Todd et al.'s mean: every training prompt (held out from the test), aligned at the last token
+    train = _mean_prompts(llama, TOY, 0, 42)
+    assert res.n_means == len(train) and res.to_dict()["n_means"] == len(train)
+    _, test = task_prompts(llama, TOY, shots=0)
+    means = rk.last_token_means(llama, [p.text for p in train])
+    hooks = rk.ablation_hooks(rk.head_order(torch.zeros(2, llama.cfg.n_heads)), means=means)
+    lengths = tasks.prompt_lengths(test, llama)
+    for i, prompt in enumerate(test):  # one prompt at a time: no padding to misalign the means
+        alone = tasks.evaluate(llama, [prompt], fwd_hooks=hooks)
+        assert res.curves["ra"].accuracies[0].ranks[i] == alone.ranks[0], lengths[i]
     with pytest.raises(ValueError, match="unknown ablation"):
         head_ranking(llama, TOY, shots=0, n_prompts=2, ablation="resample")
+
+
+# --------------------------------------------------------------------------------------------
+# mean ablation aligned at the last token
+
+
+def test_last_token_means_by_hand(llama):
+    means = rk.last_token_means(llama, CLEAN, batch_size=2)  # padded batches of unequal prompts
+    zs = [clean_z(llama, llama.to_tokens(text)) for text in CLEAN]
+    longest = max(z[0].shape[1] for z in zs)
+    assert means.shape == (2, llama.cfg.n_heads, longest, llama.cfg.d_head)
+    for layer in range(2):
+        for j in range(longest):  # j tokens before each prompt's last token
+            rows = [z[layer][0, -1 - j] for z in zs if z[layer].shape[1] > j]
+            torch.testing.assert_close(means[layer, :, -1 - j], torch.stack(rows).mean(0))
+
+
+def test_aligned_mean_ablation_writes_the_means_from_the_last_token_back(llama):
+    means = rk.last_token_means(llama, CLEAN[2:])  # the shortest prompt: 8 positions
+    m = means.shape[2]
+    tokens = llama.to_tokens(CLEAN[0])
+    n = tokens.shape[1]
+    assert n > m
+    seen = {}
+
+    def record(z, hook):
+        seen["z"] = z.detach().clone()
+
+    hooks = rk.ablation_hooks([(1, 2)], means=means) + [(Z.format(1), record)]
+    with torch.no_grad(), llama.hooks(fwd_hooks=hooks):
+        llama(tokens)
+    z = seen["z"][0, :, 2]  # [pos d_head]
+    torch.testing.assert_close(z[n - m :], means[1, 2])
+    # further back than the means reach: their mean over positions
+    torch.testing.assert_close(z[: n - m], means[1, 2].mean(0).expand(n - m, -1))
+    # a padded batch with its lengths gives every prompt what it gets alone
+    batch = capture.to_batch(llama, CLEAN)
+    padded = rk.ablation_hooks([(1, 2), (0, 1)], means=means, lengths=batch.lengths)
+    with torch.no_grad(), llama.hooks(fwd_hooks=padded):
+        together = llama(batch.tokens)
+    alone_hooks = rk.ablation_hooks([(1, 2), (0, 1)], means=means)
+    for i, text in enumerate(CLEAN):
+        with torch.no_grad(), llama.hooks(fwd_hooks=alone_hooks):
+            alone = llama(llama.to_tokens(text))
+        last = int(batch.lengths[i]) - 1
+        torch.testing.assert_close(together[i, last], alone[0, -1], rtol=1e-4, atol=1e-5)
+    # 3-D means (patching.mean_head_outputs) keep the old behaviour: one vector everywhere
+    flat = mean_head_outputs(llama, CLEAN)
+    assert rk.ablation_hooks([(1, 2)], means=flat)[0][0] == Z.format(1)
+    with pytest.raises(ValueError, match="do not fit"):
+        rk.causal_mediation(llama, CLEAN, TARGETS, means=means[:1])
+
+
+def test_causal_mediation_with_aligned_means_equals_a_loop_over_prompts(llama):
+    means = rk.last_token_means(llama, CLEAN)
+    expected = torch.zeros(2, llama.cfg.n_heads, dtype=torch.float64)
+    with torch.no_grad():
+        for text, target in zip(CLEAN, TARGETS, strict=True):
+            tokens = llama.to_tokens(text)
+            before = prob_last(llama(tokens), target)
+            for layer in range(2):
+                for head in range(llama.cfg.n_heads):
+                    with llama.hooks(fwd_hooks=rk.ablation_hooks([(layer, head)], means=means)):
+                        after = prob_last(llama(tokens), target)
+                    expected[layer, head] += (before - after) / len(CLEAN)
+    scores = rk.causal_mediation(llama, CLEAN, TARGETS, means=means, batch_size=3)
+    torch.testing.assert_close(scores, expected.float(), rtol=1e-4, atol=1e-8)
+    per_prompt = rk.causal_mediation(llama, CLEAN, TARGETS, means=means, per_prompt=True)
+    assert per_prompt.shape == (3, 2, llama.cfg.n_heads)
+    torch.testing.assert_close(per_prompt.mean(0), scores, rtol=1e-5, atol=1e-9)
+
+
+# --------------------------------------------------------------------------------------------
+# the new rankings against brute force
+
+
+@pytest.fixture(scope="module")
+def gpt2_64():
+    # float64 throughout (HF's Llama RMSNorm computes in float32, too coarse for a finite difference)
+    return tiny_model("gpt2", n_layers=2, dtype=torch.float64)
+
+
+def _prob_along(model, tokens, target, layer, head, direction, t):
+    """p(target) with z[layer, :, head] moved by t * direction (every position)."""
+
+    def hook(z, hook):
+        z = z.clone()
+        z[:, :, head] = z[:, :, head] + t * direction(z[:, :, head])
+        return z
+
+    with torch.no_grad(), model.hooks(fwd_hooks=[(Z.format(layer), hook)]):
+        return prob_last(model(tokens), target)
+
+
+@pytest.mark.parametrize("ablation", ["zero", "mean"])
+def test_first_order_mediation_equals_a_finite_difference(gpt2_64, ablation):
+    model = gpt2_64
+    means = rk.last_token_means(model, CLEAN) if ablation == "mean" else None
+    eps = 1e-4
+    expected = torch.zeros(2, model.cfg.n_heads, dtype=torch.float64)
+    for text, target in zip(CLEAN, TARGETS, strict=True):
+        tokens = model.to_tokens(text)
+        lengths = torch.tensor([tokens.shape[1]])
+        for layer in range(2):
+            for head in range(model.cfg.n_heads):
+                if means is None:
+                    ablated = torch.zeros(1, tokens.shape[1], model.cfg.d_head)
+                else:
+                    ablated = rk._replacement(means[layer], lengths, tokens.shape[1])[:, :, head]
+
+                def direction(z, ablated=ablated):  # towards the ablated value
+                    return ablated.to(z) - z
+
+                up = _prob_along(model, tokens, target, layer, head, direction, eps)
+                down = _prob_along(model, tokens, target, layer, head, direction, -eps)
+                expected[layer, head] -= (up - down) / (2 * eps) / len(CLEAN)  # p - p(ablated)
+    scores = rk.first_order_mediation(model, CLEAN, TARGETS, means=means, batch_size=2)
+    assert expected.abs().max() > 1e-6
+    torch.testing.assert_close(scores.double(), expected, rtol=1e-4, atol=1e-10)
+
+
+@pytest.mark.parametrize("ablation", ["zero", "mean"])
+def test_first_order_mediation_ranks_like_causal_mediation_on_a_tiny_model(llama, ablation):
+    means = rk.last_token_means(llama, CLEAN) if ablation == "mean" else None
+    exact = rk.causal_mediation(llama, CLEAN, TARGETS, means=means)
+    approx = rk.first_order_mediation(llama, CLEAN, TARGETS, means=means)
+    # random small weights: every head's effect is small, so the Taylor term is close
+    assert rk.spearman(exact, approx) > 0.8
+    torch.testing.assert_close(approx, exact, rtol=0.5, atol=1e-5)
+
+
+def test_indirect_effect_equals_a_hand_written_loop(model):
+    n_layers, n_heads = model.cfg.n_layers, model.cfg.n_heads
+    clean = [clean_z(model, model.to_tokens(text)) for text in CLEAN]
+    mean_last = {la: torch.stack([z[la][0, -1] for z in clean]).mean(0) for la in range(n_layers)}
+    corrupted = CORRUPTED[:2] + ["Q: d\nA: of\n\nQ: the city to\nA:"]  # other lengths are fine
+    expected = torch.zeros(n_layers, n_heads, dtype=torch.float64)
+    with torch.no_grad():
+        for text, target in zip(corrupted, TARGETS, strict=True):
+            tokens = model.to_tokens(text)
+            base = prob_last(model(tokens), target)
+            for layer in range(n_layers):
+                for head in range(n_heads):
+
+                    def hook(z, hook, layer=layer, head=head):
+                        z = z.clone()
+                        z[:, -1, head] = mean_last[layer][head]
+                        return z
+
+                    with model.hooks(fwd_hooks=[(Z.format(layer), hook)]):
+                        patched = prob_last(model(tokens), target)
+                    expected[layer, head] += (patched - base) / len(corrupted)
+    scores = rk.indirect_effect(model, CLEAN, corrupted, TARGETS, batch_size=2)
+    torch.testing.assert_close(scores, expected.float(), rtol=1e-4, atol=1e-8)
+
+
+def beta_gradient(model, text, target):
+    """d(-log p(target))/d(beta[l, h]) at beta = 1, beta scaling the head's attention logits at
+    hook_attn_scores (the masked entries stay masked)."""
+    beta = torch.ones(model.cfg.n_layers, model.cfg.n_heads, dtype=torch.float64)
+    beta.requires_grad_(True)
+
+    def scale(layer):
+        def hook(scores, hook):
+            b = beta[layer].to(scores.dtype)[None, :, None, None]
+            # masked entries (-inf) stay out of the product: -inf * 0 would make the gradient NaN
+            finite = torch.isfinite(scores)
+            return torch.where(finite, scores, 0.0) * b + torch.where(finite, 0.0, scores)
+
+        return hook
+
+    hooks = [(f"blocks.{la}.attn.hook_attn_scores", scale(la)) for la in range(model.cfg.n_layers)]
+    with torch.enable_grad(), model.hooks(fwd_hooks=hooks):
+        logits = model(model.to_tokens(text))
+        loss = -logits[0, -1].double().log_softmax(-1)[target]
+        (grad,) = torch.autograd.grad(loss, [beta])
+    return grad
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_temperature_score_is_the_gradient_of_a_per_head_logit_scale(arch):
+    # GPT-2 and Llama bridges compute attention themselves: hook_attn_scores is in the graph
+    # (on boot_native it is a copy of the pattern, so the reference cannot be built there).
+    model = tiny_model(arch, n_layers=2, dtype=torch.float64)
+    expected = torch.stack(
+        [beta_gradient(model, text, t) for text, t in zip(CLEAN, TARGETS, strict=True)]
+    )
+    assert expected.abs().max() > 1e-4
+    scores = rk.temperature_scores(model, CLEAN, TARGETS, batch_size=2)  # padded batches
+    torch.testing.assert_close(scores.double(), expected, rtol=1e-4, atol=1e-7)
+    ranking = rk.temperature_ranking(model, CLEAN, TARGETS)
+    torch.testing.assert_close(ranking.double(), expected.abs().mean(0), rtol=1e-4, atol=1e-7)
+    assert not any(p.grad is not None for p in model.parameters())
+
+
+# --------------------------------------------------------------------------------------------
+# statistics
+
+
+def _curve(hits_by_fraction, fractions):
+    accs = [
+        Accuracy.from_ranks(torch.tensor([0 if h else 9 for h in hits]))
+        for hits in hits_by_fraction
+    ]
+    return rk.AblationCurve(list(fractions), [0] * len(fractions), accs)
+
+
+def test_per_prompt_auc_averages_to_the_auc_and_the_bootstrap_is_seeded():
+    gen = torch.Generator().manual_seed(0)
+    fractions = rk.DENSE_FRACTIONS
+    hits = (
+        torch.rand(len(fractions), 40, generator=gen)
+        < torch.linspace(0, 1, len(fractions))[:, None]
+    )
+    curve = _curve(hits.tolist(), fractions)
+    assert float(rk.per_prompt_auc(curve).mean()) == pytest.approx(curve.auc)
+    a = rk.auc_interval(curve, n_boot=500, seed=3)
+    torch.manual_seed(99)  # the global RNG plays no part
+    b = rk.auc_interval(curve, n_boot=500, seed=3)
+    assert a == b and a.n == 40 and a.n_boot == 500 and a.level == 0.95
+    assert a.estimate == pytest.approx(curve.auc) and a.low <= a.estimate <= a.high
+    assert 0 < a.high - a.low < 0.5
+    assert rk.auc_interval(curve, n_boot=500, seed=4) != a
+    # by hand: percentiles of resampled means
+    per_prompt = rk.per_prompt_auc(curve)
+    stats = per_prompt[rk.bootstrap_indices(40, 500, 3)].mean(1)
+    low, high = torch.quantile(stats, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
+    assert (a.low, a.high) == pytest.approx((low, high))
+    assert str(a).startswith(f"{a.estimate:.3f} [")
+    json.dumps(a.to_dict(), allow_nan=False)
+
+
+def test_paired_auc_difference():
+    gen = torch.Generator().manual_seed(1)
+    fractions = (0.0, 0.5, 1.0)
+    base = torch.rand(3, 30, generator=gen) < 0.5
+    better = base | (torch.rand(3, 30, generator=gen) < 0.5)
+    a, b = _curve(better.tolist(), fractions), _curve(base.tolist(), fractions)
+    diff = rk.paired_auc_difference(a, b, n_boot=400, seed=0)
+    assert diff.estimate == pytest.approx(a.auc - b.auc) and diff.estimate > 0
+    assert diff.low <= diff.estimate <= diff.high
+    same = rk.paired_auc_difference(a, a, n_boot=100)
+    assert (same.estimate, same.low, same.high) == (0.0, 0.0, 0.0)
+    with pytest.raises(ValueError, match="same test prompts"):
+        rk.paired_auc_difference(a, _curve(base[:, :10].tolist(), fractions))
+
+
+def test_spearman_interval_resamples_prompts():
+    gen = torch.Generator().manual_seed(2)
+    truth = torch.rand(3, 4, generator=gen)
+    a = truth + 0.3 * torch.rand(12, 3, 4, generator=gen)  # 12 prompts
+    b = truth + 0.3 * torch.rand(12, 3, 4, generator=gen)
+    rho = rk.spearman_interval(a, b, n_boot=300, seed=0)
+    assert rho.estimate == pytest.approx(rk.spearman(a.mean(0), b.mean(0)))
+    assert rho.low <= rho.estimate <= rho.high and rho.n == 12
+    assert rk.spearman_interval(a, b, n_boot=300, seed=0) == rho
+    same = rk.spearman_interval(a, a, n_boot=50)
+    assert (same.low, same.high) == (1.0, 1.0)
+    fixed = rk.layer_ranking(3, 4)  # not resampled
+    mixed = rk.spearman_interval(a, fixed, n_boot=100, seed=0)
+    assert mixed.estimate == pytest.approx(rk.spearman(a.mean(0), fixed))
+    assert mixed.low <= mixed.estimate <= mixed.high
+
+
+# --------------------------------------------------------------------------------------------
+# the study script and the command line
+
+
+def test_ranking_study_quick_writes_runtime_seconds_and_intervals(tmp_path, capsys):
+    from ra_lens.experiments.ranking_study import main
+
+    out = tmp_path / "study.json"
+    assert main(["--quick", "--json", str(out), "--plots", str(tmp_path / "plots")]) == 0
+    data = json.loads(out.read_text())
+    assert data["runtime_seconds"] > 0 and data["config"]["model"].startswith("tiny-llama")
+    cells = {(c["task"], c["shots"], c["ablation"]) for c in data["cells"]}
+    assert cells == {("toy", s, a) for s in (0, 2) for a in ("zero", "mean")}
+    goals = data["goals"]
+    assert set(goals["cm_over_ra_speed_ratio"]) == {f"toy {s}-shot {a}" for _, s, a in cells}
+    assert goals["cm_over_ra_speed_ratio_goal"] == 50.0  # reported, never asserted on timing
+    for cell in data["cells"]:
+        expected = set(RANKINGS) if cell["shots"] else {
+            n for n, spec in RANKINGS.items() if not spec.needs_labels
+        }  # fmt: skip
+        assert set(cell["rankings"]) == expected
+        assert cell["fractions"] == list(rk.DENSE_FRACTIONS)
+        for name, entry in cell["rankings"].items():
+            assert entry["seconds"] >= 0
+            auc = entry["intervals"]["auc"]
+            assert auc["estimate"] == pytest.approx(entry["auc"])
+            assert auc["low"] <= auc["estimate"] <= auc["high"]
+            assert auc["n"] == cell["n_test"]
+            if name != "ra":
+                assert "paired_vs_ra" in entry["intervals"] and "spearman" in entry["intervals"]
+    # mean ablation reuses the protocol-independent rankings, recomputes causal mediation
+    zero, mean = data["cells"][2], data["cells"][3]
+    assert zero["rankings"]["ra"]["scores"] == mean["rankings"]["ra"]["scores"]
+    assert (
+        zero["rankings"]["causal_mediation"]["scores"]
+        != mean["rankings"]["causal_mediation"]["scores"]
+    )
+    rows = data["summary"]
+    assert all(row["n_test"] == 4 for row in rows)
+    assert len(list((tmp_path / "plots").glob("toy_*shot_*.png"))) == 4
+    assert "causal mediation / RA seconds" in capsys.readouterr().out
+    assert main(["--markdown", str(out)]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert len(table) == 2 + len(rows) and "| toy | 2 | mean | 4 | causal_mediation |" in "\n".join(
+        table
+    )
+
+
+def test_rank_command_takes_several_tasks_and_rankings(capsys):
+    from ra_lens.cli import _parser, main
+
+    args = _parser().parse_args(
+        ["rank", "--task", "antonym", "--task", "capitalize", "--ablation", "mean",
+         "--rankings", "ra,cm_first_order,ra_temperature"]
+    )  # fmt: skip
+    assert args.task == ["antonym", "capitalize"] and args.ablation == "mean"
+    assert (
+        main(["rank", "--task", "antonym", "--rankings", "ra,nope", "--model", "tiny-llama"]) == 2
+    )
+    err = capsys.readouterr().err
+    assert "unknown ranking 'nope'" in err and "indirect_effect" in err
+    with pytest.raises(SystemExit):
+        main(["rank", "--task", "antonym", "--ablation", "resample"])

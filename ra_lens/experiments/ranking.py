@@ -1,7 +1,11 @@
 """The paper's head-ranking experiment (section 4b) on an ICL task: rank heads by RA and by the
-baselines (forward-pattern norm, random, layer index, causal mediation, activation patching with
-TransformerLens, attribution patching), then keep only the top (or bottom) p% of heads, zero the
-rest, and measure held-out accuracy.
+baselines, then keep only the top (or bottom) p% of heads, ablate the rest (zero, or Todd et al.'s
+mean aligned at the last token), and measure held-out accuracy, with bootstrap intervals.
+
+Rankings live in a registry, `RANKINGS` (name -> `RankingSpec`): RA norm, its loss row, RA's
+inverse-temperature score, forward-pattern norm, random, layer index, causal mediation, its
+first-order estimate, Todd et al.'s indirect effect, activation patching with TransformerLens and
+attribution patching.
 
     >>> from ra_lens.experiments import head_ranking
     >>> result = head_ranking(model, "antonym", shots=5, n_prompts=25)     # doctest: +SKIP
@@ -14,34 +18,153 @@ from __future__ import annotations
 import json
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
+from torch import Tensor
 from tqdm.auto import tqdm
 
 from ra_lens import capture, tasks
 from ra_lens import ranking as rk
 from ra_lens.experiments.patching import task_prompts
 from ra_lens.experiments.timing import timed
-from ra_lens.patching import head_ablation_hooks, mean_head_outputs
-from ra_lens.ranking import AblationCurve, Scores
+from ra_lens.ranking import AblationCurve, HeadMeans, Interval, Scores
 from ra_lens.tasks import Accuracy, Prompt, Task
 
+
+@dataclass
+class RankingInputs:
+    """What a ranking may read: the ranking prompts, their shuffled-label twins, the means of
+    the ablation protocol (None = zero ablation) and run settings."""
+
+    model: Any
+    texts: list[str]
+    targets: list[int]
+    seed: int
+    batch_size: int
+    progress: bool
+    means: HeadMeans | None = None
+    #: (clean, corrupted, targets) for the prompts whose shuffled twin has the same token length.
+    pairs: tuple[list[str], list[str], list[int]] | None = None
+    #: every ranking prompt's shuffled-label twin (any length), for the indirect effect.
+    shuffled: list[str] | None = None
+
+
+@dataclass(frozen=True)
+class RankingSpec:
+    """One ranking in the registry.
+
+    Attributes:
+        compute: inputs -> Float[Tensor, "batch layer head"] (per prompt, so intervals can
+            resample prompts) or Float[Tensor, "layer head"] (fixed: random, layer index, or
+            TransformerLens's activation patching, which only returns the mean).
+        description: one line for tables and help.
+        needs_labels: needs demonstrations to shuffle (skipped zero-shot).
+        protocol: depends on the ablation protocol (causal mediation ablates the way the curves do).
+    """
+
+    compute: Callable[[RankingInputs], Tensor]
+    description: str
+    needs_labels: bool = False
+    protocol: bool = False
+
+
+def _pairs(inputs: RankingInputs) -> tuple[list[str], list[str], list[int]]:
+    assert inputs.pairs is not None, "a paired ranking ran without shuffled-label pairs"
+    return inputs.pairs
+
+
+def _shape(inputs: RankingInputs) -> capture.ModelShape:
+    return capture.model_shape(inputs.model)
+
+
 #: Every ranking head_ranking knows, in the order it computes them ("ra" is the reference).
-RANKINGS: tuple[str, ...] = (
-    "ra",
-    "ra_loss_row",
-    "forward",
-    "random",
-    "layer",
-    "causal_mediation",
-    "activation_patching",
-    "attribution_patching",
-    "exact_qk_attribution",
-)
-#: Rankings that need clean/corrupted prompt pairs (corrupted = demonstration labels shuffled).
+RANKINGS: dict[str, RankingSpec] = {
+    "ra": RankingSpec(
+        lambda i: rk.ra_ranking(
+            i.model, i.texts, i.targets, batch_size=i.batch_size, per_prompt=True
+        ),
+        "RA, mean Frobenius norm",
+    ),
+    "ra_loss_row": RankingSpec(
+        lambda i: rk.ra_ranking(
+            i.model, i.texts, i.targets, loss_row=True, batch_size=i.batch_size, per_prompt=True
+        ),
+        "RA, loss row only",
+    ),
+    "ra_temperature": RankingSpec(
+        lambda i: rk.temperature_ranking(
+            i.model, i.texts, i.targets, batch_size=i.batch_size, per_prompt=True
+        ),
+        "RA x QK^T (|dL/d inverse temperature|)",
+    ),
+    "forward": RankingSpec(
+        lambda i: rk.forward_ranking(i.model, i.texts, batch_size=i.batch_size, per_prompt=True),
+        "forward-pattern norm",
+    ),
+    "random": RankingSpec(
+        lambda i: rk.random_ranking(_shape(i).n_layers, _shape(i).n_heads, seed=i.seed),
+        "random (seeded)",
+    ),
+    "layer": RankingSpec(
+        lambda i: rk.layer_ranking(_shape(i).n_layers, _shape(i).n_heads), "layer index"
+    ),
+    "causal_mediation": RankingSpec(
+        lambda i: rk.causal_mediation(
+            i.model,
+            i.texts,
+            i.targets,
+            means=i.means,
+            batch_size=i.batch_size,
+            progress=i.progress,
+            per_prompt=True,
+        ),
+        "causal mediation (ablate one head, p drop)",
+        protocol=True,
+    ),
+    "cm_first_order": RankingSpec(
+        lambda i: rk.first_order_mediation(
+            i.model, i.texts, i.targets, means=i.means, batch_size=i.batch_size, per_prompt=True
+        ),
+        "causal mediation, first order (grad x (z - ablated))",
+        protocol=True,
+    ),
+    "indirect_effect": RankingSpec(
+        lambda i: rk.indirect_effect(
+            i.model,
+            i.texts,
+            i.shuffled or [],
+            i.targets,
+            batch_size=i.batch_size,
+            progress=i.progress,
+            per_prompt=True,
+        ),
+        "indirect effect (Todd et al.)",
+        needs_labels=True,
+    ),
+    "activation_patching": RankingSpec(
+        lambda i: rk.activation_patching(
+            i.model, *_pairs(i), batch_size=i.batch_size, progress=i.progress
+        ),
+        "activation patching (transformer_lens.patching)",
+        needs_labels=True,
+    ),
+    "attribution_patching": RankingSpec(
+        lambda i: rk.attribution_patching(
+            i.model, *_pairs(i), batch_size=i.batch_size, per_prompt=True
+        ),
+        "attribution patching",
+        needs_labels=True,
+    ),
+    "exact_qk_attribution": RankingSpec(
+        lambda i: rk.exact_qk_attribution(i.model, *_pairs(i), batch_size=i.batch_size),
+        "exact query/key attribution (AtP* QK fix)",
+        needs_labels=True,
+    ),
+}
+#: Rankings that need clean/corrupted prompt pairs of equal token length.
 PAIRED: frozenset[str] = frozenset(
     {"activation_patching", "attribution_patching", "exact_qk_attribution"}
 )
@@ -60,6 +183,12 @@ class HeadRankingResult:
         unablated: accuracy of the test prompts with no head ablated.
         n_prompts: prompts the rankings were computed on; n_patching: those of them that have a
             corrupted twin of the same token length (activation and attribution patching).
+        n_test: test prompts every accuracy (and every bootstrap) is over.
+        ablation: "zero" or "mean" (Todd et al.'s mean over held-out prompts, aligned at the last
+            token); n_means: the held-out prompts that mean was taken over.
+        intervals: name -> {"auc", "auc_top3", "reverse_auc", "paired_vs_ra", "spearman"}:
+            `ranking.Interval`s (95% percentile bootstrap over test prompts for AUCs, paired for
+            the difference AUC(RA) - AUC(name), over ranking prompts for Spearman with RA).
     """
 
     task: str
@@ -79,6 +208,9 @@ class HeadRankingResult:
     n_heads: int
     ablation: str = "zero"
     notes: list[str] = field(default_factory=list)
+    intervals: dict[str, dict[str, Interval]] = field(default_factory=dict)
+    n_means: int = 0
+    per_prompt: dict[str, Tensor] = field(default_factory=dict, repr=False)
 
     def speedup(self, baseline: str = "causal_mediation", reference: str = "ra") -> float:
         """seconds[baseline] / seconds[reference]: how many times faster `reference` ran."""
@@ -103,6 +235,7 @@ class HeadRankingResult:
                 "n_kept": fwd.n_kept,
                 "seconds": self.seconds.get(name),
                 "scores": scores.tolist(),
+                "intervals": {k: v.to_dict() for k, v in self.intervals.get(name, {}).items()},
             }
         speedups = {
             name: self.speedup(name)
@@ -119,6 +252,7 @@ class HeadRankingResult:
             "n_heads": self.n_heads,
             "fractions": list(self.fractions),
             "ablation": self.ablation,
+            "n_means": self.n_means,
             "unablated": self.unablated.to_dict(),
             "rankings": rankings,
             "spearman": {n: _json_float(v) for n, v in self.spearman.items()},
@@ -133,25 +267,30 @@ class HeadRankingResult:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2))
 
     def table(self) -> str:
-        """One row per ranking: ablation AUCs (top-1/top-3, keeping the top and the bottom
-        heads), seconds, and Spearman / top-10 overlap with RA."""
+        """One row per ranking: ablation AUCs with 95% bootstrap intervals (top-1 keeping the top
+        heads, top-3, top-1 keeping the bottom heads), AUC(RA) - AUC(ranking) with its paired
+        interval, seconds, and Spearman with RA (interval) / top-10 overlap."""
         u = self.unablated
         lines = [
             f"{self.task}, {self.shots}-shot, {self.n_layers}x{self.n_heads} heads: rankings from "
-            f"{self.n_prompts} prompts ({self.n_patching} with shuffled-label twins), accuracy on "
-            f"{self.n_test} test prompts, {self.ablation}-ablating the heads not kept; "
-            f"no ablation: top-1 {u.top1:.0%}, top-3 {u.top3:.0%}",
-            f"{'ranking':<21} | {'AUC@1':>6} {'AUC@3':>6} | {'rev@1':>6} {'rev@3':>6} | "
-            f"{'seconds':>8} | {'rho(RA)':>7} {'top10':>5}",
+            f"{self.n_prompts} prompts ({self.n_patching} with equal-length shuffled-label twins), "
+            f"accuracy on {self.n_test} test prompts, {self.ablation}-ablating the heads not kept"
+            + (f" (means over {self.n_means} held-out prompts)" if self.ablation == "mean" else "")
+            + f"; no ablation: top-1 {u.top1:.0%}, top-3 {u.top3:.0%}",
+            f"{'ranking':<21} | {'AUC@1 [95% CI]':>21} {'AUC@3':>6} | {'rev@1':>6} | "
+            f"{'RA - it [95% CI]':>23} | {'seconds':>8} | {'rho(RA) [95% CI]':>20} {'top10':>5}",
         ]
         for name in self.scores:
             fwd, rev = self.curves[name], self.reverse_curves[name]
-            rho = self.spearman.get(name)
+            ci = self.intervals.get(name, {})
+            auc = f"{ci['auc']}" if "auc" in ci else f"{fwd.auc:.3f}"
+            diff = f"{ci['paired_vs_ra']}" if "paired_vs_ra" in ci else "-"
+            rho = f"{ci['spearman']}" if "spearman" in ci else "-"
             overlap = self.top10_overlap.get(name)
             lines.append(
-                f"{name:<21} | {fwd.auc:>6.3f} {fwd.auc_top3:>6.3f} | {rev.auc:>6.3f} "
-                f"{rev.auc_top3:>6.3f} | {self.seconds.get(name, float('nan')):>8.2f} | "
-                + (f"{rho:>7.2f} {overlap:>5.0%}" if rho is not None else f"{'-':>7} {'-':>5}")
+                f"{name:<21} | {auc:>21} {fwd.auc_top3:>6.3f} | {rev.auc:>6.3f} | {diff:>23} | "
+                f"{self.seconds.get(name, float('nan')):>8.2f} | {rho:>20} "
+                + (f"{overlap:>5.0%}" if overlap is not None else f"{'-':>5}")
             )
         if "causal_mediation" in self.seconds and "ra" in self.seconds:
             lines.append(
@@ -239,7 +378,8 @@ def shuffled_label_prompts(prompts: Sequence[Prompt], *, seed: int = 0) -> list[
 
 
 def check_rankings(names: Sequence[str]) -> list[str]:
-    """Known ranking names, de-duplicated in RANKINGS order, always with "ra"; or a ValueError."""
+    """Known ranking names, de-duplicated in RANKINGS order, always with "ra"; or a ValueError
+    listing the names the registry knows."""
     unknown = [n for n in names if n not in RANKINGS]
     if unknown:
         raise ValueError(f"unknown ranking {unknown[0]!r}: choose from {', '.join(RANKINGS)}")
@@ -254,35 +394,44 @@ def head_ranking(
     n_prompts: int = 25,
     *,
     fractions: Sequence[float] = rk.DEFAULT_FRACTIONS,
-    rankings: Sequence[str] = RANKINGS,
+    rankings: Sequence[str] = tuple(RANKINGS),
     n_test: int | None = None,
     seed: int = 42,
     batch_size: int = 8,
     eval_batch_size: int = 16,
     ablation: Literal["zero", "mean"] = "zero",
+    n_means: int = 100,
+    n_boot: int = 1000,
+    reuse: HeadRankingResult | None = None,
     progress: bool = True,
 ) -> HeadRankingResult:
     """Rank every head by RA and by each baseline, then ablate all but the top/bottom p%.
 
     Rankings are computed on `n_prompts` training prompts of one token length (targets: the first
-    answer token at the last position): RA of -log p(target) (keep="norms", so it stays one cheap
-    forward + backward pass), its loss-row variant, forward-pattern norms, random (seeded by
-    `seed`), layer index, causal mediation (zero one head, drop in p(target)), activation
-    patching via `transformer_lens.patching` and attribution patching, both from clean prompts
-    against the same prompts with shuffled demonstration labels (skipped zero-shot).
+    answer token at the last position); see `RANKINGS` for what each one is. The label-shuffling
+    rankings (indirect effect, activation and attribution patching) are skipped zero-shot.
     Ablation curves are measured on held-out test prompts (`n_test` caps them); each distinct
-    set of ablated heads is evaluated once and shared between curves.
+    set of ablated heads is evaluated once and shared between curves. Every AUC gets a 95%
+    percentile bootstrap interval over the test prompts, each ranking's difference to RA a paired
+    one, and each Spearman with RA one over the ranking prompts (`n_boot` resamples, seeded).
 
     Args:
         model: a TransformerLens model (TransformerBridge or HookedTransformer), in eval mode.
         task: a task name from `ra_lens.tasks.available()` or a Task.
         shots: demonstrations per prompt.
         n_prompts: training prompts the rankings are averaged over.
-        fractions: fractions of heads kept, each in [0, 1] (default 0, 0.1, ..., 1).
-        rankings: which rankings to compute (names in RANKINGS; "ra" is always computed).
+        fractions: fractions of heads kept, each in [0, 1] (default 0, 0.1, ..., 1;
+            `ranking.DENSE_FRACTIONS` is dense where curves move).
+        rankings: names in RANKINGS ("ra" is always computed).
         batch_size: prompts per pass when ranking; eval_batch_size: when evaluating.
-        ablation: "zero" (the paper) zeroes the heads not kept; "mean" replaces their hook_z
-            output by its mean over the ranking prompts (`patching.mean_head_outputs`).
+        ablation: "zero" (the paper) zeroes the heads not kept; "mean" replaces each one's hook_z
+            output by its mean over up to `n_means` held-out training prompts (all token lengths,
+            the ranking prompts among them, never a test prompt), position by position counted
+            back from the last token (`ranking.last_token_means`). Causal mediation and its first
+            order estimate ablate the same way.
+        n_boot: bootstrap resamples for every interval.
+        reuse: a result of the same task, shots, prompts and seed (e.g. the other protocol):
+            its protocol-independent rankings are taken over, with their seconds, not recomputed.
 
     Returns:
         HeadRankingResult (`.table()`, `.to_dict()`, `.save_json(path)`, `.plot(out_dir)`).
@@ -294,78 +443,77 @@ def head_ranking(
     if ablation not in ("zero", "mean"):
         raise ValueError(f"unknown ablation {ablation!r}: choose 'zero' or 'mean'")
     shape = capture.model_shape(model)
-    task_name = task if isinstance(task, str) else task.name
-    train, test = task_prompts(model, task, shots, seed=seed)
-    train, test = train[:n_prompts], test[:n_test] if n_test else test
+    task = tasks.load(task) if isinstance(task, str) else task
+    train_all, test = task_prompts(model, task, shots, seed=seed)
+    train, test = train_all[:n_prompts], test[:n_test] if n_test else test
+    if reuse is not None and (reuse.task, reuse.shots, reuse.n_prompts) != (
+        task.name,
+        shots,
+        len(train),
+    ):
+        raise ValueError(
+            f"reuse holds {reuse.task} {reuse.shots}-shot from {reuse.n_prompts} prompts, not "
+            f"{task.name} {shots}-shot from {len(train)}: reuse a result of the same cell"
+        )
     notes: list[str] = []
     texts = [p.text for p in train]
     targets = [tasks.answer_token(model, p.answer) for p in train]
+    inputs = RankingInputs(model, texts, targets, seed, batch_size, progress)
 
-    pairs: tuple[list[str], list[str], list[int]] | None = None
-    if PAIRED & set(names):
-        if shots == 0:
-            names = [n for n in names if n not in PAIRED]
-            notes.append("zero-shot: no labels to shuffle, activation/attribution patching skipped")
-        else:
-            pairs = _patching_pairs(model, train, targets, seed)
-            if len(pairs[0]) < len(train):
+    if shots == 0 and any(RANKINGS[n].needs_labels for n in names):
+        names = [n for n in names if not RANKINGS[n].needs_labels]
+        notes.append(
+            "zero-shot: no labels to shuffle, indirect effect and activation/attribution "
+            "patching skipped"
+        )
+    if any(RANKINGS[n].needs_labels for n in names):
+        inputs.shuffled = [p.text for p in shuffled_label_prompts(train, seed=seed)]
+        if PAIRED & set(names):
+            inputs.pairs = _patching_pairs(model, train, targets, seed)
+            if len(inputs.pairs[0]) < len(train):
                 notes.append(
-                    f"{len(train) - len(pairs[0])} of {len(train)} prompts changed token length "
-                    "when their labels were shuffled; activation/attribution patching use the rest"
+                    f"{len(train) - len(inputs.pairs[0])} of {len(train)} prompts changed token "
+                    "length when their labels were shuffled; activation/attribution patching "
+                    "use the rest"
                 )
 
-    means = mean_head_outputs(model, texts) if ablation == "mean" else None
+    means_from = _mean_prompts(model, task, shots, seed)[:n_means] if ablation == "mean" else []
+    if ablation == "mean":
+        inputs.means = rk.last_token_means(model, [p.text for p in means_from])
     memo: dict[tuple[tuple[int, int], ...], Accuracy] = {}
 
     def evaluate(ablated: list[tuple[int, int]]) -> Accuracy:
         key = tuple(ablated)
         if key not in memo:
-            hooks = head_ablation_hooks(ablated, mode=ablation, means=means) if ablated else []
-            memo[key] = tasks.evaluate(model, test, fwd_hooks=hooks, batch_size=eval_batch_size)
+            memo[key] = rk.evaluate_ablated(
+                model, test, ablated, means=inputs.means, batch_size=eval_batch_size
+            )
         return memo[key]
 
     seconds: dict[str, float] = {}
     with timed(seconds, "unablated"):  # also warms the model up before anything is timed
         unablated = evaluate([])
 
-    def compute(name: str) -> Scores:
-        if name == "ra":
-            return rk.ra_ranking(model, texts, targets, batch_size=batch_size)
-        if name == "ra_loss_row":
-            return rk.ra_ranking(model, texts, targets, loss_row=True, batch_size=batch_size)
-        if name == "forward":
-            return rk.forward_ranking(model, texts, batch_size=batch_size)
-        if name == "random":
-            return rk.random_ranking(shape.n_layers, shape.n_heads, seed=seed)
-        if name == "layer":
-            return rk.layer_ranking(shape.n_layers, shape.n_heads)
-        if name == "causal_mediation":
-            return rk.causal_mediation(
-                model, texts, targets, batch_size=batch_size, progress=progress
-            )
-        assert pairs is not None
-        clean, corrupted, paired_targets = pairs
-        if name == "activation_patching":
-            return rk.activation_patching(
-                model, clean, corrupted, paired_targets, batch_size=batch_size, progress=progress
-            )
-        if name == "exact_qk_attribution":
-            return rk.exact_qk_attribution(
-                model, clean, corrupted, paired_targets, batch_size=batch_size
-            )
-        return rk.attribution_patching(
-            model, clean, corrupted, paired_targets, batch_size=batch_size
-        )
-
     scores: dict[str, Scores] = {}
+    per_prompt: dict[str, Tensor] = {}
     for name in names:
+        if reuse is not None and not RANKINGS[name].protocol and name in reuse.scores:
+            scores[name] = reuse.scores[name]
+            if name in reuse.per_prompt:
+                per_prompt[name] = reuse.per_prompt[name]
+            seconds[name] = reuse.seconds[name]
+            continue
         with timed(seconds, name):
-            scores[name] = compute(name)
+            values = RANKINGS[name].compute(inputs)
+        if values.ndim == 3:
+            per_prompt[name] = values
+            values = values.double().mean(0).float()
+        scores[name] = values
 
     curves: dict[str, AblationCurve] = {}
     reverse_curves: dict[str, AblationCurve] = {}
     with timed(seconds, "ablation_curves"):
-        for name in tqdm(names, desc=f"{task_name} ablation curves", disable=not progress):
+        for name in tqdm(names, desc=f"{task.name} ablation curves", disable=not progress):
             for reverse, store in ((False, curves), (True, reverse_curves)):
                 store[name] = rk.ablation_curve(
                     model, test, scores[name], fractions, reverse=reverse, evaluate=evaluate
@@ -373,12 +521,14 @@ def head_ranking(
 
     others = {name: s for name, s in scores.items() if name != "ra"}
     k = min(10, shape.n_layers * shape.n_heads)
+    with timed(seconds, "bootstrap"):
+        intervals = _intervals(curves, reverse_curves, scores, per_prompt, n_boot, seed)
     return HeadRankingResult(
-        task=task_name,
+        task=task.name,
         shots=shots,
         n_prompts=len(train),
         n_test=len(test),
-        n_patching=len(pairs[0]) if pairs else 0,
+        n_patching=len(inputs.pairs[0]) if inputs.pairs else 0,
         fractions=fractions,
         scores=scores,
         curves=curves,
@@ -391,7 +541,50 @@ def head_ranking(
         n_heads=shape.n_heads,
         ablation=ablation,
         notes=notes,
+        intervals=intervals,
+        n_means=len(means_from),
+        per_prompt=per_prompt,
     )
+
+
+def _intervals(
+    curves: dict[str, AblationCurve],
+    reverse_curves: dict[str, AblationCurve],
+    scores: dict[str, Scores],
+    per_prompt: dict[str, Tensor],
+    n_boot: int,
+    seed: int,
+) -> dict[str, dict[str, Interval]]:
+    """Bootstrap intervals of every ranking's AUCs, of AUC(RA) - AUC(it), and of its Spearman
+    with RA. The same seed everywhere: every AUC of a cell is resampled on the same prompts."""
+    out: dict[str, dict[str, Interval]] = {}
+    for name in curves:
+        entry = {
+            "auc": rk.auc_interval(curves[name], 1, n_boot=n_boot, seed=seed),
+            "auc_top3": rk.auc_interval(curves[name], 3, n_boot=n_boot, seed=seed),
+            "reverse_auc": rk.auc_interval(reverse_curves[name], 1, n_boot=n_boot, seed=seed),
+        }
+        if name != "ra":
+            entry["paired_vs_ra"] = rk.paired_auc_difference(
+                curves["ra"], curves[name], 1, n_boot=n_boot, seed=seed
+            )
+            entry["spearman"] = rk.spearman_interval(
+                per_prompt.get("ra", scores["ra"]),
+                per_prompt.get(name, scores[name]),
+                n_boot=n_boot,
+                seed=seed,
+            )
+        out[name] = entry
+    return out
+
+
+def _mean_prompts(model: Any, task: Task, shots: int, seed: int) -> list[Prompt]:
+    """Training prompts of every token length (the ranking prompts are their equal-length
+    subset), for the held-out means of mean ablation; never a test prompt."""
+    splits = task.split(seed)
+    usable = set(tasks.single_token_pairs(task, model))
+    pairs = [p for p in splits.train if p in usable]
+    return tasks.build_prompts(task, pairs, shots=shots, demos_from=pairs, seed=seed)
 
 
 def _patching_pairs(

@@ -1,0 +1,388 @@
+"""The head-ranking study: every ranking, on several ICL tasks and shot counts, under zero and mean
+ablation, with bootstrap intervals, timings and ablation-curve plots, in one JSON file.
+
+    python -m ra_lens.experiments.ranking_study --quick                 # tiny model, seconds
+    python -m ra_lens.experiments.ranking_study --json docs/results/ranking_study.json \\
+        --plots docs/figures/ranking --cells antonym:5,capitalize:0 --n-prompts 12
+
+Each (task, shots) cell computes the protocol-independent rankings once and reuses them for the
+second protocol (`head_ranking(..., reuse=...)`); causal mediation and its first-order estimate are
+recomputed per protocol because they ablate the way the curves do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from ra_lens import ranking as rk
+from ra_lens import tasks
+from ra_lens.experiments.ranking import RANKINGS, HeadRankingResult, check_rankings, head_ranking
+from ra_lens.tasks import Task
+
+#: The study's tasks and shot counts (issue 14).
+STUDY_TASKS: tuple[str, ...] = ("antonym", "capitalize", "country-capital", "present-past")
+STUDY_SHOTS: tuple[int, ...] = (0, 5)
+ABLATIONS: tuple[str, ...] = ("zero", "mean")
+#: The speed claim: the causal-mediation scan must stay at least this many times slower than RA.
+SPEED_GOAL = 50.0
+
+# A toy task for --quick on `toy_models.tiny_model`: inputs and answers that are one token (with
+# their leading space) for the tiny tokenizer, so every n-shot prompt has the same length.
+QUICK_TASK = Task(
+    name="toy",
+    pairs=[
+        ("b", "of"), ("c", "is"), ("d", "to"), ("l", "an"), ("o", "and"), ("s", "the"),
+        ("t", "cap"), ("F", "Par"), ("I", "Mar"), ("of", "Ital"), ("is", "Fran"), ("to", "Jo"),
+        ("an", "b"), ("and", "c"), ("the", "d"), ("cap", "l"), ("Par", "o"), ("Mar", "s"),
+        ("Ital", "t"), ("Fran", "F"),
+    ],
+)  # fmt: skip
+
+
+@dataclass
+class StudyResult:
+    """Every cell of the study (one `HeadRankingResult` per task x shots x ablation).
+
+    Attributes:
+        cells: the results, in the order they ran.
+        config: the settings that ran (tasks, shots, ablations, rankings, prompts, ...).
+        runtime_seconds: wall-clock seconds of the whole study, model loading excluded.
+        skipped: "task k-shot: why" for cells that could not run (e.g. too few usable pairs).
+    """
+
+    cells: list[HeadRankingResult]
+    config: dict[str, Any]
+    runtime_seconds: float
+    skipped: list[str] = field(default_factory=list)
+
+    def speed_ratios(self) -> dict[str, float]:
+        """ "task k-shot ablation" -> seconds(causal mediation) / seconds(RA), where both ran."""
+        return {
+            _label(c): c.speedup()
+            for c in self.cells
+            if "causal_mediation" in c.seconds and "ra" in c.seconds
+        }
+
+    def goals(self) -> dict[str, Any]:
+        """The speed claim, checked on the measured seconds (never asserted in tests)."""
+        ratios = self.speed_ratios()
+        worst = min(ratios.values()) if ratios else None
+        return {
+            "cm_over_ra_speed_ratio_min": worst,
+            "cm_over_ra_speed_ratio_goal": SPEED_GOAL,
+            "cm_over_ra_speed_ratio_met": None if worst is None else worst >= SPEED_GOAL,
+            "cm_over_ra_speed_ratio": ratios,
+        }
+
+    def summary(self) -> list[dict[str, Any]]:
+        """One row per cell and ranking: AUCs with intervals, the paired difference to RA,
+        Spearman with RA, seconds and the number of test prompts."""
+        rows = []
+        for cell in self.cells:
+            for name in cell.scores:
+                ci = cell.intervals.get(name, {})
+                rows.append(
+                    {
+                        "task": cell.task,
+                        "shots": cell.shots,
+                        "ablation": cell.ablation,
+                        "ranking": name,
+                        "n_test": cell.n_test,
+                        "n_prompts": cell.n_prompts,
+                        "auc": ci["auc"].to_dict() if "auc" in ci else None,
+                        "auc_top3": ci["auc_top3"].to_dict() if "auc_top3" in ci else None,
+                        "reverse_auc": ci["reverse_auc"].to_dict() if "reverse_auc" in ci else None,
+                        "ra_minus_ranking_auc": (
+                            ci["paired_vs_ra"].to_dict() if "paired_vs_ra" in ci else None
+                        ),
+                        "spearman_with_ra": ci["spearman"].to_dict() if "spearman" in ci else None,
+                        "seconds": cell.seconds.get(name),
+                    }
+                )
+        return rows
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "config": self.config,
+            "runtime_seconds": self.runtime_seconds,
+            "goals": self.goals(),
+            "skipped": list(self.skipped),
+            "summary": self.summary(),
+            "cells": [cell.to_dict() for cell in self.cells],
+        }
+
+    def save_json(self, path: str | Path) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1, allow_nan=False))
+
+    def table(self) -> str:
+        """Every cell's table, then the runtime and the speed goal."""
+        parts = [cell.table() for cell in self.cells]
+        goals = self.goals()
+        worst = goals["cm_over_ra_speed_ratio_min"]
+        parts.append(
+            f"study runtime {self.runtime_seconds:.0f} s; causal mediation / RA seconds >= "
+            f"{SPEED_GOAL:.0f}: "
+            + ("n/a" if worst is None else f"min {worst:.0f}x, met: {worst >= SPEED_GOAL}")
+        )
+        parts += [f"skipped: {why}" for why in self.skipped]
+        return "\n\n".join(parts)
+
+    def plot(self, out_dir: str | Path) -> list[Path]:
+        """One figure per cell, `{task}_{shots}shot_{ablation}.png`: top-1 accuracy against the
+        fraction of heads kept, top heads kept (left) and bottom heads kept (right)."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        paths = []
+        for cell in self.cells:
+            fig, axes = plt.subplots(1, 2, figsize=(12, 4.4), sharey=True)
+            for ax, curves, title in (
+                (axes[0], cell.curves, "keeping the top-ranked heads"),
+                (axes[1], cell.reverse_curves, "keeping the bottom-ranked heads"),
+            ):
+                for i, (name, curve) in enumerate(curves.items()):
+                    ax.plot(
+                        curve.fractions,
+                        curve.top1,
+                        label=f"{name} ({curve.auc:.3f})",
+                        linestyle=("-", "--", ":", "-.")[i % 4],
+                        marker="os^vD<>ph*x"[i % 11],
+                        markersize=3.5,
+                        linewidth=2.2 if name in ("ra", "causal_mediation") else 1.2,
+                    )
+                ax.set_title(title)
+                ax.set_xlabel("fraction of heads kept")
+                ax.grid(alpha=0.3)
+                ax.legend(fontsize=7, loc="upper left", title="ranking (AUC top-1)")
+            axes[0].set_ylabel("top-1 accuracy")
+            fig.suptitle(
+                f"{cell.task}, {cell.shots}-shot, {cell.ablation} ablation "
+                f"({cell.n_test} test prompts, rankings from {cell.n_prompts})"
+            )
+            fig.tight_layout()
+            path = out / f"{cell.task}_{cell.shots}shot_{cell.ablation}.png"
+            fig.savefig(path, dpi=110)
+            plt.close(fig)
+            paths.append(path)
+        return paths
+
+
+def markdown_summary(data: dict[str, Any]) -> str:
+    """A markdown table from a saved study (`StudyResult.to_dict()` or its JSON): one row per
+    task x shots x ablation x ranking with the top-1 AUC and its 95% interval, the reverse AUC,
+    AUC(RA) - AUC(ranking) with its paired interval, Spearman with RA and seconds."""
+
+    def ci(entry: dict[str, Any] | None) -> str:
+        if not entry or entry["estimate"] is None:
+            return "-"
+        return f"{entry['estimate']:.3f} [{entry['low']:.3f}, {entry['high']:.3f}]"
+
+    lines = [
+        "| task | shots | ablation | n test | ranking | AUC top-1 [95% CI] | reverse AUC | "
+        "AUC(RA) - AUC(it) [95% CI] | Spearman with RA [95% CI] | seconds |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in data["summary"]:
+        reverse = row["reverse_auc"]["estimate"] if row["reverse_auc"] else float("nan")
+        lines.append(
+            f"| {row['task']} | {row['shots']} | {row['ablation']} | {row['n_test']} | "
+            f"{row['ranking']} | {ci(row['auc'])} | {reverse:.3f} | "
+            f"{ci(row['ra_minus_ranking_auc'])} | {ci(row['spearman_with_ra'])} | "
+            f"{row['seconds']:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def _label(cell: HeadRankingResult) -> str:
+    return f"{cell.task} {cell.shots}-shot {cell.ablation}"
+
+
+def ranking_study(
+    model: Any,
+    *,
+    cells: Sequence[tuple[str | Task, int]] | None = None,
+    ablations: Sequence[str] = ABLATIONS,
+    rankings: Sequence[str] = tuple(RANKINGS),
+    n_prompts: int = 25,
+    n_test: int | None = None,
+    fractions: Sequence[float] = rk.DENSE_FRACTIONS,
+    n_boot: int = 1000,
+    batch_size: int = 8,
+    eval_batch_size: int = 16,
+    n_means: int = 100,
+    seed: int = 42,
+    progress: bool = True,
+    on_cell: Callable[[StudyResult], None] | None = None,
+) -> StudyResult:
+    """Run `head_ranking` on every (task, shots) cell under every ablation protocol.
+
+    Args:
+        model: a TransformerLens model.
+        cells: (task, shots) pairs; default every STUDY_TASKS x STUDY_SHOTS.
+        ablations: "zero" and/or "mean".
+        rankings: names in `experiments.ranking.RANKINGS`.
+        n_prompts, n_test, fractions, n_boot, batch_size, eval_batch_size, n_means, seed: as in
+            `head_ranking` (batch_size also batches causal mediation's prompts).
+        on_cell: called with the partial result after every cell (e.g. to save it as it goes).
+
+    Returns:
+        StudyResult (`.to_dict()`, `.save_json(path)`, `.table()`, `.plot(out_dir)`).
+    """
+    names = check_rankings(rankings)
+    bad = [a for a in ablations if a not in ABLATIONS]
+    if bad or not ablations:
+        raise ValueError(f"unknown ablation {bad[0] if bad else None!r}: choose from {ABLATIONS}")
+    cells = [(t, s) for t in STUDY_TASKS for s in STUDY_SHOTS] if cells is None else list(cells)
+    config = {
+        "cells": [[t if isinstance(t, str) else t.name, s] for t, s in cells],
+        "ablations": list(ablations),
+        "rankings": names,
+        "n_prompts": n_prompts,
+        "n_test": n_test,
+        "fractions": list(fractions),
+        "n_boot": n_boot,
+        "batch_size": batch_size,
+        "eval_batch_size": eval_batch_size,
+        "n_means": n_means,
+        "seed": seed,
+    }
+    result = StudyResult([], config, 0.0)
+    start = time.perf_counter()
+    for task, shots in tqdm(cells, desc="ranking study", disable=not progress):
+        reuse = None
+        for ablation in ablations:
+            try:
+                cell = head_ranking(
+                    model,
+                    task,
+                    shots,
+                    n_prompts,
+                    fractions=fractions,
+                    rankings=names,
+                    n_test=n_test,
+                    seed=seed,
+                    batch_size=batch_size,
+                    eval_batch_size=eval_batch_size,
+                    ablation=ablation,  # type: ignore[arg-type]
+                    n_means=n_means,
+                    n_boot=n_boot,
+                    reuse=reuse,
+                    progress=progress,
+                )
+            except ValueError as error:  # too few usable pairs for this tokenizer, and the like
+                name = task if isinstance(task, str) else task.name
+                result.skipped.append(f"{name} {shots}-shot {ablation}: {error}")
+                break
+            reuse = reuse or cell
+            result.cells.append(cell)
+            result.runtime_seconds = time.perf_counter() - start
+            if on_cell is not None:
+                on_cell(result)
+    result.runtime_seconds = time.perf_counter() - start
+    return result
+
+
+def _cells(text: str) -> list[tuple[str, int]]:
+    out = []
+    for part in text.split(","):
+        name, _, shots = part.strip().partition(":")
+        if name not in tasks.available() or not shots.strip().isdigit():
+            raise ValueError(
+                f"bad cell {part!r}: write TASK:SHOTS, e.g. antonym:5, with TASK one of "
+                f"{', '.join(tasks.available())}"
+            )
+        out.append((name, int(shots)))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="ranking_study", description=__doc__.split("\n\n")[0] if __doc__ else None
+    )
+    parser.add_argument("--quick", action="store_true", help="tiny model and toy task: seconds")
+    parser.add_argument("--model", default="smollm2-135m", help="model for load_model")
+    parser.add_argument(
+        "--cells",
+        default=None,
+        help="TASK:SHOTS,... (default: antonym, capitalize, country-capital, present-past x 0, 5)",
+    )
+    parser.add_argument("--ablations", default="zero,mean", help="zero,mean (both)")
+    parser.add_argument("--rankings", default=",".join(RANKINGS), help="comma-separated names")
+    parser.add_argument("--n-prompts", type=int, default=25, help="ranking prompts per cell (25)")
+    parser.add_argument("--n-test", type=int, default=None, help="cap on test prompts (all)")
+    parser.add_argument("--n-boot", type=int, default=1000, help="bootstrap resamples (1000)")
+    parser.add_argument("--batch-size", type=int, default=8, help="prompts per ranking pass (8)")
+    parser.add_argument(
+        "--eval-batch-size", type=int, default=16, help="test prompts per forward pass (16)"
+    )
+    parser.add_argument(
+        "--n-means", type=int, default=100, help="held-out prompts for mean ablation (100)"
+    )
+    parser.add_argument("--json", default=None, metavar="FILE", help="write the results here")
+    parser.add_argument("--plots", type=Path, default=None, metavar="DIR", help="write plots here")
+    parser.add_argument(
+        "--markdown", type=Path, default=None, metavar="JSON", help="print a saved study's table"
+    )
+    args = parser.parse_args(argv)
+    if args.markdown is not None:
+        print(markdown_summary(json.loads(args.markdown.read_text())))
+        return 0
+    try:
+        rankings = [n.strip() for n in args.rankings.split(",") if n.strip()]
+        ablations = [a.strip() for a in args.ablations.split(",") if a.strip()]
+        if args.quick:
+            from ra_lens.toy_models import tiny_model
+
+            model, model_name = tiny_model("llama", n_layers=2), "tiny-llama (random weights)"
+            cells: list[tuple[str | Task, int]] = [(QUICK_TASK, 0), (QUICK_TASK, 2)]
+            extra = {"n_prompts": 6, "n_boot": 200, "n_means": 20}
+        else:
+            from ra_lens.models import load_model
+
+            model, model_name = load_model(args.model, device="cpu"), args.model
+            cells = list(_cells(args.cells)) if args.cells else []
+            extra = {"n_prompts": args.n_prompts, "n_boot": args.n_boot, "n_means": args.n_means}
+
+        def save(partial: StudyResult) -> None:
+            partial.config["model"] = model_name
+            if args.json:
+                partial.save_json(args.json)
+
+        result = ranking_study(
+            model,
+            cells=cells or None,
+            ablations=ablations,
+            rankings=rankings,
+            n_test=args.n_test,
+            batch_size=args.batch_size,
+            eval_batch_size=args.eval_batch_size,
+            on_cell=save,
+            **extra,  # type: ignore[arg-type]
+        )
+    except (ValueError, RuntimeError, OSError) as error:
+        print(f"ranking_study: error: {error}", file=sys.stderr)
+        return 2
+    save(result)
+    print(result.table())
+    if args.plots is not None:
+        for path in result.plot(args.plots):
+            print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

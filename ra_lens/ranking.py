@@ -68,6 +68,7 @@ __all__ = [
     "check_fractions",
     "check_scores",
     "evaluate_ablated",
+    "exact_qk_attribution",
     "first_order_mediation",
     "forward_ranking",
     "head_order",

@@ -30,15 +30,13 @@ import json
 import platform
 import statistics
 import time
-import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+from harness import LiveTensorBytes
 from torch import Tensor
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from ra_lens import capture, reversed_attention
 from ra_lens.capture import RESID_PRE
@@ -49,38 +47,6 @@ _FILLER = (
     "The committee met on a grey morning to review the quarterly reports. Each department "
     "presented its figures, and the discussion moved slowly from budgets to schedules. "
 )
-
-
-class LiveTensorBytes(TorchDispatchMode):
-    """Peak bytes of tensor storages created while active and still alive (see bench_ra.py)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live = 0
-        self.peak = 0
-
-    def _freed(self, nbytes: int) -> None:
-        self.live -= nbytes
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
-        out = func(*args, **(kwargs or {}))
-        seen = {id(t.untyped_storage()) for t in tree_leaves((args, kwargs)) if _real(t)}
-        for t in tree_leaves(out):
-            if not _real(t):
-                continue
-            storage = t.untyped_storage()
-            if id(storage) in seen or getattr(storage, "_ra_long_tracked", False):
-                continue
-            storage._ra_long_tracked = True
-            weakref.finalize(storage, self._freed, storage.nbytes())
-            self.live += storage.nbytes()
-            self.peak = max(self.peak, self.live)
-            seen.add(id(storage))
-        return out
-
-
-def _real(t: Any) -> bool:
-    return isinstance(t, Tensor) and not t.is_meta
 
 
 @contextlib.contextmanager

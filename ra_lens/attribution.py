@@ -387,7 +387,7 @@ def attention_attribution(
         tokens=base.tokens.cpu(),
         other_tokens=other.tokens.cpu(),
         lengths=base.lengths.cpu(),
-        str_tokens=_str_tokens(model, base),
+        str_tokens=capture.str_tokens(model, base),
         _logits=stack("logits", torch.float64),
         _query_logits=stack("query_logits", torch.float64),
         _key_logit_change=stack("key_logit_change", torch.float64),
@@ -549,13 +549,3 @@ def _layer_estimates(
         out["key"] = einops.reduce(by_head, "b (g r) pos -> b g pos", "sum", r=group)
     # Pattern-shaped tensors go to [batch, head, ...]; estimates are [batch, head, pos].
     return out
-
-
-def _str_tokens(model: Any, batch: Batch) -> list[list[str]] | None:
-    tokenizer = getattr(model, "tokenizer", None)
-    if tokenizer is None:
-        return None
-    return [
-        [tokenizer.decode([t]) for t in row[: int(n)].tolist()]
-        for row, n in zip(batch.tokens.cpu(), batch.lengths.cpu())
-    ]

@@ -440,6 +440,17 @@ def check_token_ids(model: HookedModel, ids: Tensor) -> None:
         )
 
 
+def str_tokens(model: HookedModel, batch: Batch) -> list[list[str]] | None:
+    """Each prompt's tokens as text, cut to its real length; None without a tokenizer."""
+    tokenizer = getattr(model, "tokenizer", None)
+    if tokenizer is None:
+        return None
+    return [
+        [tokenizer.decode([t]) for t in row[: int(n)].tolist()]
+        for row, n in zip(batch.tokens.cpu(), batch.lengths.cpu())
+    ]
+
+
 def _pad_id(model: HookedModel) -> int:
     tokenizer = getattr(model, "tokenizer", None)
     for attr in ("pad_token_id", "eos_token_id"):

@@ -106,7 +106,7 @@ def reversed_attention(
                 lambda logits: metric_loss(metric, logits, batch),
                 lambda: _collecting(model, collector),
             )
-        return collector.result(values.detach().float().cpu(), _str_tokens(model, batch))
+        return collector.result(values.detach().float().cpu(), capture.str_tokens(model, batch))
     store: dict[str, Tensor] = {}
     leaf = [(RESID_PRE.format(chosen[0]), capture.gradient_leaf_hook(store))]
     with capture.preserved_state(model), torch.enable_grad():
@@ -119,7 +119,7 @@ def reversed_attention(
             "the metric does not depend on the attention of the chosen layers "
             "(no gradient path): compute it from the logits the model returns"
         )
-    return collector.result(values.detach().float().cpu(), _str_tokens(model, batch))
+    return collector.result(values.detach().float().cpu(), capture.str_tokens(model, batch))
 
 
 @contextlib.contextmanager
@@ -182,16 +182,6 @@ def _to_loss(values: Any, batch: Batch) -> Tensor:
             "without .detach(), .item() or torch.no_grad()"
         )
     return values.sum()
-
-
-def _str_tokens(model: HookedModel, batch: Batch) -> list[list[str]] | None:
-    tokenizer = getattr(model, "tokenizer", None)
-    if tokenizer is None:
-        return None
-    return [
-        [tokenizer.decode([t]) for t in row[: int(n)].tolist()]
-        for row, n in zip(batch.tokens.cpu(), batch.lengths.cpu())
-    ]
 
 
 class _Collector:

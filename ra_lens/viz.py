@@ -380,8 +380,6 @@ def circuitsvis_heads(
         (min_value == -max_value == -max|RA|); forward patterns on [0, 1]. Heads are named
         "L{layer}H{head} RA" and "L{layer}H{head} attn".
     """
-    from circuitsvis.attention import attention_heads
-
     chosen = _parse_heads(ra, heads)
     if not chosen:
         raise ValueError("no heads to show")
@@ -395,30 +393,47 @@ def circuitsvis_heads(
         (
             f"{_map_name(ra)} (signed; red = raising this logit raises the metric, blue = "
             f"lowers it; colour range \u00b1{limit:.3g})",
-            attention_heads(
-                ra_maps.tolist(),
-                labels,
-                attention_head_names=[f"L{la}H{h} {short}" for la, h in chosen],
-                max_value=limit,
-                min_value=-limit,
-                negative_color=_NEGATIVE,
-                positive_color=_POSITIVE,
-                mask_upper_tri=True,
-            ),
+            _signed_heads(ra_maps, labels, [f"L{la}H{h} {short}" for la, h in chosen], limit),
         ),
         (
             "Forward attention (range 0 to 1)",
-            attention_heads(
-                patterns.tolist(),
-                labels,
-                attention_head_names=[f"L{la}H{h} attn" for la, h in chosen],
-                max_value=1.0,
-                min_value=0.0,
-                mask_upper_tri=True,
-            ),
+            _forward_heads(patterns, labels, chosen),
         ),
     ]
-    page = _assemble_page(sections, ra, prompt)
+    return _write_page(_assemble_page(sections, ra, prompt), save)
+
+
+def _signed_heads(values: Any, labels: list[str], names: list[str], limit: float) -> Any:
+    """A circuitsvis view of signed maps, blue to red, symmetric range +-limit."""
+    from circuitsvis.attention import attention_heads
+
+    return attention_heads(
+        values.tolist(),
+        labels,
+        attention_head_names=names,
+        max_value=limit,
+        min_value=-limit,
+        negative_color=_NEGATIVE,
+        positive_color=_POSITIVE,
+        mask_upper_tri=True,
+    )
+
+
+def _forward_heads(patterns: Any, labels: list[str], chosen: Any) -> Any:
+    """A circuitsvis view of forward patterns, range 0 to 1."""
+    from circuitsvis.attention import attention_heads
+
+    return attention_heads(
+        patterns.tolist(),
+        labels,
+        attention_head_names=[f"L{la}H{h} attn" for la, h in chosen],
+        max_value=1.0,
+        min_value=0.0,
+        mask_upper_tri=True,
+    )
+
+
+def _write_page(page: str, save: str | Path | None) -> str:
     if save is not None:
         path = Path(save)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -656,7 +671,6 @@ def attribution_edges_page(
         prompt: which pair of the batch.
         save: optional .html path.
     """
-    from circuitsvis.attention import attention_heads
 
     chosen = [(int(h[0]), int(h[1])) for h in (heads or att.top(8, node="pattern"))]
     if not chosen:
@@ -677,35 +691,19 @@ def attribution_edges_page(
         (
             f"Edges R * (A_other - A), {att.direction}: the metric change each query-key link "
             f"carries (red = raises it; colour range \u00b1{limit:.3g})",
-            attention_heads(
-                np.tril(edges).tolist(),
+            _signed_heads(
+                np.tril(edges),
                 labels,
-                attention_head_names=[f"L{la}H{h} edges" for la, h in chosen],
-                max_value=limit,
-                min_value=-limit,
-                negative_color=_NEGATIVE,
-                positive_color=_POSITIVE,
-                mask_upper_tri=True,
+                [f"L{la}H{h} edges" for la, h in chosen],
+                limit,
             ),
         ),
         (
             "Forward attention of the patched run (range 0 to 1)",
-            attention_heads(
-                patterns.tolist(),
-                labels,
-                attention_head_names=[f"L{la}H{h} attn" for la, h in chosen],
-                max_value=1.0,
-                min_value=0.0,
-                mask_upper_tri=True,
-            ),
+            _forward_heads(patterns, labels, chosen),
         ),
     ]
-    page = _assemble_page(sections, att, prompt)
-    if save is not None:
-        path = Path(save)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(page, encoding="utf-8")
-    return page
+    return _write_page(_assemble_page(sections, att, prompt), save)
 
 
 def estimate_scatter(

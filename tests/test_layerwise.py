@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import tempfile
 
 import pytest
@@ -281,10 +282,16 @@ def test_long_context_benchmark_quick_run_writes_its_json(tmp_path):
     import json
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_long_context.py"
-    spec = importlib.util.spec_from_file_location("bench_long_context", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    folder = Path(__file__).resolve().parents[1] / "benchmarks"
+    sys.path.insert(0, str(folder))  # as `python benchmarks/bench_long_context.py` sees it
+    try:
+        spec = importlib.util.spec_from_file_location(
+            "bench_long_context", folder / "bench_long_context.py"
+        )
+        bench = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(bench)
+    finally:
+        sys.path.remove(str(folder))
     out = tmp_path / "long.json"
     bench.main(
         ["--quick", "--compare", "64", "--repeats", "1", "--lengths", "96", "--json", str(out)]

@@ -166,7 +166,8 @@ def test_bad_maps_are_refused(model, ra):
         attention_patch_hooks(maps, 1.0)
     with pytest.raises(
         ValueError,
-        match=r"maps must be Float\[Tensor, 'layer head query key'\], got \(4, \d+, \d+\)",
+        match=r"maps must be Float\[Tensor, 'layer head query key'\] with as many queries as "
+        r"keys \(ra.mean_maps\(\) of prompts of one length\), got \(4, \d+, \d+\)",
     ):
         attention_patch_hooks(ra.mean_maps()[0], 1.0)
     with pytest.raises(ValueError, match="no maps for layers"):

@@ -408,33 +408,9 @@ def attribution_patching(
     for rows in _chunks(clean.tokens.shape[0], batch_size):
         clean_part, corrupted_part = _part(clean, rows), _part(corrupted, rows)
         clean_z = _z_activations(model, clean_part.tokens, layers)
-        store: dict[str, Tensor] = {}
-        seen: dict[int, Tensor] = {}
-
-        def keep(layer: int, seen: dict[int, Tensor] = seen):
-            # On TransformerBridge hook_z sees a view of o's input; only a tensor the hook
-            # returns is used downstream, so return a clone and differentiate with respect to it.
-            def hook(z: Tensor, hook: Any) -> Tensor:
-                z = z.clone()
-                seen[layer] = z
-                return z
-
-            return hook
-
-        fwd = [(RESID_PRE.format(0), capture.gradient_leaf_hook(store))]
-        fwd += [(Z.format(la), keep(la)) for la in layers]
-        with capture.preserved_state(model), torch.enable_grad(), model.hooks(fwd_hooks=fwd):
-            logits = model(corrupted_part.tokens)
-            probs = target_probs(logits, corrupted_part.lengths, targets[rows])
-            grads = torch.autograd.grad(probs.sum(), [seen[la] for la in layers], allow_unused=True)
-        missing = [la for la, grad in zip(layers, grads, strict=True) if grad is None]
-        if missing:
-            raise RuntimeError(
-                f"no gradient reached hook_z of layers {missing}: attribution patching needs "
-                "hook_z in the autograd graph of the output"
-            )
+        corrupted_z, grads = _z_and_grads(model, corrupted_part, targets[rows], layers)
         for la, grad in zip(layers, grads, strict=True):
-            diff = clean_z[la].to(grad.device) - seen[la].detach()
+            diff = clean_z[la].to(grad.device) - corrupted_z[la]
             total[rows, la] = (upcast(grad) * upcast(diff)).sum((1, 3)).double().cpu()
     return _reduce(total, per_prompt)
 

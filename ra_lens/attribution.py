@@ -41,7 +41,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from ra_lens import capture
-from ra_lens.capture import PATTERN, RESID_PRE, Batch
+from ra_lens.capture import PATTERN, RESID_PRE, Batch, HookedModel
 from ra_lens.core import metric_loss
 
 NodeKind = Literal["pattern", "query", "key"]
@@ -62,12 +62,12 @@ _RECOMPUTE_TOLERANCE = {torch.float64: 1e-4, torch.float32: 1e-4}
 _HALF_TOLERANCE = 2e-2
 
 
-def _q_name(model: Any, layer: int) -> str:
+def _q_name(model: HookedModel, layer: int) -> str:
     rotated = f"blocks.{layer}.attn.hook_rot_q"
     return rotated if rotated in model.hook_dict else f"blocks.{layer}.attn.hook_q"
 
 
-def _k_name(model: Any, layer: int) -> str:
+def _k_name(model: HookedModel, layer: int) -> str:
     rotated = f"blocks.{layer}.attn.hook_rot_k"
     return rotated if rotated in model.hook_dict else f"blocks.{layer}.attn.hook_k"
 
@@ -294,7 +294,7 @@ class AttentionAttribution:
 
 
 def attention_attribution(
-    model: Any,
+    model: HookedModel,
     clean: Tokens,
     corrupted: Tokens,
     metric: MetricFn,
@@ -424,7 +424,9 @@ def _check_pairs(clean: Batch, corrupted: Batch) -> None:
         )
 
 
-def _capture(model: Any, batch: Batch, layers: list[int], metric: MetricFn, backward: bool) -> _Run:
+def _capture(
+    model: HookedModel, batch: Batch, layers: list[int], metric: MetricFn, backward: bool
+) -> _Run:
     """Forward pass saving A, q and k of every chosen layer; with backward, R = dM/dA too."""
     run = _Run({}, {}, {}, {}, torch.empty(0))
 

@@ -46,7 +46,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from ra_lens import capture
-from ra_lens.capture import PATTERN, RESID_PRE, Batch, Z
+from ra_lens.capture import PATTERN, RESID_PRE, Batch, HookedModel, Z
 from ra_lens.core import reversed_attention
 from ra_lens.math import frobenius_norms, upcast
 from ra_lens.metrics import target_nll
@@ -143,10 +143,6 @@ def _reduce(values: Tensor, per_prompt: bool) -> Tensor:
     return values.float() if per_prompt else values.double().mean(0).float()
 
 
-def _device(model: Any) -> torch.device:
-    return next(model.parameters()).device
-
-
 def check_scores(scores: Any, n_layers: int, n_heads: int, what: str = "scores") -> Scores:
     """Scores as a finite float CPU tensor of shape [n_layers, n_heads], or a clear error."""
     if not isinstance(scores, Tensor):
@@ -169,7 +165,7 @@ def check_scores(scores: Any, n_layers: int, n_heads: int, what: str = "scores")
 
 
 def ra_ranking(
-    model: Any,
+    model: HookedModel,
     tokens: Tokens,
     targets: Targets,
     *,
@@ -215,7 +211,7 @@ def ra_ranking(
 
 
 def forward_ranking(
-    model: Any, tokens: Tokens, *, batch_size: int = 8, per_prompt: bool = False
+    model: HookedModel, tokens: Tokens, *, batch_size: int = 8, per_prompt: bool = False
 ) -> Scores | PerPrompt:
     """Mean Frobenius norm of each head's forward attention pattern (real positions only).
 
@@ -229,8 +225,7 @@ def forward_ranking(
     norms = torch.zeros(batch.tokens.shape[0], shape.n_layers, shape.n_heads, dtype=torch.float64)
     for rows in _chunks(batch.tokens.shape[0], batch_size):
         part = _part(batch, rows)
-        positions = torch.arange(part.tokens.shape[1], device=part.tokens.device)
-        real = positions[None, :] < part.lengths.to(part.tokens.device)[:, None]
+        real = part.real_mask()
         keep = real[:, None, :, None] & real[:, None, None, :]
 
         def record(layer: int, keep: Tensor = keep, rows: slice = rows):
@@ -264,7 +259,7 @@ def layer_ranking(n_layers: int, n_heads: int) -> Scores:
 
 
 def causal_mediation(
-    model: Any,
+    model: HookedModel,
     tokens: Tokens,
     targets: Targets,
     *,
@@ -306,7 +301,7 @@ def causal_mediation(
 
 
 def _paired(
-    model: Any, clean: Tokens, corrupted: Tokens, targets: Targets
+    model: HookedModel, clean: Tokens, corrupted: Tokens, targets: Targets
 ) -> tuple[Batch, Batch, Tensor]:
     clean_b, corrupted_b = capture.to_batch(model, clean), capture.to_batch(model, corrupted)
     if clean_b.tokens.shape != corrupted_b.tokens.shape or not torch.equal(
@@ -335,7 +330,7 @@ def _tl_progress(enabled: bool) -> Iterator[None]:
 
 
 def activation_patching(
-    model: Any,
+    model: HookedModel,
     clean_tokens: Tokens,
     corrupted_tokens: Tokens,
     targets: Targets,
@@ -384,7 +379,7 @@ def activation_patching(
 
 
 def attribution_patching(
-    model: Any,
+    model: HookedModel,
     clean_tokens: Tokens,
     corrupted_tokens: Tokens,
     targets: Targets,
@@ -415,7 +410,7 @@ def attribution_patching(
     return _reduce(total, per_prompt)
 
 
-def _z_activations(model: Any, tokens: Tensor, layers: list[int]) -> dict[int, Tensor]:
+def _z_activations(model: HookedModel, tokens: Tensor, layers: list[int]) -> dict[int, Tensor]:
     """hook_z of each layer, [batch pos head d_head], from one forward pass without gradient."""
     seen: dict[int, Tensor] = {}
 
@@ -435,7 +430,7 @@ def _z_activations(model: Any, tokens: Tensor, layers: list[int]) -> dict[int, T
 
 
 def last_token_means(
-    model: Any, tokens: Tokens, *, batch_size: int = 16
+    model: HookedModel, tokens: Tokens, *, batch_size: int = 16
 ) -> Float[Tensor, "layer head pos d_head"]:
     """Each head's hook_z output averaged over prompts position by position, counted back from
     each prompt's last real token (Todd et al.'s alignment for function vectors).
@@ -557,7 +552,7 @@ def ablation_hooks(
 
 
 def evaluate_ablated(
-    model: Any,
+    model: HookedModel,
     prompts: Sequence[Any],
     ablated: Sequence[tuple[int, int]],
     *,
@@ -592,7 +587,7 @@ def evaluate_ablated(
 
 
 def first_order_mediation(
-    model: Any,
+    model: HookedModel,
     tokens: Tokens,
     targets: Targets,
     *,
@@ -628,7 +623,7 @@ def first_order_mediation(
 
 
 def _z_and_grads(
-    model: Any, part: Batch, targets: Tensor, layers: list[int]
+    model: HookedModel, part: Batch, targets: Tensor, layers: list[int]
 ) -> tuple[dict[int, Tensor], list[Tensor]]:
     """hook_z of each layer and d(sum_i p_i(target))/d hook_z, from one forward + backward."""
     store: dict[str, Tensor] = {}
@@ -659,7 +654,7 @@ def _z_and_grads(
 
 
 def indirect_effect(
-    model: Any,
+    model: HookedModel,
     clean_tokens: Tokens,
     corrupted_tokens: Tokens,
     targets: Targets,
@@ -713,7 +708,7 @@ def indirect_effect(
 
 
 def temperature_scores(
-    model: Any, tokens: Tokens, targets: Targets, *, batch_size: int = 8
+    model: HookedModel, tokens: Tokens, targets: Targets, *, batch_size: int = 8
 ) -> PerPrompt:
     """d(-log p(target))/d(beta_h) at beta = 1, per prompt and head, where beta_h multiplies
     head h's attention logits (an inverse temperature): sum over the causal triangle of
@@ -743,7 +738,12 @@ def temperature_scores(
 
 
 def temperature_ranking(
-    model: Any, tokens: Tokens, targets: Targets, *, batch_size: int = 8, per_prompt: bool = False
+    model: HookedModel,
+    tokens: Tokens,
+    targets: Targets,
+    *,
+    batch_size: int = 8,
+    per_prompt: bool = False,
 ) -> Scores | PerPrompt:
     """Mean |d loss / d inverse temperature| of each head (`temperature_scores`): an RA-derived
     score without the Frobenius norm. Float[Tensor, "layer head"]."""
@@ -1064,7 +1064,7 @@ def kept_heads(scores: Scores, fraction: float, *, reverse: bool = False) -> lis
 
 
 def ablation_curve(
-    model: Any,
+    model: HookedModel,
     prompts: Sequence[Any],
     scores: Scores,
     fractions: Sequence[float] = DEFAULT_FRACTIONS,
@@ -1117,7 +1117,7 @@ def ablation_curve(
 
 
 def exact_qk_attribution(
-    model: Any,
+    model: HookedModel,
     clean_tokens: Tokens,
     corrupted_tokens: Tokens,
     targets: Targets,

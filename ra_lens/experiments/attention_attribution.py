@@ -33,14 +33,14 @@ from tqdm.auto import tqdm
 
 from ra_lens import capture
 from ra_lens.attribution import _k_name, _q_name, attention_attribution
-from ra_lens.capture import PATTERN, Batch
+from ra_lens.capture import PATTERN, Batch, HookedModel
 from ra_lens.core import reversed_attention
 from ra_lens.tasks import ioi
 
 KINDS: tuple[str, ...] = ("query", "key", "pattern")
 
 
-def _hook_name(model: Any, kind: str, layer: int) -> str:
+def _hook_name(model: HookedModel, kind: str, layer: int) -> str:
     if kind == "query":
         return _q_name(model, layer)
     if kind == "key":
@@ -53,7 +53,7 @@ def _rows(batch: Batch, rows: Sequence[int]) -> Batch:
     return Batch(batch.tokens[index], batch.lengths[index])
 
 
-def clean_activations(model: Any, clean: Batch, layers: Sequence[int]) -> dict[str, Tensor]:
+def clean_activations(model: HookedModel, clean: Batch, layers: Sequence[int]) -> dict[str, Tensor]:
     """q, k and pattern of every layer on the clean run (the values patched in)."""
     names = {_hook_name(model, kind, la) for kind in KINDS for la in layers}
     seen: dict[str, Tensor] = {}
@@ -67,7 +67,7 @@ def clean_activations(model: Any, clean: Batch, layers: Sequence[int]) -> dict[s
 
 
 def patching_effects(
-    model: Any,
+    model: HookedModel,
     clean: Batch,
     corrupted: Batch,
     metric: Any,
@@ -207,7 +207,7 @@ class TaskMeasurement:
 
 
 def measure(
-    model: Any,
+    model: HookedModel,
     pairs: Sequence[ioi.PromptPair],
     task: str,
     *,

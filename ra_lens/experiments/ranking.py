@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 
 from ra_lens import capture, tasks
 from ra_lens import ranking as rk
+from ra_lens.capture import HookedModel
 from ra_lens.experiments.patching import task_prompts
 from ra_lens.experiments.timing import timed
 from ra_lens.ranking import AblationCurve, HeadMeans, Interval, Scores
@@ -39,7 +40,7 @@ class RankingInputs:
     """What a ranking may read: the ranking prompts, their shuffled-label twins, the means of
     the ablation protocol (None = zero ablation) and run settings."""
 
-    model: Any
+    model: HookedModel
     texts: list[str]
     targets: list[int]
     seed: int
@@ -388,7 +389,7 @@ def check_rankings(names: Sequence[str]) -> list[str]:
 
 
 def head_ranking(
-    model: Any,
+    model: HookedModel,
     task: str | Task,
     shots: int = 5,
     n_prompts: int = 25,
@@ -578,7 +579,7 @@ def _intervals(
     return out
 
 
-def _mean_prompts(model: Any, task: Task, shots: int, seed: int) -> list[Prompt]:
+def _mean_prompts(model: HookedModel, task: Task, shots: int, seed: int) -> list[Prompt]:
     """Training prompts of every token length (the ranking prompts are their equal-length
     subset), for the held-out means of mean ablation; never a test prompt."""
     splits = task.split(seed)
@@ -588,7 +589,7 @@ def _mean_prompts(model: Any, task: Task, shots: int, seed: int) -> list[Prompt]
 
 
 def _patching_pairs(
-    model: Any, prompts: list[Prompt], targets: list[int], seed: int
+    model: HookedModel, prompts: list[Prompt], targets: list[int], seed: int
 ) -> tuple[list[str], list[str], list[int]]:
     """(clean texts, corrupted texts, targets) for the prompts whose shuffled-label twin has the
     same token length."""

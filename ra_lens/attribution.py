@@ -63,13 +63,13 @@ _HALF_TOLERANCE = 2e-2
 
 
 def _q_name(model: HookedModel, layer: int) -> str:
-    rotated = f"blocks.{layer}.attn.hook_rot_q"
-    return rotated if rotated in model.hook_dict else f"blocks.{layer}.attn.hook_q"
+    rotated = capture.ROT_Q.format(layer)
+    return rotated if rotated in model.hook_dict else capture.Q.format(layer)
 
 
 def _k_name(model: HookedModel, layer: int) -> str:
-    rotated = f"blocks.{layer}.attn.hook_rot_k"
-    return rotated if rotated in model.hook_dict else f"blocks.{layer}.attn.hook_k"
+    rotated = capture.ROT_K.format(layer)
+    return rotated if rotated in model.hook_dict else capture.K.format(layer)
 
 
 # --------------------------------------------------------------------------------------------

@@ -41,6 +41,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from ra_lens import capture
+from ra_lens._typing import Validated
 from ra_lens.capture import PATTERN, RESID_PRE, Batch, HookedModel
 from ra_lens.core import metric_loss
 
@@ -51,7 +52,7 @@ NODES: tuple[str, ...] = ("pattern", "query", "key")
 METHODS: tuple[str, ...] = ("exact", "linear")
 DIRECTIONS: tuple[str, ...] = ("denoise", "noise")
 
-Tokens = Int[Tensor, "batch pos"] | Batch | str | Sequence[str]
+Tokens = Validated[Int[Tensor, "batch pos"] | Batch | str | Sequence[str]]
 MetricFn = Callable[..., Tensor]
 
 #: Largest |softmax(q k^T / s + causal mask) - A| accepted before the recomputed attention is
@@ -294,12 +295,12 @@ class AttentionAttribution:
 
 
 def attention_attribution(
-    model: HookedModel,
+    model: Validated[HookedModel],
     clean: Tokens,
     corrupted: Tokens,
     metric: MetricFn,
     *,
-    layers: Sequence[int] | None = None,
+    layers: Validated[Sequence[int]] | None = None,
     nodes: Sequence[str] = NODES,
     method: Method = "exact",
     direction: Direction = "denoise",

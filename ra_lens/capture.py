@@ -21,6 +21,8 @@ import torch
 from jaxtyping import Bool, Int
 from torch import Tensor
 
+from ra_lens._typing import Validated
+
 # Every TransformerLens hook name ra-lens uses; format with the layer index.
 PATTERN = "blocks.{}.attn.hook_pattern"
 SCORES = "blocks.{}.attn.hook_attn_scores"
@@ -74,7 +76,7 @@ class ModelShape:
     n_ctx: int | None
 
 
-def model_shape(model: HookedModel) -> ModelShape:
+def model_shape(model: Validated[HookedModel]) -> ModelShape:
     """Read the attention geometry and check that the hooks ra-lens needs exist.
 
     Raises:
@@ -95,7 +97,7 @@ def model_shape(model: HookedModel) -> ModelShape:
     return ModelShape(n_layers, n_heads, int(n_kv), int(cfg.d_head), int(n_ctx) if n_ctx else None)
 
 
-def check_layers(layers: Sequence[int] | None, n_layers: int) -> list[int]:
+def check_layers(layers: Validated[Sequence[int]] | None, n_layers: int) -> list[int]:
     """The chosen layer indices, checked; None means all layers.
 
     Raises:
@@ -110,7 +112,7 @@ def check_layers(layers: Sequence[int] | None, n_layers: int) -> list[int]:
     return chosen
 
 
-def check_layer_list(layers: Sequence[int]) -> list[int]:
+def check_layer_list(layers: Validated[Sequence[int]]) -> list[int]:
     """Layer indices as given, refused rather than silently fixed when they are not ints, empty,
     repeated or out of order (results are laid out in the order given, and the backward pass
     stops at the first layer)."""
@@ -363,7 +365,7 @@ class Batch:
 
 def to_batch(
     model: HookedModel,
-    tokens: Batch | Tensor | str | Sequence[str],
+    tokens: Validated[Batch | Tensor | str | Sequence[str]],
     *,
     prepend_bos: bool | None = None,
 ) -> Batch:

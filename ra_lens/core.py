@@ -19,6 +19,7 @@ from jaxtyping import Int
 from torch import Tensor
 
 from ra_lens import capture
+from ra_lens._typing import Validated
 from ra_lens.capture import PATTERN, RESID_PRE, Batch, HookedModel, V, Z
 from ra_lens.layerwise import layerwise_backward
 from ra_lens.math import (
@@ -38,14 +39,14 @@ RawHook = Callable[[Tensor], None]
 
 
 def reversed_attention(
-    model: HookedModel,
-    tokens: Int[Tensor, "batch pos"] | Batch | str | Sequence[str],
+    model: Validated[HookedModel],
+    tokens: Validated[Int[Tensor, "batch pos"] | Batch | str | Sequence[str]],
     metric: MetricFn,
     *,
-    layers: Sequence[int] | None = None,
-    keep: Keep = "maps",
-    convention: Convention = "qk",
-    memory: Memory = "full",
+    layers: Validated[Sequence[int]] | None = None,
+    keep: Validated[Keep] = "maps",
+    convention: Validated[Convention] = "qk",
+    memory: Validated[Memory] = "full",
     rows_at: Int[Tensor, "batch"] | None = None,
 ) -> ReversedAttention:
     """Reversed Attention dL/d(QK^T) of every head, for each prompt's own metric.

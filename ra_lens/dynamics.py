@@ -29,6 +29,7 @@ from jaxtyping import Float, Int
 from torch import Tensor, nn
 
 from ra_lens import capture
+from ra_lens._typing import Validated
 from ra_lens.capture import PATTERN, Batch, HookedModel
 from ra_lens.core import MetricFn, metric_loss, reversed_attention
 from ra_lens.math import causal_mask
@@ -72,8 +73,8 @@ class EditDynamics:
     second_order: Float[Tensor, "batch layer head query key"]
     predicted_pattern: Float[Tensor, "batch layer head query key"]
     actual_pattern: Float[Tensor, "batch layer head query key"]
-    grad_error: Float[Tensor, " layer"]
-    lengths: Int[Tensor, " batch"]
+    grad_error: Float[Tensor, "layer"]
+    lengths: Int[Tensor, "batch"]
     layers: list[int]
     lr: float
     scales: list[float]
@@ -108,12 +109,12 @@ class EditDynamics:
 
 
 def edit_dynamics(
-    model: HookedModel,
-    tokens: Int[Tensor, "batch pos"] | Batch | str | Sequence[str],
+    model: Validated[HookedModel],
+    tokens: Validated[Int[Tensor, "batch pos"] | Batch | str | Sequence[str]],
     metric: MetricFn,
-    lr: float,
+    lr: Validated[float],
     *,
-    layers: Sequence[int] | None = None,
+    layers: Validated[Sequence[int]] | None = None,
 ) -> EditDynamics:
     """Predict from RA, then measure, the change of each head's logits after one SGD step.
 

@@ -108,7 +108,7 @@ def _first_tensor(output: Any) -> Tensor:
 
 def _record(
     model: Any, tokens: Tensor, blocks: list[Any], first_layer: int, head_input: Any
-) -> tuple[dict[int, tuple[tuple, dict]], Tensor]:
+) -> tuple[dict[int, tuple[tuple, dict]], dict[str, Tensor]]:
     """Forward without autograd, keeping each chosen block's call and the head's input.
 
     Also checks the assumption the backward pass relies on: each block's input is the previous

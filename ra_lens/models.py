@@ -66,6 +66,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ra_lens._typing import Validated
+
 if TYPE_CHECKING:
     from transformer_lens import HookedTransformer
     from transformer_lens.model_bridge import TransformerBridge
@@ -392,7 +394,7 @@ def _build_cache(cache: Path, target: Path, *, replace_intact: bool = False) -> 
         shutil.rmtree(build, ignore_errors=True)
 
 
-def smollm2_hf_dir(cache: str | os.PathLike[str] | None = None, *, rebuild: bool = False) -> Path:
+def smollm2_hf_dir(cache: str | os.PathLike | None = None, *, rebuild: bool = False) -> Path:
     """Make sure a verified converted SmolLM2-135M-Instruct is in the cache; returns its folder.
 
     The folder is a plain HuggingFace checkpoint (config.json, model.safetensors in float32,
@@ -715,8 +717,8 @@ def load_model(
     name: str = DEFAULT_MODEL,
     *,
     backend: str = "auto",
-    device: str | torch.device | None = None,
-    dtype: torch.dtype = torch.float32,
+    device: Validated[str | torch.device | None] = None,
+    dtype: Validated[torch.dtype] = torch.float32,
 ) -> TransformerBridge | HookedTransformer:
     """Load a model as a TransformerLens ``TransformerBridge`` or ``HookedTransformer``, eval mode.
 

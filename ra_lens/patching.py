@@ -19,21 +19,22 @@ from jaxtyping import Bool, Float
 from torch import Tensor
 
 from ra_lens import capture
+from ra_lens._typing import Validated
 from ra_lens.capture import PATTERN, HookedModel, Z
 from ra_lens.result import ReversedAttention
 
 Hook = tuple[str, Callable]
 Align = Literal["right", "strict"]
-Heads = Iterable[tuple[int, int]] | Bool[Tensor, "layer head"]
+Heads = Validated[Iterable[tuple[int, int]] | Bool[Tensor, "layer head"]]
 
 
 def attention_patch_hooks(
-    maps: Float[Tensor, "layer head query key"] | ReversedAttention,
-    scale: float | Float[Tensor, "layer head"],
+    maps: Validated[Float[Tensor, "layer head query key"] | ReversedAttention],
+    scale: Validated[float | Float[Tensor, "layer head"]],
     *,
-    layers: Sequence[int] | None = None,
+    layers: Validated[Sequence[int]] | None = None,
     heads: Heads | None = None,
-    align: Align = "right",
+    align: Validated[Align] = "right",
     model: HookedModel | None = None,
 ) -> list[Hook]:
     """Hooks adding `scale * maps[l, h]` to `blocks.{l}.attn.hook_pattern`, after the softmax.
@@ -69,11 +70,11 @@ def attention_patch_hooks(
 
 def forward_patch_hooks(
     ra: ReversedAttention,
-    scale: float | Float[Tensor, "layer head"],
+    scale: Validated[float | Float[Tensor, "layer head"]],
     *,
-    layers: Sequence[int] | None = None,
+    layers: Validated[Sequence[int]] | None = None,
     heads: Heads | None = None,
-    align: Align = "right",
+    align: Validated[Align] = "right",
     model: HookedModel | None = None,
 ) -> list[Hook]:
     """The paper's baseline: add `scale * mean forward pattern` instead of RA (rows then sum to
@@ -84,10 +85,10 @@ def forward_patch_hooks(
 
 def _patch_hooks(
     by_layer: dict[int, Tensor],
-    scale: float | Tensor,
-    layers: Sequence[int] | None,
+    scale: Validated[float | Tensor],
+    layers: Validated[Sequence[int]] | None,
     heads: Heads | None,
-    align: Align,
+    align: Validated[Align],
     model: HookedModel | None,
 ) -> list[Hook]:
     if align not in ("right", "strict"):
@@ -111,7 +112,7 @@ def _patch_hooks(
 def head_ablation_hooks(
     heads: Heads,
     *,
-    mode: Literal["zero", "mean"] = "zero",
+    mode: Validated[Literal["zero", "mean"]] = "zero",
     means: Float[Tensor, "layer head d_head"] | None = None,
 ) -> list[Hook]:
     """Hooks that replace chosen heads' outputs at `blocks.{l}.attn.hook_z`.
@@ -159,7 +160,7 @@ def mean_head_outputs(model: HookedModel, tokens: Any) -> Float[Tensor, "layer h
     return torch.stack(means).cpu()
 
 
-def _maps_by_layer(maps: Tensor | ReversedAttention) -> dict[int, Tensor]:
+def _maps_by_layer(maps: Validated[Tensor | ReversedAttention]) -> dict[int, Tensor]:
     if isinstance(maps, ReversedAttention):
         return _at_layers(maps.mean_maps(), maps.layers)
     if not isinstance(maps, Tensor) or maps.ndim != 4 or maps.shape[-1] != maps.shape[-2]:
@@ -177,7 +178,7 @@ def _at_layers(maps: Tensor, layers: list[int]) -> dict[int, Tensor]:
     return {layer: maps[i].float() for i, layer in enumerate(layers)}
 
 
-def _per_head(value: float | Tensor, n_layers: int, n_heads: int, name: str) -> Tensor:
+def _per_head(value: Validated[float | Tensor], n_layers: int, n_heads: int, name: str) -> Tensor:
     if isinstance(value, Tensor) and value.ndim > 0:
         if value.shape != (n_layers, n_heads):
             raise ValueError(

@@ -46,6 +46,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from ra_lens import capture
+from ra_lens._typing import Validated
 from ra_lens.capture import PATTERN, RESID_PRE, Batch, HookedModel, Z
 from ra_lens.core import reversed_attention
 from ra_lens.math import frobenius_norms, upcast
@@ -88,8 +89,8 @@ __all__ = [
     "top_k_overlap",
 ]
 
-Tokens = Int[Tensor, "batch pos"] | Batch | str | Sequence[str]
-Targets = Int[Tensor, " batch"] | Sequence[int]
+Tokens = Validated[Int[Tensor, "batch pos"] | Batch | str | Sequence[str]]
+Targets = Int[Tensor, "batch"] | Sequence[int]
 Scores = Float[Tensor, "layer head"]
 PerPrompt = Float[Tensor, "batch layer head"]
 #: Mean head outputs for mean ablation: one vector per head (`patching.mean_head_outputs`, used at
@@ -130,8 +131,8 @@ def _part(batch: Batch, rows: slice) -> Batch:
 
 
 def target_probs(
-    logits: Float[Tensor, "batch pos vocab"], lengths: Int[Tensor, " batch"], targets: Tensor
-) -> Float[Tensor, " batch"]:
+    logits: Float[Tensor, "batch pos vocab"], lengths: Int[Tensor, "batch"], targets: Tensor
+) -> Float[Tensor, "batch"]:
     """p(target) at each prompt's last real position, in float32 or wider."""
     rows = torch.arange(logits.shape[0], device=logits.device)
     last = upcast(logits[rows, lengths.to(logits.device) - 1])
@@ -489,7 +490,7 @@ def _check_means(means: HeadMeans | None, shape: Any) -> None:
 
 def _replacement(
     means: Float[Tensor, "head d_head"] | Float[Tensor, "head pos d_head"],
-    lengths: Int[Tensor, " batch"],
+    lengths: Int[Tensor, "batch"],
     n_pos: int,
 ) -> Float[Tensor, "batch pos head d_head"]:
     """The value each ablated position takes: one vector per head, or the position-aligned mean
@@ -509,7 +510,7 @@ def ablation_hooks(
     heads: Sequence[tuple[int, int]],
     *,
     means: HeadMeans | None = None,
-    lengths: Int[Tensor, " batch"] | None = None,
+    lengths: Int[Tensor, "batch"] | None = None,
 ) -> list[tuple[str, Callable]]:
     """Hooks that ablate heads at `blocks.{l}.attn.hook_z`: zero (means None) or mean ablation.
 
@@ -870,7 +871,7 @@ def _interval(estimate: float, stats: Tensor, level: float, n: int, n_boot: int,
 
 
 def bootstrap_mean(
-    values: Float[Tensor, " n"], *, n_boot: int = 2000, seed: int = 0, level: float = 0.95
+    values: Float[Tensor, "n"], *, n_boot: int = 2000, seed: int = 0, level: float = 0.95
 ) -> Interval:
     """Mean of per-prompt values with a percentile bootstrap interval over prompts."""
     values = values.detach().double().cpu().reshape(-1)
@@ -880,7 +881,7 @@ def bootstrap_mean(
     )
 
 
-def per_prompt_auc(curve: AblationCurve, k: int = 1) -> Float[Tensor, " n"]:
+def per_prompt_auc(curve: AblationCurve, k: int = 1) -> Float[Tensor, "n"]:
     """Each test prompt's own area under its 0/1 top-k curve (trapezoid rule over the fractions,
     sorted). Their mean is `curve.auc_at(k)`, which is why a bootstrap over prompts is exact
     resampling of the AUC."""

@@ -33,6 +33,7 @@ from matplotlib.figure import Figure, SubFigure
 from matplotlib.ticker import FuncFormatter, ScalarFormatter
 from torch import Tensor
 
+from ra_lens.attribution import AttentionAttribution
 from ra_lens.result import ReversedAttention
 
 __all__ = [
@@ -441,7 +442,9 @@ def _write_page(page: str, save: str | Path | None) -> str:
     return page
 
 
-def _assemble_page(sections: list[tuple[str, Any]], ra: ReversedAttention, prompt: int) -> str:
+def _assemble_page(
+    sections: list[tuple[str, Any]], ra: ReversedAttention | AttentionAttribution, prompt: int
+) -> str:
     text = "".join(ra.str_tokens[prompt][: int(ra.lengths[prompt])]) if ra.str_tokens else ""
     head = (
         '<!DOCTYPE html>\n<html>\n<head><meta charset="utf-8"><title>ra-lens heads</title></head>'

@@ -32,7 +32,8 @@ class Task:
     """An in-context-learning task: (input, output) word pairs such as ("hot", "cold")."""
 
     name: str
-    pairs: tuple[Pair, ...]
+    #: Any sequence of (input, output) string pairs; checked and stored as tuple[Pair, ...].
+    pairs: Sequence[Sequence[str]]
     description: str = ""
 
     def __post_init__(self) -> None:

@@ -30,11 +30,11 @@ class Accuracy:
     top2: float
     top3: float
     n: int
-    ranks: Int[Tensor, " n"] = field(repr=False)
+    ranks: Int[Tensor, "n"] = field(repr=False)
     ks: tuple[int, ...] = (1, 2, 3)
 
     @classmethod
-    def from_ranks(cls, ranks: Int[Tensor, " n"], ks: Sequence[int] = (1, 2, 3)) -> Accuracy:
+    def from_ranks(cls, ranks: Int[Tensor, "n"], ks: Sequence[int] = (1, 2, 3)) -> Accuracy:
         ranks = ranks.detach().to("cpu", torch.long)
         n = int(ranks.numel())
 
@@ -57,9 +57,9 @@ class Accuracy:
 
 def answer_ranks(
     logits: Float[Tensor, "batch pos vocab"],
-    lengths: Int[Tensor, " batch"],
-    answers: Int[Tensor, " batch"],
-) -> Int[Tensor, " batch"]:
+    lengths: Int[Tensor, "batch"],
+    answers: Int[Tensor, "batch"],
+) -> Int[Tensor, "batch"]:
     """Rank of each answer token among the logits at each row's last real position.
 
     A NaN answer logit (e.g. a patch that broke the forward pass) gets the worst rank, vocab - 1,

@@ -1,0 +1,16 @@
+"""Annotations shared by the library's signatures.
+
+The test run type-checks every ra_lens signature with jaxtyping + beartype
+(`--jaxtyping-packages=ra_lens,...`, see the Makefile). A parameter that the function checks itself,
+with an error naming the fix, is annotated `Validated[T]`: T says what to pass, and a run-time
+checker lets any value through to the function's own check and message.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+#: `Validated[float]` = float, but any value reaches the function's own check (Union with Any).
+Validated = T | Any

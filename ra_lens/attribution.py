@@ -302,8 +302,8 @@ def attention_attribution(
     *,
     layers: Validated[Sequence[int]] | None = None,
     nodes: Sequence[str] = NODES,
-    method: Method = "exact",
-    direction: Direction = "denoise",
+    method: Validated[Method] = "exact",
+    direction: Validated[Direction] = "denoise",
 ) -> AttentionAttribution:
     """Attribution of every head's query, key and pattern, with an exact softmax.
 

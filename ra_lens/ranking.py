@@ -95,7 +95,7 @@ Scores = Float[Tensor, "layer head"]
 PerPrompt = Float[Tensor, "batch layer head"]
 #: Mean head outputs for mean ablation: one vector per head (`patching.mean_head_outputs`, used at
 #: every position) or one per position counted back from the last token (`last_token_means`).
-HeadMeans = Float[Tensor, "layer head d_head"] | Float[Tensor, "layer head pos d_head"]
+HeadMeans = Validated[Float[Tensor, "layer head d_head"] | Float[Tensor, "layer head pos d_head"]]
 
 #: p = 0, 10, ..., 100% of heads kept.
 DEFAULT_FRACTIONS: tuple[float, ...] = tuple(i / 10 for i in range(11))
@@ -489,7 +489,7 @@ def _check_means(means: HeadMeans | None, shape: Any) -> None:
 
 
 def _replacement(
-    means: Float[Tensor, "head d_head"] | Float[Tensor, "head pos d_head"],
+    means: Float[Tensor, "head d_head"] | Float[Tensor, "head mean_pos d_head"],
     lengths: Int[Tensor, "batch"],
     n_pos: int,
 ) -> Float[Tensor, "batch pos head d_head"]:
@@ -785,7 +785,7 @@ def _average_ranks(values: Tensor) -> Tensor:
     return ranks
 
 
-def spearman(a: Scores, b: Scores) -> float:
+def spearman(a: Scores, b: Validated[Scores]) -> float:
     """Spearman rank correlation of two rankings over all heads (ties get average ranks).
 
     NaN when either ranking is constant.
@@ -798,7 +798,7 @@ def spearman(a: Scores, b: Scores) -> float:
     return float((ra * rb).sum()) / denominator if denominator > 0 else float("nan")
 
 
-def top_k_overlap(a: Scores, b: Scores, k: int = 10) -> float:
+def top_k_overlap(a: Scores, b: Validated[Scores], k: int = 10) -> float:
     """Fraction of the k top heads of `a` that are also among the k top heads of `b` (ties broken
     as in `head_order`)."""
     if a.shape != b.shape:
@@ -1067,11 +1067,11 @@ def kept_heads(scores: Scores, fraction: float, *, reverse: bool = False) -> lis
 def ablation_curve(
     model: HookedModel,
     prompts: Sequence[Any],
-    scores: Scores,
+    scores: Validated[Scores],
     fractions: Sequence[float] = DEFAULT_FRACTIONS,
     *,
     reverse: bool = False,
-    mode: Literal["zero", "mean"] = "zero",
+    mode: Validated[Literal["zero", "mean"]] = "zero",
     means: HeadMeans | None = None,
     batch_size: int = 16,
     evaluate: Callable[[list[tuple[int, int]]], Any] | None = None,

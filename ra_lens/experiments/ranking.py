@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 
 from ra_lens import capture, tasks
 from ra_lens import ranking as rk
+from ra_lens._typing import Validated
 from ra_lens.capture import HookedModel
 from ra_lens.experiments.patching import task_prompts
 from ra_lens.experiments.timing import timed
@@ -400,7 +401,7 @@ def head_ranking(
     seed: int = 42,
     batch_size: int = 8,
     eval_batch_size: int = 16,
-    ablation: Literal["zero", "mean"] = "zero",
+    ablation: Validated[Literal["zero", "mean"]] = "zero",
     n_means: int = 100,
     n_boot: int = 1000,
     reuse: HeadRankingResult | None = None,

@@ -20,6 +20,9 @@ from torch import Tensor
 from ra_lens.capture import Batch, HookedModel, to_batch
 from ra_lens.math import upcast
 
+#: Target token ids: one for every prompt, or one per prompt (ints, 0-d tensors or a tensor).
+TokenIds = int | Tensor | Sequence[int | Tensor]
+
 
 def _positions(
     position: int | Tensor, logits: Tensor, lengths: Tensor | None
@@ -49,7 +52,7 @@ def _positions(
     return pos
 
 
-def _as_targets(targets: Tensor | Sequence[int]) -> Tensor:
+def _as_targets(targets: TokenIds) -> Tensor:
     return torch.as_tensor(targets, dtype=torch.long).reshape(-1)
 
 
@@ -80,7 +83,7 @@ class Metric:
 class TargetNLL(Metric):
     """-log p(target) at one position per prompt."""
 
-    def __init__(self, targets: Tensor | Sequence[int], position: int | Tensor = -1):
+    def __init__(self, targets: TokenIds, position: int | Tensor = -1):
         self.targets, self.position = _as_targets(targets), position
 
     def __call__(self, logits, lengths=None):
@@ -102,8 +105,8 @@ class LogitDiff(Metric):
 
     def __init__(
         self,
-        correct: Tensor | Sequence[int],
-        incorrect: Tensor | Sequence[int],
+        correct: TokenIds,
+        incorrect: TokenIds,
         position: int | Tensor = -1,
     ):
         self.correct, self.incorrect = _as_targets(correct), _as_targets(incorrect)
@@ -143,21 +146,19 @@ class CompletionNLL(Metric):
         return -(token_lp * in_completion).sum(-1) / in_completion.sum(-1)
 
 
-def target_nll(targets: Tensor | Sequence[int], position: int | Tensor = -1) -> TargetNLL:
+def target_nll(targets: TokenIds, position: int | Tensor = -1) -> TargetNLL:
     """-log p(target) per prompt. `targets`: Int[Tensor, "batch"] (or one id for all prompts);
     `position`: an int or Int[Tensor, "batch"], counted from each prompt's start, or from its
     own end when negative (-1, the default, is each prompt's last real token)."""
     return TargetNLL(targets, position)
 
 
-def target_prob(targets: Tensor | Sequence[int], position: int | Tensor = -1) -> TargetProb:
+def target_prob(targets: TokenIds, position: int | Tensor = -1) -> TargetProb:
     """p(target) per prompt, at `position` (as in target_nll)."""
     return TargetProb(targets, position)
 
 
-def logit_diff(
-    correct: Tensor | Sequence[int], incorrect: Tensor | Sequence[int], position: int | Tensor = -1
-) -> LogitDiff:
+def logit_diff(correct: TokenIds, incorrect: TokenIds, position: int | Tensor = -1) -> LogitDiff:
     """logit(correct) - logit(incorrect) per prompt, at `position` (as in target_nll)."""
     return LogitDiff(correct, incorrect, position)
 

@@ -90,7 +90,7 @@ __all__ = [
 ]
 
 Tokens = Validated[Int[Tensor, "batch pos"] | Batch | str | Sequence[str]]
-Targets = Int[Tensor, "batch"] | Sequence[int]
+Targets = Validated[Int[Tensor, "batch"] | Sequence[int]]
 Scores = Float[Tensor, "layer head"]
 PerPrompt = Float[Tensor, "batch layer head"]
 #: Mean head outputs for mean ablation: one vector per head (`patching.mean_head_outputs`, used at

@@ -206,13 +206,18 @@ def preserved_state(model: HookedModel) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _restored(model: HookedModel) -> Iterator[None]:
-    was_training = model.training
     params = list(model.parameters())
     flags = [p.requires_grad for p in params]
     grads = [p.grad for p in params]
+    modules = list(model.modules())
+    modes = [m.training for m in modules]
     # TL 4's GPT-2 attention bridge caches its last pattern; ours would keep our graph alive.
-    cached = {m: m._pattern for m in model.modules() if hasattr(m, "_pattern")}
-    model.eval()
+    cached = {m: m._pattern for m in modules if hasattr(m, "_pattern")}
+    # Module.train() walks every submodule through the bridge's slow __setattr__ (about 0.25 s
+    # on SmolLM2, most of an RA ranking's time on a GPU): touch only the modules that change.
+    for module, mode in zip(modules, modes):
+        if mode:
+            module.training = False
     try:
         yield
     finally:
@@ -221,7 +226,9 @@ def _restored(model: HookedModel) -> Iterator[None]:
             p.grad = grad
         for module, pattern in cached.items():
             module._pattern = pattern
-        model.train(was_training)
+        for module, mode in zip(modules, modes):
+            if module.training != mode:
+                module.training = mode
 
 
 @contextlib.contextmanager
@@ -240,9 +247,10 @@ def raw_input_hooks(
     replaced the tensor) means the gradient is zero. Removed on exit.
     """
     handles = []
+    points = model.hook_dict  # a bridge builds this dict afresh on every access: read it once
 
     def pre_hook(name: str):
-        point = model.hook_dict[name]
+        point = points[name]
 
         def hook(module: Any, args: tuple) -> None:
             raw = args[0]
@@ -257,7 +265,7 @@ def raw_input_hooks(
 
     try:
         for name in dict.fromkeys([*forward, *backward]):
-            handles.append(model.hook_dict[name].register_forward_pre_hook(pre_hook(name)))
+            handles.append(points[name].register_forward_pre_hook(pre_hook(name)))
         yield
     finally:
         for handle in handles:
@@ -286,7 +294,8 @@ def recorded(model: HookedModel, names: Iterable[str]) -> Iterator[dict[str, Ten
 
         return hook
 
-    present = [name for name in dict.fromkeys(names) if name in model.hook_dict]
+    points = model.hook_dict  # built afresh on every access by a bridge
+    present = [name for name in dict.fromkeys(names) if name in points]
     with model.hooks(fwd_hooks=[(name, keep(name)) for name in present]):
         yield store
 

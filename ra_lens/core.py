@@ -131,7 +131,8 @@ def _collecting(model: HookedModel, collector: _Collector) -> Iterator[None]:
 
 
 def _check_z_route(model: HookedModel, layers: list[int]) -> None:
-    missing = [n.format(la) for la in layers for n in (Z, V) if n.format(la) not in model.hook_dict]
+    points = model.hook_dict  # built afresh on every access by a bridge
+    missing = [n.format(la) for la in layers for n in (Z, V) if n.format(la) not in points]
     if missing:
         raise RuntimeError(
             f"hook_pattern is not in the autograd graph of layers {layers} and the hook_z/hook_v "

@@ -201,8 +201,9 @@ def ra_ranking(
         )
         if loss_row:
             assert ra.maps is not None
-            index = torch.arange(ra.maps.shape[0])
-            rows_at_loss = ra.maps[index, :, :, part.lengths - 1]  # [batch layer head key]
+            index = torch.arange(ra.maps.shape[0], device=ra.maps.device)
+            last = part.lengths.to(ra.maps.device) - 1
+            rows_at_loss = ra.maps[index, :, :, last]  # [batch layer head key]
             norms = rows_at_loss.double().pow(2).sum(-1).sqrt().float()
         else:
             norms = ra.norms
@@ -451,7 +452,7 @@ def last_token_means(
     for rows in _chunks(batch.tokens.shape[0], batch_size):
         part = _part(batch, rows)
         # offset[i, p] = how many tokens position p lies before prompt i's last token
-        offset = part.lengths[:, None] - 1 - torch.arange(part.tokens.shape[1])[None, :]
+        offset = part.lengths.cpu()[:, None] - 1 - torch.arange(part.tokens.shape[1])[None, :]
         real = offset >= 0
         slot = (m - 1 - offset).clamp(0, m - 1)  # where position p lands on the aligned axis
 
@@ -690,7 +691,8 @@ def indirect_effect(
     def patch(head: int, value: Tensor, last: Tensor):
         def hook(z: Tensor, hook: Any) -> Tensor:
             z = z.clone()
-            z[torch.arange(z.shape[0]), last.to(z.device), head] = value.to(z.device, z.dtype)
+            rows = torch.arange(z.shape[0], device=z.device)
+            z[rows, last.to(z.device), head] = value.to(z.device, z.dtype)
             return z
 
         return hook

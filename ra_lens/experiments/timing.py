@@ -6,12 +6,22 @@ import contextlib
 import time
 from collections.abc import Iterator
 
+import torch
+
+
+def _sync() -> None:
+    # CUDA runs asynchronously: without this a span would end before its kernels do.
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
 
 @contextlib.contextmanager
 def timed(seconds: dict[str, float], name: str) -> Iterator[None]:
-    """Add the time spent in the block to seconds[name]."""
+    """Add the time spent in the block to seconds[name] (CUDA work finished at both ends)."""
+    _sync()
     start = time.perf_counter()
     try:
         yield
     finally:
+        _sync()
         seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - start

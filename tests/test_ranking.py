@@ -191,16 +191,16 @@ def test_attribution_patching_equals_grad_times_difference_by_hand(model):
     assert not any(p.grad is not None for p in model.parameters())
 
 
-def pattern_grad_and_values(model, tokens, target, layer, hooks=()):
-    """(dp(target)/dA, A) of one layer's hook_pattern, [head query key], on `tokens` run with
-    `hooks`: the pattern is swapped for a leaf of the same value."""
+def pattern_grad_and_values(model, tokens, target, layer):
+    """(dp(target)/dA, A) of one layer's hook_pattern, [head query key]: the pattern is swapped
+    for a leaf of the same value."""
     seen = {}
 
     def leaf(pattern, hook):
         seen["a"] = pattern.detach().clone().requires_grad_(True)
         return seen["a"]
 
-    with torch.enable_grad(), model.hooks(fwd_hooks=[*hooks, (PATTERN.format(layer), leaf)]):
+    with torch.enable_grad(), model.hooks(fwd_hooks=[(PATTERN.format(layer), leaf)]):
         p = model(tokens)[0, -1].double().softmax(-1)[target]
         (grad,) = torch.autograd.grad(p, [seen["a"]])
     return grad[0].double(), seen["a"][0].detach().double()
@@ -215,8 +215,11 @@ def patched_pattern(model, tokens, name, source, position):
         x[:, position] = source[:, position]
         return x
 
-    layer = int(name.split(".")[1])
-    return pattern_grad_and_values(model, tokens, 0, layer, [(name, patch)])[1]
+    pattern = PATTERN.format(int(name.split(".")[1]))
+    with torch.no_grad(), model.hooks(fwd_hooks=[(name, patch)]):
+        with capture.recorded(model, [pattern]) as acts:
+            model(tokens)
+    return acts[pattern][0].double()
 
 
 @pytest.mark.parametrize("arch", live_archs())

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -344,7 +345,8 @@ def activation_patching(
     score[l, h] = mean_i (p_i(corrupted, z[l, h] from clean) - p_i(corrupted)), all positions of
     the head's hook_z output patched at once. Computed by TransformerLens itself:
     `transformer_lens.patching.get_act_patch_attn_head_out_all_pos` with `reduce="mean"` and
-    `baseline=True` (its `PatchingResult.effect()`), on a clean cache of hook_z only. This works
+    `baseline=True` (its `PatchingResult.effect()`; under TL 2.x, which has neither, the mean
+    metric minus the unpatched one), on a clean cache of hook_z only. This works
     on TransformerBridge in TL 4.3 (it only needs `run_with_cache`, `run_with_hooks` and the
     hook_z alias); the tests check it against a hand-written hook loop.
 
@@ -357,6 +359,8 @@ def activation_patching(
     """
     from transformer_lens.patching import get_act_patch_attn_head_out_all_pos
 
+    # TL >= 3 reduces per-prompt metrics and subtracts the baseline itself; TL 2.x does neither
+    tl_reduce = "reduce" in inspect.signature(get_act_patch_attn_head_out_all_pos).parameters
     clean, corrupted, targets = _paired(model, clean_tokens, corrupted_tokens, targets)
     shape = capture.model_shape(model)
     total = torch.zeros(shape.n_layers, shape.n_heads, dtype=torch.float64)
@@ -366,16 +370,23 @@ def activation_patching(
         lengths, part_targets = clean_part.lengths, targets[rows]
 
         def metric(logits: Tensor, lengths: Tensor = lengths, part_targets: Tensor = part_targets):
-            return target_probs(logits, lengths, part_targets)
+            probs = target_probs(logits, lengths, part_targets)
+            return probs if tl_reduce else probs.mean()
 
         with torch.no_grad(), _tl_progress(progress):
             _, cache = model.run_with_cache(
                 clean_part.tokens, names_filter=lambda name: name in z_names
             )
-            result = get_act_patch_attn_head_out_all_pos(
-                model, corrupted_part.tokens, cache, metric, reduce="mean", baseline=True
-            )
-        total += result.effect().double().cpu() * (rows.stop - rows.start)
+            if tl_reduce:
+                effect = get_act_patch_attn_head_out_all_pos(
+                    model, corrupted_part.tokens, cache, metric, reduce="mean", baseline=True
+                ).effect()
+            else:  # TL 2.x: the patched mean p(target), minus the unpatched one
+                patched = get_act_patch_attn_head_out_all_pos(
+                    model, corrupted_part.tokens, cache, metric
+                )
+                effect = patched.double() - float(metric(model(corrupted_part.tokens)))
+        total += effect.double().cpu() * (rows.stop - rows.start)
     return (total / clean.tokens.shape[0]).float()
 
 

@@ -400,12 +400,11 @@ def test_unexposed_rotary_queries_are_refused():
 # the ranking and the task data
 
 
-@pytest.mark.tl4  # ra_lens.ranking's paired helpers are exercised on TL 4 toys (as test_ranking)
 def test_exact_qk_ranking_is_query_plus_key_through_each_head():
     from ra_lens import ranking
     from ra_lens.metrics import target_prob
 
-    model = toy("llama")
+    model = toy("llama" if has_bridge() else "hooked")
     targets = torch.tensor([30, 31])
     scores = ranking.exact_qk_attribution(model, CLEAN, CORRUPTED, targets, batch_size=1)
     att = ra_lens.attention_attribution(model, CLEAN, CORRUPTED, target_prob(targets))

@@ -18,6 +18,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,15 @@ QUICK_TASK = Task(
         ("Ital", "t"), ("Fran", "F"),
     ],
 )  # fmt: skip
+#: --quick's cells and settings: the fewest prompts, resamples and fractions that still run every
+#: path (a fraction inside (0, 1) with unequal trapezoid widths, both protocols, labels or none).
+QUICK_CELLS: tuple[tuple[Task, int], ...] = ((QUICK_TASK, 0), (QUICK_TASK, 2))
+QUICK_SETTINGS: dict[str, Any] = {
+    "n_prompts": 4,
+    "n_boot": 50,
+    "n_means": 20,
+    "fractions": (0.0, 0.25, 1.0),
+}
 
 
 @dataclass
@@ -407,10 +417,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.quick:
             from ra_lens.toy_models import tiny_model
 
-            model, model_name = tiny_model("llama", n_layers=2), "tiny-llama (random weights)"
+            arch = "llama" if find_spec("transformer_lens.model_bridge") else "hooked"  # TL 2.x
+            model, model_name = tiny_model(arch, n_layers=2), f"tiny-{arch} (random weights)"
             model = model.to(args.device)
-            cells: list[tuple[str | Task, int]] = [(QUICK_TASK, 0), (QUICK_TASK, 2)]
-            extra = {"n_prompts": 6, "n_boot": 200, "n_means": 20}
+            cells: list[tuple[str | Task, int]] = list(QUICK_CELLS)
+            extra = dict(QUICK_SETTINGS)
         else:
             from ra_lens.models import load_model
 

@@ -2,7 +2,7 @@
 first-order estimate's) top-10 heads, where RA's norm ranks them, and how saturated each head's
 attention row at the loss position is (mean over the cell's ranking prompts of its largest weight).
 
-    python benchmarks/ranking_saturation.py docs/results/ranking_study/capitalize_0shot.json ... \
+    python benchmarks/ranking_saturation.py docs/results/ranking_study.json \
         > docs/results/ranking_study/saturation.json
 """
 

@@ -1,6 +1,6 @@
 """Pure tensor functions of Reversed Attention: no models, no hooks.
 
-Notation (paper-notes section 1), per head: A = softmax(Z / s + M) is the forward pattern,
+Notation (README, "What RA is, and the three conventions"), per head: A = softmax(Z / s + M) is the forward pattern,
 R = dL/dA the gradient at `hook_pattern`, and
 
     dL/dS  = A * (R - rowsum(A * R))        the "scores" convention (softmax VJP)

@@ -362,7 +362,7 @@ def _run_patch(args: argparse.Namespace) -> int:
 
 def _run_rank(args: argparse.Namespace) -> int:
     from ra_lens.experiments import head_ranking
-    from ra_lens.experiments.ranking import check_rankings
+    from ra_lens.experiments.head_ranking import check_rankings
 
     extra: dict[str, Any] = {} if args.fractions is None else {"fractions": _floats(args.fractions)}
     if args.rankings is not None:
@@ -501,7 +501,7 @@ def _task_names() -> list[str]:
 
 
 def _ranking_names() -> list[str]:
-    from ra_lens.experiments.ranking import RANKINGS
+    from ra_lens.experiments.head_ranking import RANKINGS
 
     return list(RANKINGS)
 

@@ -13,16 +13,10 @@ from ra_lens import capture, tasks
 from ra_lens import ranking as rk
 from ra_lens.capture import Z
 from ra_lens.experiments import HeadRankingResult, head_ranking
-from ra_lens.experiments.patching import task_prompts
-from ra_lens.experiments.ranking import (
-    RANKINGS,
-    _mean_prompts,
-    check_rankings,
-    shuffled_label_prompts,
-)
+from ra_lens.experiments.head_ranking import RANKINGS, check_rankings
 from ra_lens.metrics import target_nll
 from ra_lens.patching import head_ablation_hooks, mean_head_outputs
-from ra_lens.tasks import Accuracy
+from ra_lens.tasks import Accuracy, shuffled_label_prompts, task_prompts
 from ra_lens.toy_models import tiny_model
 
 # Inputs and answers that are one token (with their leading space) for the tiny tokenizer, so
@@ -457,7 +451,7 @@ def test_head_ranking_zero_shot_skips_patching_and_mean_ablates(llama):
     assert any("zero-shot" in note for note in res.notes)
     assert res.ablation == "mean" and res.to_dict()["ablation"] == "mean"
     # Todd et al.'s mean: every training prompt (held out from the test), aligned at the last token
-    train = _mean_prompts(llama, TOY, 0, 42)
+    train, _ = task_prompts(llama, TOY, shots=0, equal_length=False)
     assert res.n_means == len(train) and res.to_dict()["n_means"] == len(train)
     _, test = task_prompts(llama, TOY, shots=0)
     means = rk.last_token_means(llama, [p.text for p in train])

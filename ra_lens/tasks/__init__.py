@@ -10,7 +10,7 @@
 """
 
 from ra_lens.tasks._task import SPLIT_FRACTIONS, Pair, Splits, Task, available, load
-from ra_lens.tasks.accuracy import Accuracy, answer_ranks, evaluate
+from ra_lens.tasks.accuracy import Accuracy, answer_ranks, evaluate, evaluate_by_length
 from ra_lens.tasks.prompts import (
     DEMO_TEMPLATE,
     QUERY_TEMPLATE,
@@ -20,7 +20,9 @@ from ra_lens.tasks.prompts import (
     format_prompt,
     prompt_lengths,
     same_length,
+    shuffled_label_prompts,
     single_token_pairs,
+    task_prompts,
 )
 
 __all__ = [
@@ -37,9 +39,12 @@ __all__ = [
     "available",
     "build_prompts",
     "evaluate",
+    "evaluate_by_length",
     "format_prompt",
     "load",
     "prompt_lengths",
     "same_length",
+    "shuffled_label_prompts",
     "single_token_pairs",
+    "task_prompts",
 ]

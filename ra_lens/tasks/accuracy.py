@@ -128,3 +128,23 @@ def evaluate(
             target = torch.tensor([answers[i] for i in idx], dtype=torch.long)
             ranks[idx] = answer_ranks(logits, batch.lengths, target).cpu()
     return Accuracy.from_ranks(ranks, ks)
+
+
+def evaluate_by_length(
+    model: HookedModel,
+    prompts: Sequence[Prompt],
+    hooks: Sequence[FwdHook] = (),
+    *,
+    batch_size: int = 32,
+) -> Accuracy:
+    """`evaluate` with batches of one token length each, hooks or not: position-aligned hooks
+    (patching) then see every prompt unpadded, and the unpatched baseline runs the same batches.
+
+    >>> from ra_lens.tasks import build_prompts
+    >>> pairs = [("b", "of"), ("c", "is"), ("d", "to"), ("of", "b")]
+    >>> prompts = build_prompts(pairs, shots=1, seed=0)
+    >>> acc = evaluate_by_length(model, prompts)
+    >>> torch.equal(acc.ranks, evaluate(model, prompts, batch_size=1).ranks)
+    True
+    """
+    return evaluate(model, prompts, fwd_hooks=hooks, batch_size=batch_size, by_length=True)

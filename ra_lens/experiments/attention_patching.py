@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
 from tqdm.auto import tqdm
 
 from ra_lens import tasks
@@ -19,7 +18,7 @@ from ra_lens.experiments.timing import timed
 from ra_lens.metrics import target_nll
 from ra_lens.patching import attention_patch_hooks, forward_patch_hooks
 from ra_lens.result import ReversedAttention
-from ra_lens.tasks import Accuracy, Prompt, Task
+from ra_lens.tasks import Accuracy, Prompt, Task, evaluate_by_length, task_prompts
 
 # The paper's grid, extended to stronger negative values (SmolLM2 peaks between -16 and -32).
 PAPER_SCALES: tuple[float, ...] = (
@@ -108,29 +107,6 @@ class PatchingResult:
         )
 
 
-def task_prompts(
-    model: HookedModel, task: str | Task, shots: int, *, seed: int = 42
-) -> tuple[list[Prompt], list[Prompt]]:
-    """(train, test) prompts whose answers are one token for this model (the paper's filter).
-
-    Train prompts keep only the most common token length, so their maps can be averaged position
-    by position; test prompts keep every length.
-    """
-    task = tasks.load(task) if isinstance(task, str) else task
-    splits = task.split(seed)
-    usable = set(tasks.single_token_pairs(task, model))
-    train_pairs = [p for p in splits.train if p in usable]
-    test_pairs = [p for p in splits.test if p in usable]
-    if len(train_pairs) < max(shots + 1, 2) or not test_pairs:
-        raise ValueError(
-            f"task {task.name!r} has {len(train_pairs)} train and {len(test_pairs)} test pairs whose "
-            "answer is one token for this tokenizer: too few for the experiment"
-        )
-    train = tasks.build_prompts(task, train_pairs, shots=shots, demos_from=train_pairs, seed=seed)
-    test = tasks.build_prompts(task, test_pairs, shots=shots, demos_from=train_pairs, seed=seed + 1)
-    return tasks.same_length(train, model), test
-
-
 def mean_reversed_attention(
     model: HookedModel, prompts: Sequence[Prompt], *, batch_size: int = 8
 ) -> ReversedAttention:
@@ -141,23 +117,6 @@ def mean_reversed_attention(
         targets = [tasks.answer_token(model, p.answer) for p in chunk]
         parts.append(reversed_attention(model, [p.text for p in chunk], target_nll(targets)))
     return ReversedAttention.concat(parts)
-
-
-def evaluate_by_length(
-    model: HookedModel, prompts: Sequence[Prompt], hooks: Sequence = (), *, batch_size: int = 32
-) -> Accuracy:
-    """tasks.evaluate with batches of one token length each, hooks or not: position-aligned
-    hooks (patching) then see every prompt unpadded, and the unpatched baseline runs the same
-    batches."""
-    lengths = tasks.prompt_lengths(prompts, model)
-    ranks = torch.empty(len(prompts), dtype=torch.long)
-    for n in sorted(set(lengths)):
-        idx = [i for i, m in enumerate(lengths) if m == n]
-        acc = tasks.evaluate(
-            model, [prompts[i] for i in idx], fwd_hooks=hooks, batch_size=batch_size
-        )
-        ranks[idx] = acc.ranks
-    return Accuracy.from_ranks(ranks)
 
 
 def attention_patching(

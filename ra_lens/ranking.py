@@ -40,6 +40,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
+import numpy as np
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor
@@ -86,6 +87,7 @@ __all__ = [
     "temperature_ranking",
     "temperature_scores",
     "top_k_overlap",
+    "trapezoid_auc",
 ]
 
 Tokens = Int[Tensor, "batch pos"] | Batch | str | Sequence[str]
@@ -988,6 +990,25 @@ def spearman_interval(
 # ablation curves
 
 
+def trapezoid_auc(
+    x: Tensor | np.ndarray | Sequence[float], y: Tensor | np.ndarray | Sequence[float]
+) -> float:
+    """Area under y(x) by the trapezoid rule, after sorting by x (stably), in float64.
+
+    >>> trapezoid_auc([0, 0.5, 1], [0, 1, 1])
+    0.75
+    >>> trapezoid_auc([1, 0], [1, 1])  # sorted first
+    1.0
+    """
+    xs = torch.as_tensor(x, dtype=torch.float64).detach().cpu().reshape(-1)
+    ys = torch.as_tensor(y, dtype=torch.float64).detach().cpu().reshape(-1)
+    if xs.shape != ys.shape:
+        raise ValueError(f"{xs.numel()} x values for {ys.numel()} y values")
+    order = torch.argsort(xs, stable=True)
+    xs, ys = xs[order], ys[order]
+    return float(((xs[1:] - xs[:-1]) * (ys[1:] + ys[:-1]) / 2).sum())
+
+
 @dataclass(frozen=True)
 class AblationCurve:
     """Task accuracy when only the top (or, with reverse, bottom) fraction of heads is kept.
@@ -1017,11 +1038,9 @@ class AblationCurve:
         return self.curve(3)
 
     def auc_at(self, k: int = 1) -> float:
-        """Area under the top-k curve over the fractions (trapezoid rule, `viz.trapezoid_auc`).
+        """Area under the top-k curve over the fractions (trapezoid rule, `trapezoid_auc`).
 
         Over p in [0, 1] when the fractions span it, so 1.0 = perfect accuracy everywhere."""
-        from ra_lens.viz import trapezoid_auc
-
         return trapezoid_auc(self.fractions, self.curve(k))
 
     @property

@@ -404,27 +404,14 @@ def attribution_patching(
     total = torch.zeros(clean.tokens.shape[0], shape.n_layers, shape.n_heads, dtype=torch.float64)
     for rows in _chunks(clean.tokens.shape[0], batch_size):
         clean_part, corrupted_part = _part(clean, rows), _part(corrupted, rows)
-        clean_z = _z_activations(model, clean_part.tokens, layers)
+        with torch.no_grad(), capture.recorded(model, [Z.format(la) for la in layers]) as acts:
+            model(clean_part.tokens)
+        clean_z = {la: acts[Z.format(la)] for la in layers}
         corrupted_z, grads = _z_and_grads(model, corrupted_part, targets[rows], layers)
         for la, grad in zip(layers, grads, strict=True):
             diff = clean_z[la].to(grad.device) - corrupted_z[la]
             total[rows, la] = (upcast(grad) * upcast(diff)).sum((1, 3)).double().cpu()
     return _reduce(total, per_prompt)
-
-
-def _z_activations(model: HookedModel, tokens: Tensor, layers: list[int]) -> dict[int, Tensor]:
-    """hook_z of each layer, [batch pos head d_head], from one forward pass without gradient."""
-    seen: dict[int, Tensor] = {}
-
-    def keep(layer: int):
-        def hook(z: Tensor, hook: Any) -> None:
-            seen[layer] = z.detach()
-
-        return hook
-
-    with torch.no_grad(), model.hooks(fwd_hooks=[(Z.format(la), keep(la)) for la in layers]):
-        model(tokens)
-    return seen
 
 
 # --------------------------------------------------------------------------------------------
@@ -456,20 +443,15 @@ def last_token_means(
         offset = part.lengths[:, None] - 1 - torch.arange(part.tokens.shape[1])[None, :]
         real = offset >= 0
         slot = (m - 1 - offset).clamp(0, m - 1)  # where position p lands on the aligned axis
-
-        def collect(layer: int, slot: Tensor = slot, real: Tensor = real):
-            def hook(z: Tensor, hook: Any) -> None:
-                values = upcast(z).double().cpu() * real[:, :, None, None]  # [batch pos head d]
-                flat = values.permute(1, 0, 2, 3).reshape(-1, shape.n_heads, shape.d_head)
-                aligned = torch.zeros(m, shape.n_heads, shape.d_head, dtype=torch.float64)
-                aligned.index_add_(0, slot.T.reshape(-1), flat)
-                sums[layer] += aligned.permute(1, 0, 2)
-
-            return hook
-
-        hooks = [(Z.format(la), collect(la)) for la in range(shape.n_layers)]
-        with torch.no_grad(), model.hooks(fwd_hooks=hooks):
+        names = [Z.format(la) for la in range(shape.n_layers)]
+        with torch.no_grad(), capture.recorded(model, names) as acts:
             model(part.tokens)
+        for layer, name in enumerate(names):
+            values = upcast(acts.pop(name)).double().cpu() * real[:, :, None, None]
+            flat = values.permute(1, 0, 2, 3).reshape(-1, shape.n_heads, shape.d_head)
+            aligned = torch.zeros(m, shape.n_heads, shape.d_head, dtype=torch.float64)
+            aligned.index_add_(0, slot.T.reshape(-1), flat)  # [m head d], summed over prompts
+            sums[layer] += aligned.permute(1, 0, 2)
         counts.index_add_(0, slot[real], torch.ones(int(real.sum()), dtype=torch.float64))
     return (sums / counts[None, None, :, None]).float()
 

@@ -32,7 +32,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from ra_lens import capture
-from ra_lens.attribution import _k_name, _q_name, attention_attribution
+from ra_lens.attribution import attention_attribution
 from ra_lens.capture import PATTERN, Batch, HookedModel
 from ra_lens.core import reversed_attention
 from ra_lens.tasks import ioi
@@ -42,9 +42,9 @@ KINDS: tuple[str, ...] = ("query", "key", "pattern")
 
 def _hook_name(model: HookedModel, kind: str, layer: int) -> str:
     if kind == "query":
-        return _q_name(model, layer)
+        return capture.query_hook_name(model, layer)
     if kind == "key":
-        return _k_name(model, layer)
+        return capture.key_hook_name(model, layer)
     return PATTERN.format(layer)
 
 
@@ -56,12 +56,7 @@ def _rows(batch: Batch, rows: Sequence[int]) -> Batch:
 def clean_activations(model: HookedModel, clean: Batch, layers: Sequence[int]) -> dict[str, Tensor]:
     """q, k and pattern of every layer on the clean run (the values patched in)."""
     names = {_hook_name(model, kind, la) for kind in KINDS for la in layers}
-    seen: dict[str, Tensor] = {}
-
-    def keep(x: Tensor, hook: Any) -> None:
-        seen[hook.name] = x.detach().clone()
-
-    with torch.no_grad(), model.hooks(fwd_hooks=[(n, keep) for n in names]):
+    with torch.no_grad(), capture.recorded(model, names) as seen:
         model(clean.tokens)
     return seen
 

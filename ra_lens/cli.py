@@ -25,7 +25,7 @@ MODEL_HELP = (
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _parser()
+    parser = build_parser()
     args = parser.parse_args(argv)
     try:
         _check_outputs(args)
@@ -35,7 +35,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
+    """The `ra-lens` argument parser (every command and its options)."""
     parser = argparse.ArgumentParser(
         prog="ra-lens",
         description="Reversed Attention (dL/d(QK^T), Katz & Wolf 2025) for TransformerLens models.",

@@ -569,8 +569,12 @@ def test_first_order_mediation_equals_a_finite_difference(gpt2_64, ablation):
             for head in range(model.cfg.n_heads):
                 if means is None:
                     ablated = torch.zeros(1, tokens.shape[1], model.cfg.d_head)
-                else:
-                    ablated = rk._replacement(means[layer], lengths, tokens.shape[1])[:, :, head]
+                else:  # what mean ablation writes into this head's hook_z
+                    ablate = rk.ablation_hooks([(layer, head)], means=means, lengths=lengths)
+                    with torch.no_grad(), model.hooks(fwd_hooks=ablate):
+                        with capture.recorded(model, [Z.format(layer)]) as seen:
+                            model(tokens)
+                    ablated = seen[Z.format(layer)][:, :, head]
 
                 def direction(z, ablated=ablated):  # towards the ablated value
                     return ablated.to(z) - z
@@ -775,9 +779,9 @@ def test_ranking_study_quick_writes_runtime_seconds_and_intervals(tmp_path, caps
 
 
 def test_rank_command_takes_several_tasks_and_rankings(capsys):
-    from ra_lens.cli import _parser, main
+    from ra_lens.cli import build_parser, main
 
-    args = _parser().parse_args(
+    args = build_parser().parse_args(
         ["rank", "--task", "antonym", "--task", "capitalize", "--ablation", "mean",
          "--rankings", "ra,cm_first_order,ra_temperature"]
     )  # fmt: skip

@@ -19,7 +19,12 @@ QUERY_TEMPLATE = "Q: {x}\nA:"
 
 @dataclass(frozen=True)
 class Prompt:
-    """One ICL prompt. `answer` carries the leading space: the target is its first token."""
+    """One ICL prompt. `answer` carries the leading space: the target is its first token.
+
+    >>> prompt = build_prompts([("hot", "cold"), ("up", "down")], [("big", "small")], shots=1)[0]
+    >>> prompt.text, prompt.answer, prompt.shots
+    ('Q: hot\\nA: cold\\n\\nQ: big\\nA:', ' small', 1)
+    """
 
     text: str
     answer: str
@@ -32,7 +37,11 @@ class Prompt:
 
 
 def format_prompt(demos: Sequence[Pair], query: str) -> str:
-    """The prompt text for `demos` followed by the query (no answer, no trailing space)."""
+    """The prompt text for `demos` followed by the query (no answer, no trailing space).
+
+    >>> format_prompt([("hot", "cold")], "up")
+    'Q: hot\\nA: cold\\n\\nQ: up\\nA:'
+    """
     demo_text = "".join(DEMO_TEMPLATE.format(x=x, y=y) for x, y in demos)
     return demo_text + QUERY_TEMPLATE.format(x=query)
 
@@ -61,6 +70,10 @@ def build_prompts(
 
     Raises:
         ValueError: negative shots, or a pool with fewer than `shots` pairs besides the query.
+
+    >>> pairs = [("hot", "cold"), ("up", "down"), ("big", "small")]
+    >>> [(p.query, p.demos) for p in build_prompts(pairs, shots=1, seed=0)]  # never the query
+    [('hot', (('big', 'small'),)), ('up', (('big', 'small'),)), ('big', (('hot', 'cold'),))]
     """
     if shots < 0:
         raise ValueError(f"shots must be >= 0, got {shots}")
@@ -92,18 +105,30 @@ def build_prompts(
 
 
 def answer_token(model: HookedModel, answer: str) -> int:
-    """Id of the first token of `answer` (tokenised on its own, no BOS)."""
+    """Id of the first token of `answer` (tokenised on its own, no BOS).
+
+    >>> answer_token(model, " the") == model.to_tokens(" the", prepend_bos=False)[0, 0]
+    tensor(True)
+    """
     return int(model.to_tokens(answer, prepend_bos=False)[0, 0])
 
 
 def single_token_pairs(pairs: Task | Sequence[Pair], model: HookedModel) -> list[Pair]:
-    """Keep the pairs whose answer `" " + y` is exactly one token for `model`'s tokenizer."""
+    """Keep the pairs whose answer `" " + y` is exactly one token for `model`'s tokenizer.
+
+    >>> single_token_pairs([("b", "of"), ("c", "Florence and Paris")], model)  # tiny tokenizer
+    [('b', 'of')]
+    """
     pairs = pairs.pairs if isinstance(pairs, Task) else normalise_pairs(pairs)
     return [(x, y) for x, y in pairs if model.to_tokens(" " + y, prepend_bos=False).shape[1] == 1]
 
 
 def prompt_lengths(prompts: Sequence[Prompt], model: HookedModel) -> list[int]:
-    """Token length of each prompt text as the model sees it (`model.to_tokens`, with BOS)."""
+    """Token length of each prompt text as the model sees it (`model.to_tokens`, with BOS).
+
+    >>> prompt_lengths(build_prompts([("b", "of"), ("quick", "fox")], shots=0), model)
+    [7, 12]
+    """
     return [int(model.to_tokens(p.text).shape[1]) for p in prompts]
 
 
@@ -114,6 +139,10 @@ def same_length(
 
     Ties between equally common lengths go to the shorter length. Order is kept. This is the
     paper's "constant-length" subset, needed to average RA maps position by position.
+
+    >>> prompts = build_prompts([("b", "of"), ("c", "is"), ("quick", "fox")], shots=0)
+    >>> prompt_lengths(prompts, model), [p.query for p in same_length(prompts, model)]
+    ([7, 7, 12], ['b', 'c'])
     """
     prompts = list(prompts)
     if not prompts:

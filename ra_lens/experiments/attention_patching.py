@@ -30,7 +30,17 @@ DEFAULT_SCALES: tuple[float, ...] = PAPER_SCALES + (-160, -240)
 
 @dataclass
 class PatchingResult:
-    """Accuracy on held-out prompts for each scale, with RA patching and the forward baseline."""
+    """Accuracy on held-out prompts for each scale, with RA patching and the forward baseline.
+
+    >>> import torch
+    >>> from ra_lens.tasks import Accuracy
+    >>> def acc(*ranks): return Accuracy.from_ranks(torch.tensor(ranks))
+    >>> result = PatchingResult("toy", 0, scales=[1.0, -1.0], ra=[acc(0, 9), acc(0, 0)],
+    ...                         forward=[acc(9, 9), acc(0, 9)], unpatched=acc(0, 9),
+    ...                         n_train=4, n_test=2)
+    >>> result.best(1), result.best(1, "forward"), result.to_dict()["best_ra_top3"]
+    ((-1.0, 1.0), (-1.0, 0.5), {'scale': -1.0, 'top3': 1.0})
+    """
 
     task: str
     shots: int
@@ -110,7 +120,17 @@ class PatchingResult:
 def mean_reversed_attention(
     model: HookedModel, prompts: Sequence[Prompt], *, batch_size: int = 8
 ) -> ReversedAttention:
-    """RA of each prompt's own -log p(first answer token), for equal-length prompts, in batches."""
+    """RA of each prompt's own -log p(first answer token), for equal-length prompts, in batches.
+
+    >>> import torch
+    >>> from ra_lens.tasks import Task
+    >>> toy = Task("toy", [("b", "of"), ("c", "is"), ("d", "to"), ("l", "an"), ("o", "and"),
+    ...                    ("s", "the"), ("t", "cap"), ("F", "Par"), ("I", "Mar"), ("of", "b")])
+    >>> train, _ = tasks.task_prompts(model, toy, shots=1)
+    >>> ra = mean_reversed_attention(model, train[:4], batch_size=3)  # batches of 3 and 1
+    >>> ra.maps.shape[0], ra.maps.shape[1:3]  # [batch layer head query key]
+    (4, torch.Size([2, 4]))
+    """
     parts = []
     for i in range(0, len(prompts), batch_size):
         chunk = prompts[i : i + batch_size]
@@ -142,6 +162,23 @@ def attention_patching(
 
     Returns:
         PatchingResult with top-1/2/3 accuracy per scale for RA and the forward baseline.
+
+    >>> import torch
+    >>> from ra_lens.tasks import Task
+    >>> toy = Task("toy", [("b", "of"), ("c", "is"), ("d", "to"), ("l", "an"), ("o", "and"),
+    ...                    ("s", "the"), ("t", "cap"), ("F", "Par"), ("I", "Mar"), ("of", "b")])
+    >>> result = attention_patching(model, toy, shots=1, n_train=4, scales=[0.0, -4.0],
+    ...                             progress=False)
+    >>> result.n_train, result.n_test, result.scales
+    (4, 2, [0.0, -4.0])
+    >>> torch.equal(result.ra[0].ranks, result.unpatched.ranks)  # scale 0 adds nothing
+    True
+    >>> print(result.table())  # doctest: +ELLIPSIS
+    toy, 1-shot: RA averaged over 4 training prompts, 2 test prompts; unpatched top-1 ...
+
+    On the real model (minutes on a CPU; `DEFAULT_SCALES` has 26 scales):
+
+    >>> result = attention_patching(ra_lens.load_model(), "antonym", shots=0)  # doctest: +SKIP
     """
     seconds: dict[str, float] = {}
     name = task if isinstance(task, str) else task.name

@@ -340,7 +340,14 @@ def _json_float(value: float) -> float | None:
 
 def check_rankings(names: Sequence[str]) -> list[str]:
     """Known ranking names, de-duplicated in RANKINGS order, always with "ra"; or a ValueError
-    listing the names the registry knows."""
+    listing the names the registry knows.
+
+    >>> check_rankings(["forward", "random", "forward"])  # RANKINGS order, with "ra"
+    ['ra', 'forward', 'random']
+    >>> check_rankings(["nope"])  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ValueError: unknown ranking 'nope': choose from ra, ra_loss_row, ...
+    """
     unknown = [n for n in names if n not in RANKINGS]
     if unknown:
         raise ValueError(f"unknown ranking {unknown[0]!r}: choose from {', '.join(RANKINGS)}")
@@ -396,6 +403,21 @@ def head_ranking(
 
     Returns:
         HeadRankingResult (`.table()`, `.to_dict()`, `.save_json(path)`, `.plot(out_dir)`).
+
+    >>> import torch
+    >>> from ra_lens.tasks import Task
+    >>> toy = Task("toy", [("b", "of"), ("c", "is"), ("d", "to"), ("l", "an"), ("o", "and"),
+    ...                    ("s", "the"), ("t", "cap"), ("F", "Par"), ("I", "Mar"), ("of", "b")])
+    >>> result = head_ranking(model, toy, shots=1, n_prompts=4, rankings=["forward", "layer"],
+    ...                       fractions=[0, 0.5, 1], n_boot=50, progress=False)
+    >>> list(result.scores), result.curves["ra"].n_kept
+    (['ra', 'forward', 'layer'], [0, 4, 8])
+    >>> torch.equal(result.curves["ra"].accuracies[-1].ranks, result.unablated.ranks)  # p = 1
+    True
+    >>> train = tasks.task_prompts(model, toy, shots=1)[0][:4]  # the ranking prompts
+    >>> targets = [tasks.answer_token(model, p.answer) for p in train]
+    >>> torch.allclose(result.scores["ra"], rk.ra_ranking(model, [p.text for p in train], targets))
+    True
     """
     names = check_rankings(rankings)
     fractions = rk.check_fractions(fractions)

@@ -9,7 +9,16 @@ from collections.abc import Iterator
 
 @contextlib.contextmanager
 def timed(seconds: dict[str, float], name: str) -> Iterator[None]:
-    """Add the time spent in the block to seconds[name]."""
+    """Add the time spent in the block to seconds[name].
+
+    >>> seconds = {}
+    >>> with timed(seconds, "work"):
+    ...     _ = sum(range(1000))
+    >>> with timed(seconds, "work"):  # adds up
+    ...     pass
+    >>> list(seconds), seconds["work"] > 0
+    (['work'], True)
+    """
     start = time.perf_counter()
     try:
         yield

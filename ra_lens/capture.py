@@ -108,7 +108,11 @@ def query_hook_name(model: HookedModel, layer: int) -> str:
 
 def key_hook_name(model: HookedModel, layer: int) -> str:
     """The hook point of the keys this layer's attention uses: `hook_rot_k` on rotary models,
-    `hook_k` otherwise."""
+    `hook_k` otherwise.
+
+    >>> key_hook_name(model, 0)                              # GPT-2: no rotary embedding
+    'blocks.0.attn.hook_k'
+    """
     rotated = ROT_K.format(layer)
     return rotated if rotated in model.hook_dict else K.format(layer)
 
@@ -368,13 +372,15 @@ def require_live_patterns(model: HookedModel, layers: Sequence[int], needed_for:
     Raises:
         RuntimeError: naming the layers, the reason (the adapter delegates attention to
             HuggingFace), `needed_for` and the models that work.
+
+    >>> require_live_patterns(model, [0, 1], "patching would do nothing")  # GPT-2: passes
     """
     live = live_pattern_layers(model)
     dead = [layer for layer in layers if not live[layer]]
     if dead:
         raise RuntimeError(
             f"hook_pattern of layers {dead} is not in the autograd graph of the output (the "
-            f"adapter delegates attention to HuggingFace), so edits there do not reach the "
+            "adapter delegates attention to HuggingFace), so edits there do not reach the "
             f"output and no dL/dA arrives: {needed_for}; use a model that computes attention "
             "through its hooks (GPT-2/Llama-style TransformerBridge, boot_native, "
             "HookedTransformer)"

@@ -188,6 +188,17 @@ class HeadRankingResult:
         intervals: name -> {"auc", "auc_top3", "reverse_auc", "paired_vs_ra", "spearman"}:
             `ranking.Interval`s (95% percentile bootstrap over test prompts for AUCs, paired for
             the difference AUC(RA) - AUC(name), over ranking prompts for Spearman with RA).
+
+    >>> from ra_lens.tasks import Task
+    >>> toy = Task("toy", [("b", "of"), ("c", "is"), ("d", "to"), ("l", "an"), ("o", "and"),
+    ...                    ("s", "the"), ("t", "cap"), ("F", "Par"), ("I", "Mar"), ("of", "b")])
+    >>> result = head_ranking(model, toy, shots=1, n_prompts=4, rankings=["random"],
+    ...                       fractions=[0, 1], n_boot=20, progress=False)
+    >>> data = result.to_dict()
+    >>> data["rankings"]["random"]["auc"] == result.curves["random"].auc, list(data["spearman"])
+    (True, ['random'])
+    >>> print(result.table())  # doctest: +ELLIPSIS
+    toy, 1-shot, 2x4 heads: rankings from 4 prompts (...), accuracy on 2 test prompts, ...
     """
 
     task: str

@@ -14,8 +14,8 @@ import torch
 from ra_lens import capture
 from ra_lens import ranking as rk
 from ra_lens.capture import PATTERN
-from ra_lens.experiments.patching import task_prompts
 from ra_lens.models import load_model
+from ra_lens.tasks import task_prompts
 
 
 def last_row_max(model, texts: list[str]) -> torch.Tensor:

@@ -26,9 +26,9 @@ from harness import choose_clock, timed
 
 from ra_lens import ranking as rk
 from ra_lens import tasks
-from ra_lens.experiments import task_prompts
 from ra_lens.experiments.ranking_study import SPEED_GOAL
 from ra_lens.models import hub_offline, load_model, smollm2_hf_dir
+from ra_lens.tasks import task_prompts
 
 
 def random_smollm2(device: str) -> Any:

@@ -62,16 +62,6 @@ _RECOMPUTE_TOLERANCE = {torch.float64: 1e-4, torch.float32: 1e-4}
 _HALF_TOLERANCE = 2e-2
 
 
-def _q_name(model: HookedModel, layer: int) -> str:
-    rotated = capture.ROT_Q.format(layer)
-    return rotated if rotated in model.hook_dict else capture.Q.format(layer)
-
-
-def _k_name(model: HookedModel, layer: int) -> str:
-    rotated = capture.ROT_K.format(layer)
-    return rotated if rotated in model.hook_dict else capture.K.format(layer)
-
-
 # --------------------------------------------------------------------------------------------
 # pure tensor functions (float64, any leading axes, last two = query, key)
 
@@ -337,15 +327,7 @@ def attention_attribution(
     chosen = capture.check_layers(layers, shape.n_layers)
     clean_b, corrupted_b = capture.to_batch(model, clean), capture.to_batch(model, corrupted)
     _check_pairs(clean_b, corrupted_b)
-    live = capture.live_pattern_layers(model)
-    dead = [layer for layer in chosen if not live[layer]]
-    if dead:
-        raise RuntimeError(
-            f"hook_pattern of layers {dead} is not in the autograd graph of the output (the "
-            "adapter delegates attention to HuggingFace), so dM/dA does not exist there: "
-            "attention_attribution needs a model that computes attention through its hooks "
-            "(GPT-2/Llama-style TransformerBridge, boot_native, HookedTransformer)"
-        )
+    capture.require_live_patterns(model, chosen, "attention_attribution needs R = dM/dA there")
     base, other = (corrupted_b, clean_b) if direction == "denoise" else (clean_b, corrupted_b)
     with capture.preserved_state(model):
         patched = _capture(model, base, chosen, metric, backward=True)
@@ -428,52 +410,43 @@ def _capture(
     model: HookedModel, batch: Batch, layers: list[int], metric: MetricFn, backward: bool
 ) -> _Run:
     """Forward pass saving A, q and k of every chosen layer; with backward, R = dM/dA too."""
-    run = _Run({}, {}, {}, {}, torch.empty(0))
-
-    def save(store: dict[int, Tensor], layer: int):
-        def hook(activation: Tensor, hook: Any) -> None:
-            # A copy: some adapters hand hooks a view that the attention code reuses.
-            store[layer] = activation.detach().clone()
-
-        return hook
-
-    def save_grad(layer: int):
-        def hook(grad: Tensor, hook: Any) -> None:
-            run.grads[layer] = grad.detach().clone()
-
-        return hook
-
+    patterns = [PATTERN.format(layer) for layer in layers]
+    queries = [capture.query_hook_name(model, layer) for layer in layers]
+    keys = [capture.key_hook_name(model, layer) for layer in layers]
     leaf: dict[str, Tensor] = {}
-    fwd = [(RESID_PRE.format(layers[0]), capture.gradient_leaf_hook(leaf))]
-    for layer in layers:
-        fwd.append((PATTERN.format(layer), save(run.patterns, layer)))
-        fwd.append((_q_name(model, layer), save(run.queries, layer)))
-        fwd.append((_k_name(model, layer), save(run.keys, layer)))
-    bwd = [(PATTERN.format(layer), save_grad(layer)) for layer in layers] if backward else []
-    with torch.enable_grad(), model.hooks(fwd_hooks=fwd, bwd_hooks=bwd):
+    with (
+        torch.enable_grad(),
+        model.hooks(fwd_hooks=[(RESID_PRE.format(layers[0]), capture.gradient_leaf_hook(leaf))]),
+        capture.recorded(model, patterns + queries + keys) as acts,
+        capture.recorded(model, patterns if backward else [], grad=True) as grads,
+    ):
         logits = model(batch.tokens)
         values, loss = metric_loss(metric, logits, batch)
         if backward:
             torch.autograd.grad(loss, [leaf["leaf"]], allow_unused=True)
-    run.metric = values.detach()
-    silent = [
-        name
-        for layer in layers
-        for name, store in ((_q_name(model, layer), run.queries), (_k_name(model, layer), run.keys))
-        if layer not in store
-    ]
+    silent = [name for pair in zip(queries, keys) for name in pair if name not in acts]
     if silent:
         raise RuntimeError(
             f"hook {silent[0]!r} never fired during the forward pass: this adapter does not expose "
             "the (rotated) queries and keys its attention uses, so the softmax cannot be redone"
         )
-    missing = [layer for layer in layers if backward and layer not in run.grads]
+    missing = [layer for layer, name in zip(layers, patterns) if backward and name not in grads]
     if missing:
         raise RuntimeError(
             f"no gradient reached hook_pattern of layers {missing}: the metric must depend on "
             "the logits at positions these layers feed"
         )
-    return run
+
+    def by_layer(names: list[str], store: dict[str, Tensor]) -> dict[int, Tensor]:
+        return {layer: store[name] for layer, name in zip(layers, names) if name in store}
+
+    return _Run(
+        by_layer(patterns, acts),
+        by_layer(queries, acts),
+        by_layer(keys, acts),
+        by_layer(patterns, grads),
+        values.detach(),
+    )
 
 
 def _layer_estimates(

@@ -95,6 +95,28 @@ def model_shape(model: HookedModel) -> ModelShape:
     return ModelShape(n_layers, n_heads, int(n_kv), int(cfg.d_head), int(n_ctx) if n_ctx else None)
 
 
+def query_hook_name(model: HookedModel, layer: int) -> str:
+    """The hook point of the queries this layer's attention uses: `hook_rot_q` (after the
+    rotation) on rotary models, `hook_q` otherwise.
+
+    >>> query_hook_name(model, 1)                            # GPT-2: no rotary embedding
+    'blocks.1.attn.hook_q'
+    """
+    rotated = ROT_Q.format(layer)
+    return rotated if rotated in model.hook_dict else Q.format(layer)
+
+
+def key_hook_name(model: HookedModel, layer: int) -> str:
+    """The hook point of the keys this layer's attention uses: `hook_rot_k` on rotary models,
+    `hook_k` otherwise.
+
+    >>> key_hook_name(model, 0)                              # GPT-2: no rotary embedding
+    'blocks.0.attn.hook_k'
+    """
+    rotated = ROT_K.format(layer)
+    return rotated if rotated in model.hook_dict else K.format(layer)
+
+
 def check_layers(layers: Sequence[int] | None, n_layers: int) -> list[int]:
     """The chosen layer indices, checked; None means all layers.
 
@@ -273,11 +295,15 @@ def raw_input_hooks(
 
 
 @contextlib.contextmanager
-def recorded(model: HookedModel, names: Iterable[str]) -> Iterator[dict[str, Tensor]]:
-    """Record the forward value (detached) of each named hook point into the yielded dict.
+def recorded(
+    model: HookedModel, names: Iterable[str], *, grad: bool = False
+) -> Iterator[dict[str, Tensor]]:
+    """Record the forward value of each named hook point into the yielded dict; with grad=True,
+    the gradient that reaches it in a backward pass run inside the block instead.
 
-    The first value of a forward pass is kept: a hook point that fires twice does not overwrite
-    it. Names the model lacks are skipped (check the dict). Hooks are removed on exit.
+    Values are detached copies (some adapters hand hooks a view that their attention code
+    reuses). The first value is kept: a hook point that fires twice does not overwrite it. Names
+    the model lacks are skipped (check the dict). Hooks are removed on exit.
 
     >>> from ra_lens.toy_models import tiny_model                       # doctest: +SKIP
     >>> model = tiny_model("gpt2")                                      # doctest: +SKIP
@@ -289,14 +315,16 @@ def recorded(model: HookedModel, names: Iterable[str]) -> Iterator[dict[str, Ten
     store: dict[str, Tensor] = {}
 
     def keep(name: str):
-        def hook(activation: Tensor, hook: Any) -> None:
-            store.setdefault(name, activation.detach())
+        def hook(value: Tensor, hook: Any) -> None:
+            if name not in store:
+                store[name] = value.detach().clone()
 
         return hook
 
     points = model.hook_dict  # built afresh on every access by a bridge
     present = [name for name in dict.fromkeys(names) if name in points]
-    with model.hooks(fwd_hooks=[(name, keep(name)) for name in present]):
+    hooks = [(name, keep(name)) for name in present]
+    with model.hooks(**{"bwd_hooks" if grad else "fwd_hooks": hooks}):
         yield store
 
 
@@ -327,26 +355,45 @@ def live_pattern_layers(model: HookedModel) -> list[bool]:
     """
     if model in _LIVE_CACHE:
         return _LIVE_CACHE[model]
-    shape = model_shape(model)
-    reached = [False] * shape.n_layers
+    names = [PATTERN.format(layer) for layer in range(model_shape(model).n_layers)]
     store: dict[str, Tensor] = {}
-
-    def arrived(layer: int):
-        def hook(grad: Tensor, hook: Any) -> None:
-            reached[layer] = True
-
-        return hook
-
     tokens = torch.zeros(1, 3, dtype=torch.long, device=_device(model))
     with preserved_state(model), torch.enable_grad():
-        with model.hooks(
-            fwd_hooks=[(RESID_PRE.format(0), gradient_leaf_hook(store))],
-            bwd_hooks=[(PATTERN.format(layer), arrived(layer)) for layer in range(shape.n_layers)],
+        with (
+            model.hooks(fwd_hooks=[(RESID_PRE.format(0), gradient_leaf_hook(store))]),
+            recorded(model, names, grad=True) as grads,
         ):
             logits = model(tokens)
             torch.autograd.grad(logits.float().sum(), [store["leaf"]], allow_unused=True)
+    reached = [name in grads for name in names]
     _LIVE_CACHE[model] = reached
     return reached
+
+
+def require_live_patterns(model: HookedModel, layers: Sequence[int], needed_for: str) -> None:
+    """Raise unless `hook_pattern` of every chosen layer is in the autograd graph of the output
+    (`live_pattern_layers`): there, edits reach the output and dL/dA exists.
+
+    Args:
+        needed_for: what the caller would get wrong otherwise, for the message (e.g. "attention
+            patching would silently do nothing").
+
+    Raises:
+        RuntimeError: naming the layers, the reason (the adapter delegates attention to
+            HuggingFace), `needed_for` and the models that work.
+
+    >>> require_live_patterns(model, [0, 1], "patching would do nothing")  # GPT-2: passes
+    """
+    live = live_pattern_layers(model)
+    dead = [layer for layer in layers if not live[layer]]
+    if dead:
+        raise RuntimeError(
+            f"hook_pattern of layers {dead} is not in the autograd graph of the output (the "
+            "adapter delegates attention to HuggingFace), so edits there do not reach the "
+            f"output and no dL/dA arrives: {needed_for}; use a model that computes attention "
+            "through its hooks (GPT-2/Llama-style TransformerBridge, boot_native, "
+            "HookedTransformer)"
+        )
 
 
 def _device(model: HookedModel) -> torch.device:

@@ -25,7 +25,7 @@ MODEL_HELP = (
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _parser()
+    parser = build_parser()
     args = parser.parse_args(argv)
     try:
         _check_outputs(args)
@@ -35,7 +35,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
+    """The `ra-lens` argument parser (every command and its options)."""
     parser = argparse.ArgumentParser(
         prog="ra-lens",
         description="Reversed Attention (dL/d(QK^T), Katz & Wolf 2025) for TransformerLens models.",
@@ -362,7 +363,7 @@ def _run_patch(args: argparse.Namespace) -> int:
 
 def _run_rank(args: argparse.Namespace) -> int:
     from ra_lens.experiments import head_ranking
-    from ra_lens.experiments.ranking import check_rankings
+    from ra_lens.experiments.head_ranking import check_rankings
 
     extra: dict[str, Any] = {} if args.fractions is None else {"fractions": _floats(args.fractions)}
     if args.rankings is not None:
@@ -501,7 +502,7 @@ def _task_names() -> list[str]:
 
 
 def _ranking_names() -> list[str]:
-    from ra_lens.experiments.ranking import RANKINGS
+    from ra_lens.experiments.head_ranking import RANKINGS
 
     return list(RANKINGS)
 

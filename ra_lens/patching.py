@@ -100,7 +100,8 @@ def _patch_hooks(
     scales = _per_head(scale, max(by_layer) + 1, n_heads, "scale")
     mask = _head_mask(heads, max(by_layer) + 1, n_heads)
     if model is not None:
-        _check_shapes_and_liveness(model, by_layer, chosen)
+        _check_shapes(model, by_layer)
+        capture.require_live_patterns(model, chosen, "attention patching would silently do nothing")
     hooks = []
     for layer in chosen:
         delta = by_layer[layer] * (scales[layer] * mask[layer])[:, None, None]
@@ -218,23 +219,13 @@ def _pairs(heads: Heads) -> list[tuple[int, int]]:
     return [(int(la), int(h)) for la, h in pairs]
 
 
-def _check_shapes_and_liveness(
-    model: HookedModel, by_layer: dict[int, Tensor], chosen: list[int]
-) -> None:
+def _check_shapes(model: HookedModel, by_layer: dict[int, Tensor]) -> None:
     shape = capture.model_shape(model)
     n_heads = next(iter(by_layer.values())).shape[0]
     if max(by_layer) >= shape.n_layers or n_heads != shape.n_heads:
         raise ValueError(
             f"maps cover layers up to {max(by_layer)} with {n_heads} heads, but the model has "
             f"{shape.n_layers} layers of {shape.n_heads} heads: compute them on this model"
-        )
-    live = capture.live_pattern_layers(model)
-    dead = [layer for layer in chosen if not live[layer]]
-    if dead:
-        raise RuntimeError(
-            f"edits at hook_pattern of layers {dead} do not reach the output on this adapter "
-            "(it delegates attention to HuggingFace): attention patching would silently do "
-            "nothing; use an architecture whose bridge computes attention itself (GPT-2, Llama)"
         )
 
 

@@ -52,7 +52,13 @@ def tiny_tokenizer_dir() -> str:
     return folder
 
 
-def _hf_config(arch: str, vocab: int, d_model: int, n_layers: int, n_heads: int, n_ctx: int):
+def hf_config(arch: str, vocab: int, d_model: int, n_layers: int, n_heads: int, n_ctx: int):
+    """The HuggingFace config `tiny_model` builds a "gpt2", "llama" or "opt" model from (e.g.
+    for a plain HuggingFace copy with the same weights: seed, then `from_config`).
+
+    >>> hf_config("llama", 300, 32, 2, 4, 64).num_key_value_heads  # GQA: half the heads
+    2
+    """
     from transformers import GPT2Config, LlamaConfig, OPTConfig
 
     special = {"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 2}
@@ -158,7 +164,7 @@ def tiny_model(
         from transformer_lens.model_bridge import TransformerBridge
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        hf_cfg = _hf_config(arch, 300, d_model, n_layers, n_heads, n_ctx)
+        hf_cfg = hf_config(arch, 300, d_model, n_layers, n_heads, n_ctx)
         hf_cfg._attn_implementation = "eager"
         hf_model = AutoModelForCausalLM.from_config(hf_cfg).eval()
         folder = tempfile.mkdtemp(prefix=f"ra_lens_tiny_{arch}_")

@@ -33,6 +33,7 @@ from matplotlib.figure import Figure, SubFigure
 from matplotlib.ticker import FuncFormatter, ScalarFormatter
 from torch import Tensor
 
+from ra_lens.ranking import trapezoid_auc
 from ra_lens.result import ReversedAttention
 
 __all__ = [
@@ -462,16 +463,6 @@ def _assemble_page(sections: list[tuple[str, Any]], ra: ReversedAttention, promp
     bundle = parts[0][1]
     script = '<script type="module">\n' + bundle + "\n" + "\n".join(calls) + "\n</script>\n"
     return head + "".join(divs) + script + "</body>\n</html>\n"
-
-
-def trapezoid_auc(x: ArrayLike, y: ArrayLike) -> float:
-    """Area under y(x) by the trapezoid rule, after sorting by x."""
-    xs, ys = _numpy(x).reshape(-1), _numpy(y).reshape(-1)
-    if xs.shape != ys.shape:
-        raise ValueError(f"{xs.size} x values for {ys.size} y values")
-    order = np.argsort(xs, kind="stable")
-    xs, ys = xs[order], ys[order]
-    return float(np.sum(np.diff(xs) * (ys[1:] + ys[:-1]) / 2.0))
 
 
 def _check_curves(x: np.ndarray, curves: Mapping[str, ArrayLike]) -> dict[str, np.ndarray]:

@@ -344,7 +344,11 @@ def test_bad_input_raises_clearly():
 @pytest.mark.tl4  # the OPT adapter (attention delegated to HF) exists in TL 4's bridge only
 def test_dead_pattern_hook_is_refused():
     model = tiny_model("opt", dtype=torch.float64)
-    with pytest.raises(RuntimeError, match="not in the autograd graph"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"hook_pattern of layers \[0, 1\] is not in the autograd graph .* "
+        r"attention_attribution needs R = dM/dA there; use a model that computes attention",
+    ):
         ra_lens.attention_attribution(model, CLEAN, CORRUPTED, METRIC)
 
 

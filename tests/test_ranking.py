@@ -14,16 +14,10 @@ from ra_lens import capture, tasks
 from ra_lens import ranking as rk
 from ra_lens.capture import PATTERN, Z
 from ra_lens.experiments import HeadRankingResult, head_ranking
-from ra_lens.experiments.patching import task_prompts
-from ra_lens.experiments.ranking import (
-    RANKINGS,
-    _mean_prompts,
-    check_rankings,
-    shuffled_label_prompts,
-)
+from ra_lens.experiments.head_ranking import RANKINGS, check_rankings
 from ra_lens.metrics import target_nll
 from ra_lens.patching import head_ablation_hooks, mean_head_outputs
-from ra_lens.tasks import Accuracy
+from ra_lens.tasks import Accuracy, shuffled_label_prompts, task_prompts
 from ra_lens.toy_models import tiny_model
 
 # Inputs and answers that are one token (with their leading space) for the tiny tokenizer, so
@@ -533,7 +527,7 @@ def test_head_ranking_zero_shot_skips_patching_and_mean_ablates(llama):
     assert any("zero-shot" in note for note in res.notes)
     assert res.ablation == "mean" and res.to_dict()["ablation"] == "mean"
     # Todd et al.'s mean: every training prompt (held out from the test), aligned at the last token
-    train = _mean_prompts(llama, TOY, 0, 42)
+    train, _ = task_prompts(llama, TOY, shots=0, equal_length=False)
     assert res.n_means == len(train) and res.to_dict()["n_means"] == len(train)
     _, test = task_prompts(llama, TOY, shots=0)
     means = rk.last_token_means(llama, [p.text for p in train])
@@ -651,8 +645,12 @@ def test_first_order_mediation_equals_a_finite_difference(gpt2_64, ablation):
             for head in range(model.cfg.n_heads):
                 if means is None:
                     ablated = torch.zeros(1, tokens.shape[1], model.cfg.d_head)
-                else:
-                    ablated = rk._replacement(means[layer], lengths, tokens.shape[1])[:, :, head]
+                else:  # what mean ablation writes into this head's hook_z
+                    ablate = rk.ablation_hooks([(layer, head)], means=means, lengths=lengths)
+                    with torch.no_grad(), model.hooks(fwd_hooks=ablate):
+                        with capture.recorded(model, [Z.format(layer)]) as seen:
+                            model(tokens)
+                    ablated = seen[Z.format(layer)][:, :, head]
 
                 def direction(z, ablated=ablated):  # towards the ablated value
                     return ablated.to(z) - z
@@ -880,9 +878,9 @@ def test_ranking_study_quick_writes_runtime_seconds_and_intervals(tmp_path, caps
 
 
 def test_rank_command_takes_several_tasks_and_rankings(capsys):
-    from ra_lens.cli import _parser, main
+    from ra_lens.cli import build_parser, main
 
-    args = _parser().parse_args(
+    args = build_parser().parse_args(
         ["rank", "--task", "antonym", "--task", "capitalize", "--ablation", "mean",
          "--rankings", "ra,cm_first_order,ra_temperature"]
     )  # fmt: skip

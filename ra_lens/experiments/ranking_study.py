@@ -26,7 +26,12 @@ from tqdm.auto import tqdm
 
 from ra_lens import ranking as rk
 from ra_lens import tasks
-from ra_lens.experiments.ranking import RANKINGS, HeadRankingResult, check_rankings, head_ranking
+from ra_lens.experiments.head_ranking import (
+    RANKINGS,
+    HeadRankingResult,
+    check_rankings,
+    head_ranking,
+)
 from ra_lens.tasks import Task
 
 #: The study's tasks and shot counts (issue 14).
@@ -280,7 +285,7 @@ def ranking_study(
         model: a TransformerLens model.
         cells: (task, shots) pairs; default every STUDY_TASKS x STUDY_SHOTS.
         ablations: "zero" and/or "mean".
-        rankings: names in `experiments.ranking.RANKINGS`.
+        rankings: names in `experiments.head_ranking.RANKINGS`.
         n_prompts, n_test, fractions, n_boot, batch_size, eval_batch_size, n_means, seed: as in
             `head_ranking` (batch_size also batches causal mediation's prompts).
         on_cell: called with the partial result after every cell (e.g. to save it as it goes).

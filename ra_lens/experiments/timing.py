@@ -17,7 +17,16 @@ def _sync() -> None:
 
 @contextlib.contextmanager
 def timed(seconds: dict[str, float], name: str) -> Iterator[None]:
-    """Add the time spent in the block to seconds[name] (CUDA work finished at both ends)."""
+    """Add the time spent in the block to seconds[name] (CUDA work finished at both ends).
+
+    >>> seconds = {}
+    >>> with timed(seconds, "work"):
+    ...     _ = sum(range(1000))
+    >>> with timed(seconds, "work"):  # adds up
+    ...     pass
+    >>> list(seconds), seconds["work"] > 0
+    (['work'], True)
+    """
     _sync()
     start = time.perf_counter()
     try:

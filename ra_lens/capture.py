@@ -5,6 +5,8 @@ speaks TransformerLens hook names only (the constants below), so any HookedRootM
 (TL 2.x/3.x HookedTransformer, TL 3.x/4.x TransformerBridge): `HookedModel` says what is used.
 Nothing here leaves state behind: `preserved_state` restores train/eval mode, requires_grad flags
 and parameter .grad; every hook is scoped by a context manager.
+
+In the examples, `model` is a tiny random 2-layer x 4-head model (`ra_lens.toy_models.tiny_model`).
 """
 
 from __future__ import annotations
@@ -43,6 +45,9 @@ class HookedModel(Protocol):
     """What ra-lens needs of a model: a TransformerLens HookedRootModule with a config.
 
     HookedTransformer (TL 2.x/3.x) and TransformerBridge (TL 3.x/4.x) both qualify.
+
+    >>> isinstance(model, HookedModel), isinstance(torch.nn.Linear(2, 2), HookedModel)
+    (True, False)
     """
 
     hook_dict: dict[str, Any]
@@ -79,6 +84,9 @@ def model_shape(model: HookedModel) -> ModelShape:
 
     Raises:
         TypeError: the model is not a TransformerLens model or lacks attention hooks.
+
+    >>> model_shape(model)
+    ModelShape(n_layers=2, n_heads=4, n_kv_heads=4, d_head=8, n_ctx=64)
     """
     hook_dict = getattr(model, "hook_dict", None)
     cfg = getattr(model, "cfg", None)
@@ -100,6 +108,12 @@ def check_layers(layers: Sequence[int] | None, n_layers: int) -> list[int]:
 
     Raises:
         TypeError, ValueError: see `check_layer_list`; also a layer outside 0..n_layers-1.
+
+    >>> check_layers(None, 3), check_layers([0, 2], 3)
+    ([0, 1, 2], [0, 2])
+    >>> check_layers([2, 0], 3)
+    Traceback (most recent call last):
+    ValueError: layers [2, 0] are not in increasing order: pass [0, 2]
     """
     if layers is None:
         return list(range(n_layers))
@@ -136,6 +150,9 @@ def attention_scale(model: HookedModel, layer: int) -> float:
 
     TL 2 keeps it as `attn.attn_scale`; TL-native bridges as `attn.original_component.scale`;
     HuggingFace attention modules as the multiplier `scaling`.
+
+    >>> math.isclose(attention_scale(model, 0), math.sqrt(model.cfg.d_head))  # GPT-2: sqrt(d_head)
+    True
     """
     attn = model.blocks[layer].attn
     if isinstance(getattr(attn, "attn_scale", None), (int, float)):
@@ -194,6 +211,13 @@ def preserved_state(model: HookedModel) -> Iterator[None]:
 
     Also claims the model for this thread (`exclusive`), and refuses inference mode, where
     autograd cannot run.
+
+    >>> _ = model.train()
+    >>> with preserved_state(model):
+    ...     model.training
+    False
+    >>> model.training
+    True
     """
     if torch.is_inference_mode_enabled():
         raise RuntimeError(
@@ -238,6 +262,15 @@ def raw_input_hooks(
     accumulates the gradient of all its uses. Both see the tensor in TransformerLens's layout
     (a bridge's `hook_conversion` is applied). A gradient that never arrives (a user hook
     replaced the tensor) means the gradient is zero. Removed on exit.
+
+    The forward hook sees the softmax output even when a user's hook zeroes the pattern:
+
+    >>> seen, name = {}, PATTERN.format(0)
+    >>> with raw_input_hooks(model, {name: lambda a: seen.setdefault(name, a)}, {}):
+    ...     with model.hooks(fwd_hooks=[(name, lambda a, hook: a * 0)]):
+    ...         _ = model(model.to_tokens("Q: hot"))
+    >>> torch.allclose(seen[name].sum(-1), torch.ones(1, 4, 7))  # rows of A sum to one
+    True
     """
     handles = []
 
@@ -271,12 +304,10 @@ def recorded(model: HookedModel, names: Iterable[str]) -> Iterator[dict[str, Ten
     The first value of a forward pass is kept: a hook point that fires twice does not overwrite
     it. Names the model lacks are skipped (check the dict). Hooks are removed on exit.
 
-    >>> from ra_lens.toy_models import tiny_model                       # doctest: +SKIP
-    >>> model = tiny_model("gpt2")                                      # doctest: +SKIP
-    >>> with recorded(model, [PATTERN.format(0)]) as acts:              # doctest: +SKIP
-    ...     model(model.to_tokens("Hello"))
-    >>> acts[PATTERN.format(0)].shape                                   # doctest: +SKIP
-    torch.Size([1, 4, 2, 2])
+    >>> with recorded(model, [PATTERN.format(0), "no.such.hook"]) as acts:
+    ...     _ = model(model.to_tokens("Q: hot"))  # 7 tokens
+    >>> {name: tuple(value.shape) for name, value in acts.items()}
+    {'blocks.0.attn.hook_pattern': (1, 4, 7, 7)}
     """
     store: dict[str, Tensor] = {}
 
@@ -315,6 +346,9 @@ def live_pattern_layers(model: HookedModel) -> list[bool]:
     On TransformerBridge adapters that delegate attention to HuggingFace (OPT and others) the
     pattern hook fires after the fact: edits are discarded and no gradient arrives. One tiny
     forward+backward pass finds out; the answer is cached per model.
+
+    >>> live_pattern_layers(model)  # GPT-2 and HookedTransformer compute attention themselves
+    [True, True]
     """
     if model in _LIVE_CACHE:
         return _LIVE_CACHE[model]
@@ -346,7 +380,12 @@ def _device(model: HookedModel) -> torch.device:
 
 @dataclass(frozen=True)
 class Batch:
-    """Right-padded token ids and each prompt's real length."""
+    """Right-padded token ids and each prompt's real length.
+
+    >>> batch = to_batch(model, ["I like Italy", "Q: hot"])  # 8 and 7 tokens
+    >>> batch.lengths.tolist(), batch.padded, batch.real_mask().sum(1).tolist()
+    ([8, 7], True, [8, 7])
+    """
 
     tokens: Int[Tensor, "batch pos"]
     lengths: Int[Tensor, "batch"]
@@ -371,6 +410,13 @@ def to_batch(
 
     Right padding keeps every real position exactly where it is unpadded, so causal attention
     never lets a real token see a pad: RA of a padded batch equals RA of each prompt alone.
+
+    >>> batch = to_batch(model, ["Q: big", "Q: hot"])
+    >>> batch.tokens.tolist()  # "Q: big" padded with the tokenizer's pad id (2)
+    [[0, 51, 28, 288, 75, 73, 2], [0, 51, 28, 223, 74, 81, 86]]
+    >>> to_batch(model, "x " * 100)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ValueError: 201 tokens exceed the model's context of n_ctx=64: ...
     """
     shape = model_shape(model)
     if isinstance(tokens, str):
@@ -441,7 +487,11 @@ def check_token_ids(model: HookedModel, ids: Tensor) -> None:
 
 
 def str_tokens(model: HookedModel, batch: Batch) -> list[list[str]] | None:
-    """Each prompt's tokens as text, cut to its real length; None without a tokenizer."""
+    """Each prompt's tokens as text, cut to its real length; None without a tokenizer.
+
+    >>> str_tokens(model, to_batch(model, ["Q: big", "Q: hot"]))
+    [['<|endoftext|>', 'Q', ':', ' b', 'i', 'g'], ['<|endoftext|>', 'Q', ':', ' ', 'h', 'o', 't']]
+    """
     tokenizer = getattr(model, "tokenizer", None)
     if tokenizer is None:
         return None

@@ -20,10 +20,8 @@ HAS_BRIDGE = importlib.util.find_spec("transformer_lens.model_bridge") is not No
 
 #: Docstrings whose examples need a TransformerBridge (TransformerLens >= 3), and why.
 TL4_ONLY = {
-    "ra_lens.dynamics": "edit_dynamics steps a TransformerBridge's q/k projections "
-    "(it refuses HookedTransformer)",
-    "ra_lens.dynamics.EditDynamics": "edit_dynamics needs a TransformerBridge",
-    "ra_lens.dynamics.edit_dynamics": "edit_dynamics needs a TransformerBridge",
+    "ra_lens.dynamics.EditDynamics": "edit_dynamics refuses HookedTransformer",
+    "ra_lens.dynamics.edit_dynamics": "edit_dynamics refuses HookedTransformer",
     "ra_lens.attribution.AttentionAttribution.to_transformer_lens": "AttributionResult is "
     "TransformerLens 4's",
 }

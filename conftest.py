@@ -14,7 +14,6 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
-from _pytest.doctest import DoctestItem
 
 HAS_BRIDGE = importlib.util.find_spec("transformer_lens.model_bridge") is not None
 
@@ -30,12 +29,12 @@ TL4_ONLY = {
 @pytest.fixture(autouse=True)
 def _doctest_model(request: pytest.FixtureRequest) -> None:
     """Puts `model` into the namespace of the docstring examples that use it."""
-    item = request.node
-    if not isinstance(item, DoctestItem):
+    test = getattr(request.node, "dtest", None)  # a doctest.DocTest: only doctest items have it
+    if test is None:
         return
-    if not HAS_BRIDGE and item.name in TL4_ONLY:
-        pytest.skip(f"TransformerLens 2: {TL4_ONLY[item.name]}")
-    if any("model" in example.source for example in item.dtest.examples):
+    if not HAS_BRIDGE and test.name in TL4_ONLY:
+        pytest.skip(f"TransformerLens 2: {TL4_ONLY[test.name]}")
+    if any("model" in example.source for example in test.examples):
         from ra_lens.toy_models import tiny_model
 
         namespace = request.getfixturevalue("doctest_namespace")

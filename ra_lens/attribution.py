@@ -411,6 +411,22 @@ def attention_attribution(
         ValueError: unknown node/method/direction, pairs of unequal token length, attention that
             is not softmax(q k^T / s + causal mask).
         RuntimeError: `hook_pattern` outside the autograd graph (no R; e.g. OPT on TL 4).
+
+    method="linear" is dM/dq . (q_clean - q) on the corrupted run, here checked with autograd
+    (`model`: a tiny random GPT-2-style model, `ra_lens.toy_models.tiny_model`):
+
+    >>> from ra_lens.metrics import logit_diff
+    >>> clean = model.to_tokens("The capital of France is")
+    >>> corrupted = model.to_tokens("The capital of Italy is")
+    >>> metric, name, kept = logit_diff([294], [52]), capture.Q.format(1), {}
+    >>> att = attention_attribution(model, clean, corrupted, metric, method="linear")
+    >>> with model.hooks(fwd_hooks=[(name, lambda q, hook: kept.setdefault(name, q))]):
+    ...     (grad,) = torch.autograd.grad(metric(model(corrupted)).sum(), kept[name])
+    >>> with capture.recorded(model, [name]) as clean_run:
+    ...     _ = model(clean)
+    >>> expected = (grad * (clean_run[name] - kept[name])).sum(-1)  # [batch pos head]
+    >>> torch.allclose(att.by_position["query"][:, 1], expected.transpose(1, 2), atol=1e-6)
+    True
     """
     nodes = _check_choices(nodes, method, direction)
     shape = capture.model_shape(model)

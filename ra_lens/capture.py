@@ -395,7 +395,12 @@ class Batch:
         return bool((self.lengths < self.tokens.shape[1]).any())
 
     def real_mask(self) -> Bool[Tensor, "batch pos"]:
-        """True at each prompt's real (non-pad) positions."""
+        """True at each prompt's real (non-pad) positions.
+
+        >>> to_batch(model, ["Q: big", "Q: hot"]).real_mask()  # 6 and 7 tokens
+        tensor([[ True,  True,  True,  True,  True,  True, False],
+                [ True,  True,  True,  True,  True,  True,  True]])
+        """
         positions = torch.arange(self.tokens.shape[1], device=self.tokens.device)
         return positions[None, :] < self.lengths.to(self.tokens.device)[:, None]
 

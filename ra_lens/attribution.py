@@ -86,8 +86,8 @@ def log_other_mass(log_pattern: Float[Tensor, "... query key"]) -> Float[Tensor,
     Only a row's largest entry can exceed 1/2; there 1 - A is the sum of the other entries (taken
     as a logsumexp), elsewhere log1p(-A) is accurate.
 
-    >>> log_pattern = torch.tensor([40.0, 0.0, 0.0], dtype=torch.float64).log_softmax(-1)
-    >>> float(1 - log_pattern[0].exp()), round(float(log_other_mass(log_pattern)[0]), 4)
+    >>> log_pattern = torch.tensor([[40.0, 0.0, 0.0]], dtype=torch.float64).log_softmax(-1)
+    >>> float(1 - log_pattern[0, 0].exp()), round(float(log_other_mass(log_pattern)[0, 0]), 4)
     (0.0, -39.3069)
     """
     top = log_pattern.argmax(dim=-1, keepdim=True)

@@ -192,7 +192,7 @@ class ReversedAttention:
 
         >>> from ra_lens import metrics, reversed_attention
         >>> tokens, metric = torch.randint(3, 300, (2, 6)), metrics.target_nll([5])
-        >>> parts = [reversed_attention(model, row, metric) for row in tokens]
+        >>> parts = [reversed_attention(model, row, metric) for row in tokens.split(1)]
         >>> joined = ReversedAttention.concat(parts)
         >>> torch.allclose(joined.maps, reversed_attention(model, tokens, metric).maps, atol=1e-6)
         True

@@ -550,7 +550,7 @@ def scale_sweep(
         +-0.1 and -120 are all visible) and logarithmic beyond; negative scales (the
         gradient-descent direction) to the left.
 
-    >>> fig = scale_sweep([-16, -4, 0, 4], {"RA top-3": [0.5, 0.3, 0.1, 0.0]}, baseline=0.1)
+    >>> fig = scale_sweep([-16.0, -4.0, 0.0, 4.0], {"RA top-3": [0.5, 0.3, 0.1, 0.0]}, baseline=0.1)
     >>> fig.axes[0].get_xscale()
     'symlog'
     """

@@ -327,6 +327,13 @@ def gradient_leaf_hook(store: dict[str, Tensor]):
 
     This is how a frozen model (requires_grad False everywhere) still gets a graph, and why no
     parameter gradient is ever computed: the backward pass stops at this leaf.
+
+    >>> store = {}
+    >>> with model.hooks(fwd_hooks=[(RESID_PRE.format(1), gradient_leaf_hook(store))]):
+    ...     logits = model(model.to_tokens("Q: hot"))
+    >>> (grad,) = torch.autograd.grad(logits[0, -1, 5], store["leaf"])
+    >>> grad.shape  # dL/d resid_pre of layer 1: [batch pos d_model]
+    torch.Size([1, 7, 32])
     """
 
     def hook(activation: Tensor, hook: Any) -> Tensor:
@@ -479,7 +486,13 @@ def _check_batch(ids: Tensor, lengths: Tensor) -> None:
 
 def check_token_ids(model: HookedModel, ids: Tensor) -> None:
     """Raise a ValueError naming the vocabulary size for ids outside it (the embedding would
-    otherwise fail with 'index out of range in self')."""
+    otherwise fail with 'index out of range in self').
+
+    >>> check_token_ids(model, torch.tensor([[0, 299]]))  # the tiny model has 300 tokens
+    >>> check_token_ids(model, torch.tensor([[0, 300]]))  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ValueError: token ids must lie in 0..299 (the model's vocabulary), got ids from 0 to 300: ...
+    """
     vocab = getattr(model.cfg, "d_vocab", None)
     if vocab is None or ids.numel() == 0:
         return

@@ -12,6 +12,7 @@ Examples of what needs TransformerLens >= 3 are skipped under TL 2, with the rea
 from __future__ import annotations
 
 import importlib.util
+import re
 
 import pytest
 
@@ -34,7 +35,7 @@ def _doctest_model(request: pytest.FixtureRequest) -> None:
         return
     if not HAS_BRIDGE and test.name in TL4_ONLY:
         pytest.skip(f"TransformerLens 2: {TL4_ONLY[test.name]}")
-    if any("model" in example.source for example in test.examples):
+    if any(re.search(r"\bmodel\b", example.source) for example in test.examples):
         from ra_lens.toy_models import tiny_model
 
         namespace = request.getfixturevalue("doctest_namespace")

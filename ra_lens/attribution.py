@@ -24,9 +24,13 @@ and backward pass on the run that gets patched plus one forward pass on the othe
 compute; it equals dM/dq . (q' - q) and dM/dk . (k' - k)). Rotary models use the rotated q and k
 (`hook_rot_q`, `hook_rot_k`); the attention scale s is read from the model.
 
-    >>> att = attention_attribution(model, clean, corrupted, logit_diff(right, wrong))  # doctest: +SKIP
-    >>> att.top(5, node="key")                                                         # doctest: +SKIP
-    >>> result = att.to_transformer_lens()       # TL 4 AttributionResult                # doctest: +SKIP
+In the examples, `model` is a tiny random 2-layer x 4-head model (`ra_lens.toy_models.tiny_model`):
+
+    >>> from ra_lens.metrics import logit_diff
+    >>> clean, corrupted = "The capital of France is", "The capital of Italy is"  # 8 tokens each
+    >>> att = attention_attribution(model, clean, corrupted, logit_diff([294], [52]))
+    >>> {kind: tuple(scores.shape) for kind, scores in att.scores.items()}  # [layer head]
+    {'pattern': (2, 4), 'query': (2, 4), 'key': (2, 4)}
 """
 
 from __future__ import annotations
@@ -71,6 +75,10 @@ def log_other_mass(log_pattern: Float[Tensor, "... query key"]) -> Float[Tensor,
 
     Only a row's largest entry can exceed 1/2; there 1 - A is the sum of the other entries (taken
     as a logsumexp), elsewhere log1p(-A) is accurate.
+
+    >>> log_pattern = torch.tensor([[40.0, 0.0, 0.0]], dtype=torch.float64).log_softmax(-1)
+    >>> float(1 - log_pattern[0, 0].exp()), round(float(log_other_mass(log_pattern)[0, 0]), 4)
+    (0.0, -39.3069)
     """
     top = log_pattern.argmax(dim=-1, keepdim=True)
     others = log_pattern.scatter(-1, top, float("-inf")).logsumexp(dim=-1, keepdim=True)
@@ -89,6 +97,15 @@ def key_terms(
     exact: sum_s' (A'_ts' - A_ts') R_ts' = (p' - A_ts)(R_ts - Rbar_t^(-s)), p' = sigmoid(logit
     A_ts + delta); linear: its derivative at delta = 0 times delta, A_ts (R_ts - D_t) delta, with
     D_t = sum_s A_ts R_ts. Masked entries (log A = -inf) give 0.
+
+    Against raising logit (2, 1) by 3 and taking the softmax again:
+
+    >>> logits, grad = torch.randn(2, 4, 4, dtype=torch.float64)
+    >>> terms = key_terms(logits.log_softmax(-1), grad, torch.full((4, 4), 3.0), "exact")
+    >>> raised = logits.clone()
+    >>> raised[2, 1] += 3.0
+    >>> torch.isclose(terms[2, 1], ((raised.softmax(-1) - logits.softmax(-1)) * grad).sum())
+    tensor(True)
     """
     pattern = log_pattern.exp()
     visible = log_pattern > float("-inf")
@@ -113,7 +130,15 @@ def key_delta_rows(
     log_pattern: Float[Tensor, "... query key"], delta_column: Float[Tensor, "... query"], key: int
 ) -> Float[Tensor, "... query key"]:
     """A' - A when logit (t, key) of every row t changes by delta_column[t] (the key node's
-    change of the pattern, materialised; the estimate uses the closed form in `key_terms`)."""
+    change of the pattern, materialised; the estimate uses the closed form in `key_terms`).
+
+    >>> logits, delta = torch.randn(4, 4, dtype=torch.float64), torch.randn(4, dtype=torch.float64)
+    >>> raised = logits.clone()
+    >>> raised[:, 1] += delta
+    >>> changed = key_delta_rows(logits.log_softmax(-1), delta, key=1)
+    >>> torch.allclose(changed, raised.softmax(-1) - logits.softmax(-1))
+    True
+    """
     log_other = log_other_mass(log_pattern)[..., key]
     logit = log_pattern[..., key] - log_other
     new_weight = torch.sigmoid(logit + delta_column)
@@ -165,6 +190,19 @@ class AttentionAttribution:
             R = dM/dA of the patched run, Float[Tensor, "batch layer head query key"].
         metric, other_metric: the metric of each pair on the patched and the other run.
         layers, method, direction, n_heads, n_kv_heads, tokens, lengths, str_tokens.
+
+    A pattern node's estimate is the sum of its edges; a query node's is R times the exact
+    change of its row (`delta_pattern`):
+
+    >>> from ra_lens.metrics import logit_diff
+    >>> clean, corrupted = "The capital of France is", "The capital of Italy is"
+    >>> att = attention_attribution(model, clean, corrupted, logit_diff([294], [52]), layers=[1])
+    >>> torch.allclose(att.edges.sum(-1), att.by_position["pattern"], atol=1e-6)
+    True
+    >>> delta = att.delta_pattern("query", layer=1, head=2, position=7)  # [head query key]
+    >>> estimate = (delta[2, 7] * att.pattern_grads[0, 0, 2, 7].double()).sum()
+    >>> torch.isclose(estimate.float(), att.by_position["query"][0, 0, 2, 7], atol=1e-6)
+    tensor(True)
     """
 
     by_position: dict[str, Tensor]
@@ -192,7 +230,14 @@ class AttentionAttribution:
 
     @property
     def nodes(self) -> list[str]:
-        """The node kinds computed."""
+        """The node kinds computed.
+
+        >>> from ra_lens.metrics import logit_diff
+        >>> clean, corrupted = "The capital of France is", "The capital of Italy is"
+        >>> metric = logit_diff([294], [52])
+        >>> attention_attribution(model, clean, corrupted, metric, nodes=["key", "query"]).nodes
+        ['query', 'key']
+        """
         return list(self.by_position)
 
     def _layer_index(self, layer: int) -> int:
@@ -208,6 +253,14 @@ class AttentionAttribution:
         """The k heads with the largest |score| of one node kind: [(layer, head, score)].
 
         For node="key" the head is the key/value head.
+
+        >>> from ra_lens.metrics import logit_diff
+        >>> clean, corrupted = "The capital of France is", "The capital of Italy is"
+        >>> att = attention_attribution(model, clean, corrupted, logit_diff([294], [52]))
+        >>> (layer, head, score), *rest = att.top(3, node="key")
+        >>> scores = att.scores["key"]  # [layer kv_head]
+        >>> score == scores[layer, head].item(), abs(score) == scores.abs().max().item()
+        (True, True)
         """
         self._check_node(node)
         scores = self.scores[node]
@@ -217,7 +270,15 @@ class AttentionAttribution:
 
     def top_edges(self, k: int = 10, batch: int = 0) -> list[tuple[int, int, int, int, float]]:
         """The k query-key links of one pair with the largest |R * (A_other - A)|:
-        [(layer, head, query, key, value)]."""
+        [(layer, head, query, key, value)].
+
+        >>> from ra_lens.metrics import logit_diff
+        >>> clean, corrupted = "The capital of France is", "The capital of Italy is"
+        >>> att = attention_attribution(model, clean, corrupted, logit_diff([294], [52]))
+        >>> (layer, head, query, key, value), *rest = att.top_edges(5)
+        >>> value == att.edges[0, layer, head, query, key].item(), key <= query, len(rest)
+        (True, True, 4)
+        """
         edges = self.edges[batch]
         order = edges.flatten().abs().argsort(descending=True, stable=True)[:k]
         idx = torch.unravel_index(order, edges.shape)
@@ -232,7 +293,19 @@ class AttentionAttribution:
         """The change of the layer's pattern (all query heads) that the method's estimate
         multiplies by R when one node is patched: for "query" (head, position = query row) and
         "key" (head = key/value head, position = key) the exact softmax (whatever `method`), for
-        "pattern" the other run's row."""
+        "pattern" the other run's row.
+
+        Patching one key changes one column's logits; each changed row still sums to one:
+
+        >>> from ra_lens.metrics import logit_diff
+        >>> clean, corrupted = "The capital of France is", "The capital of Italy is"
+        >>> att = attention_attribution(model, clean, corrupted, logit_diff([294], [52]))
+        >>> delta = att.delta_pattern("key", layer=0, head=1, position=5)  # [head query key]
+        >>> torch.allclose(delta.sum(-1), torch.zeros(4, 8, dtype=torch.float64), atol=1e-9)
+        True
+        >>> bool(delta[:, :5].eq(0).all())  # queries before the patched key do not see it
+        True
+        """
         i = self._layer_index(layer)
         self._check_node(node)
         log_pattern = self._logits[batch, i].log_softmax(dim=-1)  # type: ignore[index]
@@ -259,6 +332,13 @@ class AttentionAttribution:
         its query there, so the scores mean what TL's mean. On GQA models a k_input node's `head`
         is the key/value head. Pattern nodes have no TL kind and are left out. Only
         direction="denoise" matches TL's sign convention.
+
+        >>> from ra_lens.metrics import logit_diff
+        >>> clean, corrupted = "The capital of France is", "The capital of Italy is"
+        >>> att = attention_attribution(model, clean, corrupted, logit_diff([294], [52]))
+        >>> result = att.to_transformer_lens()
+        >>> len(result.node_scores)  # query and key nodes: 2 kinds x 2 layers x 4 heads x 8 positions
+        128
         """
         from transformer_lens.tools.analysis.attribution_patching import (
             AttributionResult,
@@ -321,6 +401,22 @@ def attention_attribution(
         ValueError: unknown node/method/direction, pairs of unequal token length, attention that
             is not softmax(q k^T / s + causal mask).
         RuntimeError: `hook_pattern` outside the autograd graph (no R; e.g. OPT on TL 4).
+
+    method="linear" is dM/dq . (q_clean - q) on the corrupted run, here checked with autograd
+    (`model`: a tiny random GPT-2-style model, `ra_lens.toy_models.tiny_model`):
+
+    >>> from ra_lens.metrics import logit_diff
+    >>> clean = model.to_tokens("The capital of France is")
+    >>> corrupted = model.to_tokens("The capital of Italy is")
+    >>> metric, name, kept = logit_diff([294], [52]), capture.Q.format(1), {}
+    >>> att = attention_attribution(model, clean, corrupted, metric, method="linear")
+    >>> with model.hooks(fwd_hooks=[(name, lambda q, hook: kept.setdefault(name, q))]):
+    ...     (grad,) = torch.autograd.grad(metric(model(corrupted)).sum(), kept[name])
+    >>> with capture.recorded(model, [name]) as clean_run:
+    ...     _ = model(clean)
+    >>> expected = (grad * (clean_run[name] - kept[name])).sum(-1)  # [batch pos head]
+    >>> torch.allclose(att.by_position["query"][:, 1], expected.transpose(1, 2), atol=1e-6)
+    True
     """
     nodes = _check_choices(nodes, method, direction)
     shape = capture.model_shape(model)

@@ -5,6 +5,8 @@ speaks TransformerLens hook names only (the constants below), so any HookedRootM
 (TL 2.x/3.x HookedTransformer, TL 3.x/4.x TransformerBridge): `HookedModel` says what is used.
 Nothing here leaves state behind: `preserved_state` restores train/eval mode, requires_grad flags
 and parameter .grad; every hook is scoped by a context manager.
+
+In the examples, `model` is a tiny random 2-layer x 4-head model (`ra_lens.toy_models.tiny_model`).
 """
 
 from __future__ import annotations
@@ -43,6 +45,9 @@ class HookedModel(Protocol):
     """What ra-lens needs of a model: a TransformerLens HookedRootModule with a config.
 
     HookedTransformer (TL 2.x/3.x) and TransformerBridge (TL 3.x/4.x) both qualify.
+
+    >>> isinstance(model, HookedModel), isinstance(torch.nn.Linear(2, 2), HookedModel)
+    (True, False)
     """
 
     hook_dict: dict[str, Any]
@@ -79,6 +84,9 @@ def model_shape(model: HookedModel) -> ModelShape:
 
     Raises:
         TypeError: the model is not a TransformerLens model or lacks attention hooks.
+
+    >>> model_shape(model)
+    ModelShape(n_layers=2, n_heads=4, n_kv_heads=4, d_head=8, n_ctx=64)
     """
     hook_dict = getattr(model, "hook_dict", None)
     cfg = getattr(model, "cfg", None)
@@ -122,6 +130,12 @@ def check_layers(layers: Sequence[int] | None, n_layers: int) -> list[int]:
 
     Raises:
         TypeError, ValueError: see `check_layer_list`; also a layer outside 0..n_layers-1.
+
+    >>> check_layers(None, 3), check_layers([0, 2], 3)
+    ([0, 1, 2], [0, 2])
+    >>> check_layers([2, 0], 3)
+    Traceback (most recent call last):
+    ValueError: layers [2, 0] are not in increasing order: pass [0, 2]
     """
     if layers is None:
         return list(range(n_layers))
@@ -158,6 +172,9 @@ def attention_scale(model: HookedModel, layer: int) -> float:
 
     TL 2 keeps it as `attn.attn_scale`; TL-native bridges as `attn.original_component.scale`;
     HuggingFace attention modules as the multiplier `scaling`.
+
+    >>> math.isclose(attention_scale(model, 0), math.sqrt(model.cfg.d_head))  # GPT-2: sqrt(d_head)
+    True
     """
     attn = model.blocks[layer].attn
     if isinstance(getattr(attn, "attn_scale", None), (int, float)):
@@ -216,6 +233,13 @@ def preserved_state(model: HookedModel) -> Iterator[None]:
 
     Also claims the model for this thread (`exclusive`), and refuses inference mode, where
     autograd cannot run.
+
+    >>> _ = model.train()
+    >>> with preserved_state(model):
+    ...     model.training
+    False
+    >>> model.training
+    True
     """
     if torch.is_inference_mode_enabled():
         raise RuntimeError(
@@ -267,6 +291,15 @@ def raw_input_hooks(
     accumulates the gradient of all its uses. Both see the tensor in TransformerLens's layout
     (a bridge's `hook_conversion` is applied). A gradient that never arrives (a user hook
     replaced the tensor) means the gradient is zero. Removed on exit.
+
+    The forward hook sees the softmax output even when a user's hook zeroes the pattern:
+
+    >>> seen, name = {}, PATTERN.format(0)
+    >>> with raw_input_hooks(model, {name: lambda a: seen.setdefault(name, a)}, {}):
+    ...     with model.hooks(fwd_hooks=[(name, lambda a, hook: a * 0)]):
+    ...         _ = model(model.to_tokens("Q: hot"))
+    >>> torch.allclose(seen[name].sum(-1), torch.ones(1, 4, 7))  # rows of A sum to one
+    True
     """
     handles = []
     points = model.hook_dict  # a bridge builds this dict afresh on every access: read it once
@@ -305,12 +338,10 @@ def recorded(
     reuses). The first value is kept: a hook point that fires twice does not overwrite it. Names
     the model lacks are skipped (check the dict). Hooks are removed on exit.
 
-    >>> from ra_lens.toy_models import tiny_model                       # doctest: +SKIP
-    >>> model = tiny_model("gpt2")                                      # doctest: +SKIP
-    >>> with recorded(model, [PATTERN.format(0)]) as acts:              # doctest: +SKIP
-    ...     model(model.to_tokens("Hello"))
-    >>> acts[PATTERN.format(0)].shape                                   # doctest: +SKIP
-    torch.Size([1, 4, 2, 2])
+    >>> with recorded(model, [PATTERN.format(0), "no.such.hook"]) as acts:
+    ...     _ = model(model.to_tokens("Q: hot"))  # 7 tokens
+    >>> {name: tuple(value.shape) for name, value in acts.items()}
+    {'blocks.0.attn.hook_pattern': (1, 4, 7, 7)}
     """
     store: dict[str, Tensor] = {}
 
@@ -333,6 +364,13 @@ def gradient_leaf_hook(store: dict[str, Tensor]):
 
     This is how a frozen model (requires_grad False everywhere) still gets a graph, and why no
     parameter gradient is ever computed: the backward pass stops at this leaf.
+
+    >>> store = {}
+    >>> with model.hooks(fwd_hooks=[(RESID_PRE.format(1), gradient_leaf_hook(store))]):
+    ...     logits = model(model.to_tokens("Q: hot"))
+    >>> (grad,) = torch.autograd.grad(logits[0, -1, 5], store["leaf"])
+    >>> grad.shape  # dL/d resid_pre of layer 1: [batch pos d_model]
+    torch.Size([1, 7, 32])
     """
 
     def hook(activation: Tensor, hook: Any) -> Tensor:
@@ -352,6 +390,9 @@ def live_pattern_layers(model: HookedModel) -> list[bool]:
     On TransformerBridge adapters that delegate attention to HuggingFace (OPT and others) the
     pattern hook fires after the fact: edits are discarded and no gradient arrives. One tiny
     forward+backward pass finds out; the answer is cached per model.
+
+    >>> live_pattern_layers(model)  # GPT-2 and HookedTransformer compute attention themselves
+    [True, True]
     """
     if model in _LIVE_CACHE:
         return _LIVE_CACHE[model]
@@ -402,7 +443,12 @@ def _device(model: HookedModel) -> torch.device:
 
 @dataclass(frozen=True)
 class Batch:
-    """Right-padded token ids and each prompt's real length."""
+    """Right-padded token ids and each prompt's real length.
+
+    >>> batch = to_batch(model, ["I like Italy", "Q: hot"])  # 8 and 7 tokens
+    >>> batch.lengths.tolist(), batch.padded, batch.real_mask().sum(1).tolist()
+    ([8, 7], True, [8, 7])
+    """
 
     tokens: Int[Tensor, "batch pos"]
     lengths: Int[Tensor, "batch"]
@@ -412,7 +458,12 @@ class Batch:
         return bool((self.lengths < self.tokens.shape[1]).any())
 
     def real_mask(self) -> Bool[Tensor, "batch pos"]:
-        """True at each prompt's real (non-pad) positions."""
+        """True at each prompt's real (non-pad) positions.
+
+        >>> to_batch(model, ["Q: big", "Q: hot"]).real_mask()  # 6 and 7 tokens
+        tensor([[ True,  True,  True,  True,  True,  True, False],
+                [ True,  True,  True,  True,  True,  True,  True]])
+        """
         positions = torch.arange(self.tokens.shape[1], device=self.tokens.device)
         return positions[None, :] < self.lengths.to(self.tokens.device)[:, None]
 
@@ -427,6 +478,13 @@ def to_batch(
 
     Right padding keeps every real position exactly where it is unpadded, so causal attention
     never lets a real token see a pad: RA of a padded batch equals RA of each prompt alone.
+
+    >>> batch = to_batch(model, ["Q: big", "Q: hot"])
+    >>> batch.tokens.tolist()  # "Q: big" padded with the tokenizer's pad id (2)
+    [[0, 51, 28, 288, 75, 73, 2], [0, 51, 28, 223, 74, 81, 86]]
+    >>> to_batch(model, "x " * 100)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ValueError: 201 tokens exceed the model's context of n_ctx=64: ...
     """
     shape = model_shape(model)
     if isinstance(tokens, str):
@@ -484,7 +542,13 @@ def _check_batch(ids: Tensor, lengths: Tensor) -> None:
 
 def check_token_ids(model: HookedModel, ids: Tensor) -> None:
     """Raise a ValueError naming the vocabulary size for ids outside it (the embedding would
-    otherwise fail with 'index out of range in self')."""
+    otherwise fail with 'index out of range in self').
+
+    >>> check_token_ids(model, torch.tensor([[0, 299]]))  # the tiny model has 300 tokens
+    >>> check_token_ids(model, torch.tensor([[0, 300]]))  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ValueError: token ids must lie in 0..299 (the model's vocabulary), got ids from 0 to 300: ...
+    """
     vocab = getattr(model.cfg, "d_vocab", None)
     if vocab is None or ids.numel() == 0:
         return
@@ -497,7 +561,11 @@ def check_token_ids(model: HookedModel, ids: Tensor) -> None:
 
 
 def str_tokens(model: HookedModel, batch: Batch) -> list[list[str]] | None:
-    """Each prompt's tokens as text, cut to its real length; None without a tokenizer."""
+    """Each prompt's tokens as text, cut to its real length; None without a tokenizer.
+
+    >>> str_tokens(model, to_batch(model, ["Q: big", "Q: hot"]))
+    [['<|endoftext|>', 'Q', ':', ' b', 'i', 'g'], ['<|endoftext|>', 'Q', ':', ' ', 'h', 'o', 't']]
+    """
     tokenizer = getattr(model, "tokenizer", None)
     if tokenizer is None:
         return None

@@ -25,6 +25,23 @@ MODEL_HELP = (
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the `ra-lens` command with `argv` (default: the process's arguments); returns the exit
+    status: 0, or 2 after printing `ra-lens COMMAND: error: ...` to stderr.
+
+    `--model tiny-gpt2` (TransformerLens >= 3) or `tiny-hooked` (TransformerLens 2) is a random
+    tiny model, built in a second:
+
+    >>> import contextlib, importlib.util, io, json, math
+    >>> bridge = importlib.util.find_spec("transformer_lens.model_bridge") is not None
+    >>> tiny = "tiny-gpt2" if bridge else "tiny-hooked"
+    >>> args = ["--prompt", "The capital of France is", "--target", " Paris", "--top", "3"]
+    >>> with contextlib.redirect_stdout(io.StringIO()) as out:
+    ...     status = main(["maps", "--model", tiny, *args, "--json", "-"])
+    >>> report = json.loads(out.getvalue())
+    >>> nll = math.isclose(report["metric"], -math.log(report["target_prob"]), rel_tol=1e-5)
+    >>> status, len(report["top_heads"]), nll  # the metric is -log p(target)
+    (0, 3, True)
+    """
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

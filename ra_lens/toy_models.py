@@ -27,7 +27,13 @@ _CORPUS = [
 
 @lru_cache(maxsize=1)
 def tiny_tokenizer_dir() -> str:
-    """Train a 300-token byte-level BPE on a built-in corpus and save it; returns the folder."""
+    """Train a 300-token byte-level BPE on a built-in corpus and save it; returns the folder.
+
+    >>> from transformers import AutoTokenizer
+    >>> tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer_dir())
+    >>> len(tokenizer), tokenizer.tokenize(" Paris"), tokenizer.pad_token_id
+    (300, ['ĠPar', 'is'], 2)
+    """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -122,6 +128,14 @@ def tiny_model(
 
     Returns:
         A TransformerBridge (or HookedTransformer for "hooked") in eval mode.
+
+    The bridge architectures need TransformerLens >= 3, "hooked" TransformerLens 2.x or 3.x:
+
+    >>> import importlib.util
+    >>> has_bridge = importlib.util.find_spec("transformer_lens.model_bridge") is not None
+    >>> model = tiny_model("gpt2" if has_bridge else "hooked", frozen=True)
+    >>> model.cfg.n_layers, model.cfg.n_heads, model.training, model.W_Q.requires_grad
+    (2, 4, False, False)
     """
     torch.manual_seed(seed)
     if arch == "hooked":

@@ -66,8 +66,8 @@ notebooks: setup
 	$(PY) -m pytest -q tests/test_notebooks.py
 
 lint: setup
-	$(VENV)/bin/ruff check ra_lens tests benchmarks notebooks docs
-	$(VENV)/bin/ruff format --check ra_lens tests benchmarks notebooks docs
+	$(VENV)/bin/ruff check conftest.py ra_lens tests benchmarks notebooks docs
+	$(VENV)/bin/ruff format --check conftest.py ra_lens tests benchmarks notebooks docs
 
 clean:
 	rm -rf $(VENV) $(VENV_TL2) demo_out bench_out

@@ -2,7 +2,7 @@
 first-order estimate's) top-10 heads, where RA's norm ranks them, and how saturated each head's
 attention row at the loss position is (mean over the cell's ranking prompts of its largest weight).
 
-    python benchmarks/ranking_saturation.py docs/results/ranking_study/capitalize_0shot.json ... \
+    python benchmarks/ranking_saturation.py docs/results/ranking_study.json \
         > docs/results/ranking_study/saturation.json
 """
 
@@ -14,8 +14,8 @@ import torch
 from ra_lens import capture
 from ra_lens import ranking as rk
 from ra_lens.capture import PATTERN
-from ra_lens.experiments.patching import task_prompts
 from ra_lens.models import load_model
+from ra_lens.tasks import task_prompts
 
 
 def last_row_max(model, texts: list[str]) -> torch.Tensor:

@@ -1,8 +1,7 @@
 """Regenerate the README's figures into docs/figures/ (`make figures`).
 
-    python docs/make_figures.py                     # every figure; the ranking from its JSON
+    python docs/make_figures.py                     # every figure; the ranking study from its JSON
     python docs/make_figures.py --only figure1      # a subset: figure1, patching, ranking
-    python docs/make_figures.py --rerun-ranking     # recompute docs/figures/head_ranking_antonym.json
 
 Everything runs on the embedded SmolLM2-135M-Instruct on the CPU, through the public API only:
 
@@ -12,11 +11,9 @@ Everything runs on the embedded SmolLM2-135M-Instruct on the CPU, through the pu
 - antonym_scale_sweep.png: `experiments.attention_patching(model, "antonym", shots=0,
   n_train=25)`, the README's patching table (about 2 minutes); its numbers go to
   antonym_patching.json beside it.
-- ablation_curves_top1.png, ablation_curves_top3.png: the head-ranking experiment in a SMALL
-  configuration (RANKING below: rankings from 5 prompts instead of the README table's 25, and
-  without the RA loss-row and activation-patching rankings; accuracy on the full 28-prompt test
-  split), read from the committed head_ranking_antonym.json; `--rerun-ranking` recomputes it
-  (58 minutes on the shared 2-core VM: 30 min causal-mediation scan, 26 min ablation curves).
+- ranking_study_auc.png, ranking_study_curves.png: the head-ranking study (every ranking, 4
+  tasks x 0/5 shots x zero/mean ablation) read from docs/results/ranking_study.json, which
+  `python -m ra_lens.experiments.ranking_study` writes (README: how it ran, on a GPU); no model.
 """
 
 from __future__ import annotations
@@ -30,23 +27,9 @@ from typing import Any
 OUT = Path(__file__).resolve().parent / "figures"
 PROMPT = "I like Italy and France. I visited the city of"
 TARGET = " Florence"
-#: The small head-ranking configuration the ablation-curve figures show (see the module doc).
-RANKING: dict[str, Any] = {
-    "task": "antonym",
-    "shots": 5,
-    "n_prompts": 5,
-    "batch_size": 5,  # one forward pass per head for the causal-mediation scan
-    "rankings": ["ra", "forward", "random", "layer", "causal_mediation", "attribution_patching"],
-}
-RANKING_JSON = "head_ranking_antonym.json"
-LABELS = {
-    "ra": "RA norm",
-    "forward": "forward-pattern norm",
-    "random": "random",
-    "layer": "layer index",
-    "causal_mediation": "causal mediation",
-    "attribution_patching": "attribution patching",
-}
+STUDY_JSON = Path(__file__).resolve().parent / "results" / "ranking_study.json"
+#: The rankings the curve figure draws (all twelve are in the heat map).
+CURVE_RANKINGS = ("ra", "ra_temperature", "causal_mediation", "cm_first_order", "random")
 FIGURES = ("figure1", "patching", "ranking")
 
 
@@ -78,58 +61,102 @@ def patching(model: Any, out: Path) -> list[Path]:
     return [path]
 
 
-def ranking(model: Any, out: Path, rerun: bool) -> list[Path]:
-    """Ablation curves of the small head-ranking run (from its JSON unless `rerun`)."""
-    from ra_lens import viz
+def ranking(out: Path) -> list[Path]:
+    """The head-ranking study from its JSON: an AUC heat map (rankings x cells) and the ablation
+    curves of the two 5-shot cells where the unablated model is right most often."""
+    import matplotlib
 
-    source = out / RANKING_JSON
-    if rerun or not source.exists():
-        from ra_lens.experiments import head_ranking
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
 
-        result = head_ranking(model, **RANKING)
-        print(result.table())
-        data = result.to_dict()
-        data["configuration"] = dict(RANKING)
-        source.write_text(json.dumps(data, indent=2))
-    data = json.loads(source.read_text())
-    where = (
-        f"{data['task']} {data['shots']}-shot, rankings from {data['n_prompts']} prompts, "
-        f"{data['n_test']} test prompts"
+    data = json.loads(STUDY_JSON.read_text())
+    # A cell whose unablated top-1 is 0 cannot rank anything by top-1: left out, and said so.
+    cells = [c for c in data["cells"] if c["unablated"]["top1"] > 0]
+    dropped = sorted(
+        {f"{c['task']} {c['shots']}-shot" for c in data["cells"]}
+        - {f"{c['task']} {c['shots']}-shot" for c in cells}
     )
-    paths = []
-    for k, key in ((1, "curve"), (3, "curve_top3")):
-        path = out / f"ablation_curves_top{k}.png"
-        fig = viz.ablation_curves(
-            data["fractions"],
-            {LABELS.get(name, name): r[key] for name, r in data["rankings"].items()},
-            ylabel=f"top-{k} accuracy (unablated {data['unablated'][f'top{k}']:.0%})",
-            title=f"Keeping only the top-ranked heads\n{where}",
+    names = data["config"]["rankings"]
+    auc = np.full((len(names), len(cells)), np.nan)
+    for j, cell in enumerate(cells):
+        for i, name in enumerate(names):
+            if name in cell["rankings"]:
+                auc[i, j] = cell["rankings"][name]["auc"]
+    fig, ax = plt.subplots(figsize=(1.0 * len(cells) + 3, 0.42 * len(names) + 2.2))
+    image = ax.imshow(auc, cmap="viridis", vmin=0, vmax=1, aspect="auto")
+    for i in range(len(names)):
+        for j in range(len(cells)):
+            if not np.isnan(auc[i, j]):
+                best = auc[i, j] == np.nanmax(auc[:, j])
+                ax.text(j, i, f"{auc[i, j]:.2f}", ha="center", va="center", fontsize=7.5,
+                        color="black" if auc[i, j] > 0.55 else "white",
+                        fontweight="bold" if best else "normal")  # fmt: skip
+    ax.set_xticks(range(len(cells)))
+    ax.set_xticklabels(
+        [
+            f"{c['task']}\n{c['shots']}-shot {c['ablation']}\n"
+            f"n={c['n_test']}, top-1 {c['unablated']['top1']:.0%}"
+            for c in cells
+        ],
+        fontsize=7,
+    )
+    ax.set_yticks(range(len(names)))
+    ax.set_yticklabels(names, fontsize=8)
+    ax.set_title(
+        "Head rankings on SmolLM2-135M: AUC of top-1 accuracy keeping the top p% of heads "
+        "(bold: best in its column; blank: zero-shot, no labels to shuffle)\n"
+        f"left out, unablated top-1 = 0: {', '.join(dropped)}",
+        fontsize=9,
+    )
+    fig.colorbar(image, ax=ax, fraction=0.025, pad=0.01, label="AUC top-1")
+    fig.tight_layout()
+    heat = out / "ranking_study_auc.png"
+    fig.savefig(heat, dpi=140)
+    plt.close(fig)
+
+    shown = [c for c in cells if (c["task"], c["shots"]) in (("antonym", 5), ("present-past", 5))]
+    fig, axes = plt.subplots(2, 2, figsize=(11, 8), sharey=True)
+    for ax, cell in zip(axes.T.flat, shown, strict=True):  # one task per column
+        for k, name in enumerate(CURVE_RANKINGS):
+            entry = cell["rankings"][name]
+            ci = entry["intervals"]["auc"]
+            ax.plot(
+                cell["fractions"],
+                entry["curve"],
+                label=f"{name} {entry['auc']:.2f} [{ci['low']:.2f}, {ci['high']:.2f}]",
+                linestyle=("-", "--", ":", "-.")[k % 4],
+                marker="os^vD"[k % 5],
+                markersize=3.5,
+                linewidth=2.2 if name in ("ra", "causal_mediation") else 1.2,
+            )
+        ax.set_title(
+            f"{cell['task']} {cell['shots']}-shot, {cell['ablation']} ablation "
+            f"({cell['n_test']} test prompts)",
+            fontsize=9,
         )
-        # Most curves sit on top of each other at 0 until half the heads are kept: vary the
-        # dash and marker so that every one stays visible.
-        ax = fig.axes[0]
-        for i, line in enumerate(ax.get_lines()):
-            line.set_linestyle(("-", "--", ":", "-.")[i % 4])
-            line.set_marker(("o", "s", "^", "D", "v", "x")[i % 6])
-        ax.legend(fontsize=8, frameon=True, framealpha=0.85)
-        fig.savefig(path, dpi=150, bbox_inches="tight", pad_inches=0.1)
-        paths.append(path)
-    return paths
+        ax.set_xlabel("fraction of heads kept (top-ranked first)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6.5, loc="best", title="AUC top-1 [95% CI]", title_fontsize=7)
+    for ax in axes[:, 0]:
+        ax.set_ylabel("top-1 accuracy")
+    fig.tight_layout()
+    curves = out / "ranking_study_curves.png"
+    fig.savefig(curves, dpi=130)
+    plt.close(fig)
+    return [heat, curves]
 
 
 def main(argv: list[str] | None = None) -> list[Path]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=OUT)
     parser.add_argument("--only", nargs="+", choices=FIGURES, default=list(FIGURES))
-    parser.add_argument(
-        "--rerun-ranking", action="store_true", help=f"recompute {RANKING_JSON} (slow)"
-    )
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
 
     import ra_lens
 
-    model = ra_lens.load_model(device="cpu")
+    model = ra_lens.load_model(device="cpu") if set(args.only) - {"ranking"} else None
     paths: list[Path] = []
     for name in args.only:
         start = time.perf_counter()
@@ -138,7 +165,7 @@ def main(argv: list[str] | None = None) -> list[Path]:
         elif name == "patching":
             paths += patching(model, args.out)
         else:
-            paths += ranking(model, args.out, args.rerun_ranking)
+            paths += ranking(args.out)
         print(f"{name}: {time.perf_counter() - start:.0f} s")
     for path in paths:
         print("wrote", path)

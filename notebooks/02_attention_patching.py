@@ -44,7 +44,8 @@ import torch
 
 import ra_lens
 from ra_lens import tasks
-from ra_lens.experiments import attention_patching, evaluate_by_length, task_prompts
+from ra_lens.experiments import attention_patching
+from ra_lens.tasks import evaluate_by_length, task_prompts
 
 # tqdm warns once when ipywidgets is missing; progress bars still work as plain text
 warnings.filterwarnings("ignore", message="IProgress not found")

@@ -48,7 +48,7 @@ from transformer_lens.patching import get_act_patch_attn_head_out_all_pos
 
 import ra_lens
 from ra_lens import ranking, tasks, viz
-from ra_lens.experiments import shuffled_label_prompts, task_prompts
+from ra_lens.tasks import shuffled_label_prompts, task_prompts
 
 # tqdm warns once when ipywidgets is missing; progress bars still work as plain text
 warnings.filterwarnings("ignore", message="IProgress not found")

@@ -24,9 +24,13 @@ and backward pass on the run that gets patched plus one forward pass on the othe
 compute; it equals dM/dq . (q' - q) and dM/dk . (k' - k)). Rotary models use the rotated q and k
 (`hook_rot_q`, `hook_rot_k`); the attention scale s is read from the model.
 
-    >>> att = attention_attribution(model, clean, corrupted, logit_diff(right, wrong))  # doctest: +SKIP
-    >>> att.top(5, node="key")                                                         # doctest: +SKIP
-    >>> result = att.to_transformer_lens()       # TL 4 AttributionResult                # doctest: +SKIP
+In the examples, `model` is a tiny random 2-layer x 4-head model (`ra_lens.toy_models.tiny_model`):
+
+    >>> from ra_lens.metrics import logit_diff
+    >>> clean, corrupted = "The capital of France is", "The capital of Italy is"  # 8 tokens each
+    >>> att = attention_attribution(model, clean, corrupted, logit_diff([294], [52]))
+    >>> {kind: tuple(scores.shape) for kind, scores in att.scores.items()}  # [layer head]
+    {'pattern': (2, 4), 'query': (2, 4), 'key': (2, 4)}
 """
 
 from __future__ import annotations
@@ -63,16 +67,6 @@ _RECOMPUTE_TOLERANCE = {torch.float64: 1e-4, torch.float32: 1e-4}
 _HALF_TOLERANCE = 2e-2
 
 
-def _q_name(model: HookedModel, layer: int) -> str:
-    rotated = capture.ROT_Q.format(layer)
-    return rotated if rotated in model.hook_dict else capture.Q.format(layer)
-
-
-def _k_name(model: HookedModel, layer: int) -> str:
-    rotated = capture.ROT_K.format(layer)
-    return rotated if rotated in model.hook_dict else capture.K.format(layer)
-
-
 # --------------------------------------------------------------------------------------------
 # pure tensor functions (float64, any leading axes, last two = query, key)
 
@@ -82,6 +76,10 @@ def log_other_mass(log_pattern: Float[Tensor, "... query key"]) -> Float[Tensor,
 
     Only a row's largest entry can exceed 1/2; there 1 - A is the sum of the other entries (taken
     as a logsumexp), elsewhere log1p(-A) is accurate.
+
+    >>> log_pattern = torch.tensor([[40.0, 0.0, 0.0]], dtype=torch.float64).log_softmax(-1)
+    >>> float(1 - log_pattern[0, 0].exp()), round(float(log_other_mass(log_pattern)[0, 0]), 4)
+    (0.0, -39.3069)
     """
     top = log_pattern.argmax(dim=-1, keepdim=True)
     others = log_pattern.scatter(-1, top, float("-inf")).logsumexp(dim=-1, keepdim=True)
@@ -100,6 +98,15 @@ def key_terms(
     exact: sum_s' (A'_ts' - A_ts') R_ts' = (p' - A_ts)(R_ts - Rbar_t^(-s)), p' = sigmoid(logit
     A_ts + delta); linear: its derivative at delta = 0 times delta, A_ts (R_ts - D_t) delta, with
     D_t = sum_s A_ts R_ts. Masked entries (log A = -inf) give 0.
+
+    Against raising logit (2, 1) by 3 and taking the softmax again:
+
+    >>> logits, grad = torch.randn(2, 4, 4, dtype=torch.float64)
+    >>> terms = key_terms(logits.log_softmax(-1), grad, torch.full((4, 4), 3.0), "exact")
+    >>> raised = logits.clone()
+    >>> raised[2, 1] += 3.0
+    >>> torch.isclose(terms[2, 1], ((raised.softmax(-1) - logits.softmax(-1)) * grad).sum())
+    tensor(True)
     """
     pattern = log_pattern.exp()
     visible = log_pattern > float("-inf")
@@ -124,7 +131,15 @@ def key_delta_rows(
     log_pattern: Float[Tensor, "... query key"], delta_column: Float[Tensor, "... query"], key: int
 ) -> Float[Tensor, "... query key"]:
     """A' - A when logit (t, key) of every row t changes by delta_column[t] (the key node's
-    change of the pattern, materialised; the estimate uses the closed form in `key_terms`)."""
+    change of the pattern, materialised; the estimate uses the closed form in `key_terms`).
+
+    >>> logits, delta = torch.randn(4, 4, dtype=torch.float64), torch.randn(4, dtype=torch.float64)
+    >>> raised = logits.clone()
+    >>> raised[:, 1] += delta
+    >>> changed = key_delta_rows(logits.log_softmax(-1), delta, key=1)
+    >>> torch.allclose(changed, raised.softmax(-1) - logits.softmax(-1))
+    True
+    """
     log_other = log_other_mass(log_pattern)[..., key]
     logit = log_pattern[..., key] - log_other
     new_weight = torch.sigmoid(logit + delta_column)
@@ -176,6 +191,19 @@ class AttentionAttribution:
             R = dM/dA of the patched run, Float[Tensor, "batch layer head query key"].
         metric, other_metric: the metric of each pair on the patched and the other run.
         layers, method, direction, n_heads, n_kv_heads, tokens, lengths, str_tokens.
+
+    A pattern node's estimate is the sum of its edges; a query node's is R times the exact
+    change of its row (`delta_pattern`):
+
+    >>> from ra_lens.metrics import logit_diff
+    >>> clean, corrupted = "The capital of France is", "The capital of Italy is"
+    >>> att = attention_attribution(model, clean, corrupted, logit_diff([294], [52]), layers=[1])
+    >>> torch.allclose(att.edges.sum(-1), att.by_position["pattern"], atol=1e-6)
+    True
+    >>> delta = att.delta_pattern("query", layer=1, head=2, position=7)  # [head query key]
+    >>> estimate = (delta[2, 7] * att.pattern_grads[0, 0, 2, 7].double()).sum()
+    >>> torch.isclose(estimate.float(), att.by_position["query"][0, 0, 2, 7], atol=1e-6)
+    tensor(True)
     """
 
     by_position: dict[str, Tensor]
@@ -203,7 +231,14 @@ class AttentionAttribution:
 
     @property
     def nodes(self) -> list[str]:
-        """The node kinds computed."""
+        """The node kinds computed.
+
+        >>> from ra_lens.metrics import logit_diff
+        >>> clean, corrupted = "The capital of France is", "The capital of Italy is"
+        >>> metric = logit_diff([294], [52])
+        >>> attention_attribution(model, clean, corrupted, metric, nodes=["key", "query"]).nodes
+        ['query', 'key']
+        """
         return list(self.by_position)
 
     def _layer_index(self, layer: int) -> int:
@@ -219,6 +254,14 @@ class AttentionAttribution:
         """The k heads with the largest |score| of one node kind: [(layer, head, score)].
 
         For node="key" the head is the key/value head.
+
+        >>> from ra_lens.metrics import logit_diff
+        >>> clean, corrupted = "The capital of France is", "The capital of Italy is"
+        >>> att = attention_attribution(model, clean, corrupted, logit_diff([294], [52]))
+        >>> (layer, head, score), *rest = att.top(3, node="key")
+        >>> scores = att.scores["key"]  # [layer kv_head]
+        >>> score == scores[layer, head].item(), abs(score) == scores.abs().max().item()
+        (True, True)
         """
         self._check_node(node)
         scores = self.scores[node]
@@ -228,7 +271,15 @@ class AttentionAttribution:
 
     def top_edges(self, k: int = 10, batch: int = 0) -> list[tuple[int, int, int, int, float]]:
         """The k query-key links of one pair with the largest |R * (A_other - A)|:
-        [(layer, head, query, key, value)]."""
+        [(layer, head, query, key, value)].
+
+        >>> from ra_lens.metrics import logit_diff
+        >>> clean, corrupted = "The capital of France is", "The capital of Italy is"
+        >>> att = attention_attribution(model, clean, corrupted, logit_diff([294], [52]))
+        >>> (layer, head, query, key, value), *rest = att.top_edges(5)
+        >>> value == att.edges[0, layer, head, query, key].item(), key <= query, len(rest)
+        (True, True, 4)
+        """
         edges = self.edges[batch]
         order = edges.flatten().abs().argsort(descending=True, stable=True)[:k]
         idx = torch.unravel_index(order, edges.shape)
@@ -243,7 +294,19 @@ class AttentionAttribution:
         """The change of the layer's pattern (all query heads) that the method's estimate
         multiplies by R when one node is patched: for "query" (head, position = query row) and
         "key" (head = key/value head, position = key) the exact softmax (whatever `method`), for
-        "pattern" the other run's row."""
+        "pattern" the other run's row.
+
+        Patching one key changes one column's logits; each changed row still sums to one:
+
+        >>> from ra_lens.metrics import logit_diff
+        >>> clean, corrupted = "The capital of France is", "The capital of Italy is"
+        >>> att = attention_attribution(model, clean, corrupted, logit_diff([294], [52]))
+        >>> delta = att.delta_pattern("key", layer=0, head=1, position=5)  # [head query key]
+        >>> torch.allclose(delta.sum(-1), torch.zeros(4, 8, dtype=torch.float64), atol=1e-9)
+        True
+        >>> bool(delta[:, :5].eq(0).all())  # queries before the patched key do not see it
+        True
+        """
         i = self._layer_index(layer)
         self._check_node(node)
         log_pattern = self._logits[batch, i].log_softmax(dim=-1)  # type: ignore[index]
@@ -270,6 +333,13 @@ class AttentionAttribution:
         its query there, so the scores mean what TL's mean. On GQA models a k_input node's `head`
         is the key/value head. Pattern nodes have no TL kind and are left out. Only
         direction="denoise" matches TL's sign convention.
+
+        >>> from ra_lens.metrics import logit_diff
+        >>> clean, corrupted = "The capital of France is", "The capital of Italy is"
+        >>> att = attention_attribution(model, clean, corrupted, logit_diff([294], [52]))
+        >>> result = att.to_transformer_lens()
+        >>> len(result.node_scores)  # query and key nodes: 2 kinds x 2 layers x 4 heads x 8 positions
+        128
         """
         from transformer_lens.tools.analysis.attribution_patching import (
             AttributionResult,
@@ -332,21 +402,29 @@ def attention_attribution(
         ValueError: unknown node/method/direction, pairs of unequal token length, attention that
             is not softmax(q k^T / s + causal mask).
         RuntimeError: `hook_pattern` outside the autograd graph (no R; e.g. OPT on TL 4).
+
+    method="linear" is dM/dq . (q_clean - q) on the corrupted run, here checked with autograd
+    (`model`: a tiny random GPT-2-style model, `ra_lens.toy_models.tiny_model`):
+
+    >>> from ra_lens.metrics import logit_diff
+    >>> clean = model.to_tokens("The capital of France is")
+    >>> corrupted = model.to_tokens("The capital of Italy is")
+    >>> metric, name, kept = logit_diff([294], [52]), capture.Q.format(1), {}
+    >>> att = attention_attribution(model, clean, corrupted, metric, method="linear")
+    >>> with model.hooks(fwd_hooks=[(name, lambda q, hook: kept.setdefault(name, q))]):
+    ...     (grad,) = torch.autograd.grad(metric(model(corrupted)).sum(), kept[name])
+    >>> with capture.recorded(model, [name]) as clean_run:
+    ...     _ = model(clean)
+    >>> expected = (grad * (clean_run[name] - kept[name])).sum(-1)  # [batch pos head]
+    >>> torch.allclose(att.by_position["query"][:, 1], expected.transpose(1, 2), atol=1e-6)
+    True
     """
     nodes = _check_choices(nodes, method, direction)
     shape = capture.model_shape(model)
     chosen = capture.check_layers(layers, shape.n_layers)
     clean_b, corrupted_b = capture.to_batch(model, clean), capture.to_batch(model, corrupted)
     _check_pairs(clean_b, corrupted_b)
-    live = capture.live_pattern_layers(model)
-    dead = [layer for layer in chosen if not live[layer]]
-    if dead:
-        raise RuntimeError(
-            f"hook_pattern of layers {dead} is not in the autograd graph of the output (the "
-            "adapter delegates attention to HuggingFace), so dM/dA does not exist there: "
-            "attention_attribution needs a model that computes attention through its hooks "
-            "(GPT-2/Llama-style TransformerBridge, boot_native, HookedTransformer)"
-        )
+    capture.require_live_patterns(model, chosen, "attention_attribution needs R = dM/dA there")
     base, other = (corrupted_b, clean_b) if direction == "denoise" else (clean_b, corrupted_b)
     with capture.preserved_state(model):
         patched = _capture(model, base, chosen, metric, backward=True)
@@ -429,52 +507,43 @@ def _capture(
     model: HookedModel, batch: Batch, layers: list[int], metric: MetricFn, backward: bool
 ) -> _Run:
     """Forward pass saving A, q and k of every chosen layer; with backward, R = dM/dA too."""
-    run = _Run({}, {}, {}, {}, torch.empty(0))
-
-    def save(store: dict[int, Tensor], layer: int):
-        def hook(activation: Tensor, hook: Any) -> None:
-            # A copy: some adapters hand hooks a view that the attention code reuses.
-            store[layer] = activation.detach().clone()
-
-        return hook
-
-    def save_grad(layer: int):
-        def hook(grad: Tensor, hook: Any) -> None:
-            run.grads[layer] = grad.detach().clone()
-
-        return hook
-
+    patterns = [PATTERN.format(layer) for layer in layers]
+    queries = [capture.query_hook_name(model, layer) for layer in layers]
+    keys = [capture.key_hook_name(model, layer) for layer in layers]
     leaf: dict[str, Tensor] = {}
-    fwd = [(RESID_PRE.format(layers[0]), capture.gradient_leaf_hook(leaf))]
-    for layer in layers:
-        fwd.append((PATTERN.format(layer), save(run.patterns, layer)))
-        fwd.append((_q_name(model, layer), save(run.queries, layer)))
-        fwd.append((_k_name(model, layer), save(run.keys, layer)))
-    bwd = [(PATTERN.format(layer), save_grad(layer)) for layer in layers] if backward else []
-    with torch.enable_grad(), model.hooks(fwd_hooks=fwd, bwd_hooks=bwd):
+    with (
+        torch.enable_grad(),
+        model.hooks(fwd_hooks=[(RESID_PRE.format(layers[0]), capture.gradient_leaf_hook(leaf))]),
+        capture.recorded(model, patterns + queries + keys) as acts,
+        capture.recorded(model, patterns if backward else [], grad=True) as grads,
+    ):
         logits = model(batch.tokens)
         values, loss = metric_loss(metric, logits, batch)
         if backward:
             torch.autograd.grad(loss, [leaf["leaf"]], allow_unused=True)
-    run.metric = values.detach()
-    silent = [
-        name
-        for layer in layers
-        for name, store in ((_q_name(model, layer), run.queries), (_k_name(model, layer), run.keys))
-        if layer not in store
-    ]
+    silent = [name for pair in zip(queries, keys) for name in pair if name not in acts]
     if silent:
         raise RuntimeError(
             f"hook {silent[0]!r} never fired during the forward pass: this adapter does not expose "
             "the (rotated) queries and keys its attention uses, so the softmax cannot be redone"
         )
-    missing = [layer for layer in layers if backward and layer not in run.grads]
+    missing = [layer for layer, name in zip(layers, patterns) if backward and name not in grads]
     if missing:
         raise RuntimeError(
             f"no gradient reached hook_pattern of layers {missing}: the metric must depend on "
             "the logits at positions these layers feed"
         )
-    return run
+
+    def by_layer(names: list[str], store: dict[str, Tensor]) -> dict[int, Tensor]:
+        return {layer: store[name] for layer, name in zip(layers, names) if name in store}
+
+    return _Run(
+        by_layer(patterns, acts),
+        by_layer(queries, acts),
+        by_layer(keys, acts),
+        by_layer(patterns, grads),
+        values.detach(),
+    )
 
 
 def _layer_estimates(

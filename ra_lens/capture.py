@@ -5,6 +5,8 @@ speaks TransformerLens hook names only (the constants below), so any HookedRootM
 (TL 2.x/3.x HookedTransformer, TL 3.x/4.x TransformerBridge): `HookedModel` says what is used.
 Nothing here leaves state behind: `preserved_state` restores train/eval mode, requires_grad flags
 and parameter .grad; every hook is scoped by a context manager.
+
+In the examples, `model` is a tiny random 2-layer x 4-head model (`ra_lens.toy_models.tiny_model`).
 """
 
 from __future__ import annotations
@@ -45,6 +47,9 @@ class HookedModel(Protocol):
     """What ra-lens needs of a model: a TransformerLens HookedRootModule with a config.
 
     HookedTransformer (TL 2.x/3.x) and TransformerBridge (TL 3.x/4.x) both qualify.
+
+    >>> isinstance(model, HookedModel), isinstance(torch.nn.Linear(2, 2), HookedModel)
+    (True, False)
     """
 
     hook_dict: dict[str, Any]
@@ -81,6 +86,9 @@ def model_shape(model: Validated[HookedModel]) -> ModelShape:
 
     Raises:
         TypeError: the model is not a TransformerLens model or lacks attention hooks.
+
+    >>> model_shape(model)
+    ModelShape(n_layers=2, n_heads=4, n_kv_heads=4, d_head=8, n_ctx=64)
     """
     hook_dict = getattr(model, "hook_dict", None)
     cfg = getattr(model, "cfg", None)
@@ -97,11 +105,39 @@ def model_shape(model: Validated[HookedModel]) -> ModelShape:
     return ModelShape(n_layers, n_heads, int(n_kv), int(cfg.d_head), int(n_ctx) if n_ctx else None)
 
 
+def query_hook_name(model: HookedModel, layer: int) -> str:
+    """The hook point of the queries this layer's attention uses: `hook_rot_q` (after the
+    rotation) on rotary models, `hook_q` otherwise.
+
+    >>> query_hook_name(model, 1)                            # GPT-2: no rotary embedding
+    'blocks.1.attn.hook_q'
+    """
+    rotated = ROT_Q.format(layer)
+    return rotated if rotated in model.hook_dict else Q.format(layer)
+
+
+def key_hook_name(model: HookedModel, layer: int) -> str:
+    """The hook point of the keys this layer's attention uses: `hook_rot_k` on rotary models,
+    `hook_k` otherwise.
+
+    >>> key_hook_name(model, 0)                              # GPT-2: no rotary embedding
+    'blocks.0.attn.hook_k'
+    """
+    rotated = ROT_K.format(layer)
+    return rotated if rotated in model.hook_dict else K.format(layer)
+
+
 def check_layers(layers: Validated[Sequence[int]] | None, n_layers: int) -> list[int]:
     """The chosen layer indices, checked; None means all layers.
 
     Raises:
         TypeError, ValueError: see `check_layer_list`; also a layer outside 0..n_layers-1.
+
+    >>> check_layers(None, 3), check_layers([0, 2], 3)
+    ([0, 1, 2], [0, 2])
+    >>> check_layers([2, 0], 3)
+    Traceback (most recent call last):
+    ValueError: layers [2, 0] are not in increasing order: pass [0, 2]
     """
     if layers is None:
         return list(range(n_layers))
@@ -138,6 +174,9 @@ def attention_scale(model: HookedModel, layer: int) -> float:
 
     TL 2 keeps it as `attn.attn_scale`; TL-native bridges as `attn.original_component.scale`;
     HuggingFace attention modules as the multiplier `scaling`.
+
+    >>> math.isclose(attention_scale(model, 0), math.sqrt(model.cfg.d_head))  # GPT-2: sqrt(d_head)
+    True
     """
     attn = model.blocks[layer].attn
     if isinstance(getattr(attn, "attn_scale", None), (int, float)):
@@ -196,6 +235,13 @@ def preserved_state(model: HookedModel) -> Iterator[None]:
 
     Also claims the model for this thread (`exclusive`), and refuses inference mode, where
     autograd cannot run.
+
+    >>> _ = model.train()
+    >>> with preserved_state(model):
+    ...     model.training
+    False
+    >>> model.training
+    True
     """
     if torch.is_inference_mode_enabled():
         raise RuntimeError(
@@ -208,13 +254,18 @@ def preserved_state(model: HookedModel) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _restored(model: HookedModel) -> Iterator[None]:
-    was_training = model.training
     params = list(model.parameters())
     flags = [p.requires_grad for p in params]
     grads = [p.grad for p in params]
+    modules = list(model.modules())
+    modes = [m.training for m in modules]
     # TL 4's GPT-2 attention bridge caches its last pattern; ours would keep our graph alive.
-    cached = {m: m._pattern for m in model.modules() if hasattr(m, "_pattern")}
-    model.eval()
+    cached = {m: m._pattern for m in modules if hasattr(m, "_pattern")}
+    # Module.train() walks every submodule through the bridge's slow __setattr__ (about 0.25 s
+    # on SmolLM2, most of an RA ranking's time on a GPU): touch only the modules that change.
+    for module, mode in zip(modules, modes):
+        if mode:
+            module.training = False
     try:
         yield
     finally:
@@ -223,7 +274,9 @@ def _restored(model: HookedModel) -> Iterator[None]:
             p.grad = grad
         for module, pattern in cached.items():
             module._pattern = pattern
-        model.train(was_training)
+        for module, mode in zip(modules, modes):
+            if module.training != mode:
+                module.training = mode
 
 
 @contextlib.contextmanager
@@ -240,11 +293,21 @@ def raw_input_hooks(
     accumulates the gradient of all its uses. Both see the tensor in TransformerLens's layout
     (a bridge's `hook_conversion` is applied). A gradient that never arrives (a user hook
     replaced the tensor) means the gradient is zero. Removed on exit.
+
+    The forward hook sees the softmax output even when a user's hook zeroes the pattern:
+
+    >>> seen, name = {}, PATTERN.format(0)
+    >>> with raw_input_hooks(model, {name: lambda a: seen.setdefault(name, a)}, {}):
+    ...     with model.hooks(fwd_hooks=[(name, lambda a, hook: a * 0)]):
+    ...         _ = model(model.to_tokens("Q: hot"))
+    >>> torch.allclose(seen[name].sum(-1), torch.ones(1, 4, 7))  # rows of A sum to one
+    True
     """
     handles = []
+    points = model.hook_dict  # a bridge builds this dict afresh on every access: read it once
 
     def pre_hook(name: str):
-        point = model.hook_dict[name]
+        point = points[name]
 
         def hook(module: Any, args: tuple) -> None:
             raw = args[0]
@@ -259,7 +322,7 @@ def raw_input_hooks(
 
     try:
         for name in dict.fromkeys([*forward, *backward]):
-            handles.append(model.hook_dict[name].register_forward_pre_hook(pre_hook(name)))
+            handles.append(points[name].register_forward_pre_hook(pre_hook(name)))
         yield
     finally:
         for handle in handles:
@@ -267,29 +330,34 @@ def raw_input_hooks(
 
 
 @contextlib.contextmanager
-def recorded(model: HookedModel, names: Iterable[str]) -> Iterator[dict[str, Tensor]]:
-    """Record the forward value (detached) of each named hook point into the yielded dict.
+def recorded(
+    model: HookedModel, names: Iterable[str], *, grad: bool = False
+) -> Iterator[dict[str, Tensor]]:
+    """Record the forward value of each named hook point into the yielded dict; with grad=True,
+    the gradient that reaches it in a backward pass run inside the block instead.
 
-    The first value of a forward pass is kept: a hook point that fires twice does not overwrite
-    it. Names the model lacks are skipped (check the dict). Hooks are removed on exit.
+    Values are detached copies (some adapters hand hooks a view that their attention code
+    reuses). The first value is kept: a hook point that fires twice does not overwrite it. Names
+    the model lacks are skipped (check the dict). Hooks are removed on exit.
 
-    >>> from ra_lens.toy_models import tiny_model                       # doctest: +SKIP
-    >>> model = tiny_model("gpt2")                                      # doctest: +SKIP
-    >>> with recorded(model, [PATTERN.format(0)]) as acts:              # doctest: +SKIP
-    ...     model(model.to_tokens("Hello"))
-    >>> acts[PATTERN.format(0)].shape                                   # doctest: +SKIP
-    torch.Size([1, 4, 2, 2])
+    >>> with recorded(model, [PATTERN.format(0), "no.such.hook"]) as acts:
+    ...     _ = model(model.to_tokens("Q: hot"))  # 7 tokens
+    >>> {name: tuple(value.shape) for name, value in acts.items()}
+    {'blocks.0.attn.hook_pattern': (1, 4, 7, 7)}
     """
     store: dict[str, Tensor] = {}
 
     def keep(name: str):
-        def hook(activation: Tensor, hook: Any) -> None:
-            store.setdefault(name, activation.detach())
+        def hook(value: Tensor, hook: Any) -> None:
+            if name not in store:
+                store[name] = value.detach().clone()
 
         return hook
 
-    present = [name for name in dict.fromkeys(names) if name in model.hook_dict]
-    with model.hooks(fwd_hooks=[(name, keep(name)) for name in present]):
+    points = model.hook_dict  # built afresh on every access by a bridge
+    present = [name for name in dict.fromkeys(names) if name in points]
+    hooks = [(name, keep(name)) for name in present]
+    with model.hooks(**{"bwd_hooks" if grad else "fwd_hooks": hooks}):
         yield store
 
 
@@ -298,6 +366,13 @@ def gradient_leaf_hook(store: dict[str, Tensor]):
 
     This is how a frozen model (requires_grad False everywhere) still gets a graph, and why no
     parameter gradient is ever computed: the backward pass stops at this leaf.
+
+    >>> store = {}
+    >>> with model.hooks(fwd_hooks=[(RESID_PRE.format(1), gradient_leaf_hook(store))]):
+    ...     logits = model(model.to_tokens("Q: hot"))
+    >>> (grad,) = torch.autograd.grad(logits[0, -1, 5], store["leaf"])
+    >>> grad.shape  # dL/d resid_pre of layer 1: [batch pos d_model]
+    torch.Size([1, 7, 32])
     """
 
     def hook(activation: Tensor, hook: Any) -> Tensor:
@@ -317,29 +392,51 @@ def live_pattern_layers(model: HookedModel) -> list[bool]:
     On TransformerBridge adapters that delegate attention to HuggingFace (OPT and others) the
     pattern hook fires after the fact: edits are discarded and no gradient arrives. One tiny
     forward+backward pass finds out; the answer is cached per model.
+
+    >>> live_pattern_layers(model)  # GPT-2 and HookedTransformer compute attention themselves
+    [True, True]
     """
     if model in _LIVE_CACHE:
         return _LIVE_CACHE[model]
-    shape = model_shape(model)
-    reached = [False] * shape.n_layers
+    names = [PATTERN.format(layer) for layer in range(model_shape(model).n_layers)]
     store: dict[str, Tensor] = {}
-
-    def arrived(layer: int):
-        def hook(grad: Tensor, hook: Any) -> None:
-            reached[layer] = True
-
-        return hook
-
     tokens = torch.zeros(1, 3, dtype=torch.long, device=_device(model))
     with preserved_state(model), torch.enable_grad():
-        with model.hooks(
-            fwd_hooks=[(RESID_PRE.format(0), gradient_leaf_hook(store))],
-            bwd_hooks=[(PATTERN.format(layer), arrived(layer)) for layer in range(shape.n_layers)],
+        with (
+            model.hooks(fwd_hooks=[(RESID_PRE.format(0), gradient_leaf_hook(store))]),
+            recorded(model, names, grad=True) as grads,
         ):
             logits = model(tokens)
             torch.autograd.grad(logits.float().sum(), [store["leaf"]], allow_unused=True)
+    reached = [name in grads for name in names]
     _LIVE_CACHE[model] = reached
     return reached
+
+
+def require_live_patterns(model: HookedModel, layers: Sequence[int], needed_for: str) -> None:
+    """Raise unless `hook_pattern` of every chosen layer is in the autograd graph of the output
+    (`live_pattern_layers`): there, edits reach the output and dL/dA exists.
+
+    Args:
+        needed_for: what the caller would get wrong otherwise, for the message (e.g. "attention
+            patching would silently do nothing").
+
+    Raises:
+        RuntimeError: naming the layers, the reason (the adapter delegates attention to
+            HuggingFace), `needed_for` and the models that work.
+
+    >>> require_live_patterns(model, [0, 1], "patching would do nothing")  # GPT-2: passes
+    """
+    live = live_pattern_layers(model)
+    dead = [layer for layer in layers if not live[layer]]
+    if dead:
+        raise RuntimeError(
+            f"hook_pattern of layers {dead} is not in the autograd graph of the output (the "
+            "adapter delegates attention to HuggingFace), so edits there do not reach the "
+            f"output and no dL/dA arrives: {needed_for}; use a model that computes attention "
+            "through its hooks (GPT-2/Llama-style TransformerBridge, boot_native, "
+            "HookedTransformer)"
+        )
 
 
 def _device(model: HookedModel) -> torch.device:
@@ -348,7 +445,12 @@ def _device(model: HookedModel) -> torch.device:
 
 @dataclass(frozen=True)
 class Batch:
-    """Right-padded token ids and each prompt's real length."""
+    """Right-padded token ids and each prompt's real length.
+
+    >>> batch = to_batch(model, ["I like Italy", "Q: hot"])  # 8 and 7 tokens
+    >>> batch.lengths.tolist(), batch.padded, batch.real_mask().sum(1).tolist()
+    ([8, 7], True, [8, 7])
+    """
 
     tokens: Int[Tensor, "batch pos"]
     lengths: Int[Tensor, "batch"]
@@ -358,7 +460,12 @@ class Batch:
         return bool((self.lengths < self.tokens.shape[1]).any())
 
     def real_mask(self) -> Bool[Tensor, "batch pos"]:
-        """True at each prompt's real (non-pad) positions."""
+        """True at each prompt's real (non-pad) positions.
+
+        >>> to_batch(model, ["Q: big", "Q: hot"]).real_mask()  # 6 and 7 tokens
+        tensor([[ True,  True,  True,  True,  True,  True, False],
+                [ True,  True,  True,  True,  True,  True,  True]])
+        """
         positions = torch.arange(self.tokens.shape[1], device=self.tokens.device)
         return positions[None, :] < self.lengths.to(self.tokens.device)[:, None]
 
@@ -373,6 +480,13 @@ def to_batch(
 
     Right padding keeps every real position exactly where it is unpadded, so causal attention
     never lets a real token see a pad: RA of a padded batch equals RA of each prompt alone.
+
+    >>> batch = to_batch(model, ["Q: big", "Q: hot"])
+    >>> batch.tokens.tolist()  # "Q: big" padded with the tokenizer's pad id (2)
+    [[0, 51, 28, 288, 75, 73, 2], [0, 51, 28, 223, 74, 81, 86]]
+    >>> to_batch(model, "x " * 100)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ValueError: 201 tokens exceed the model's context of n_ctx=64: ...
     """
     shape = model_shape(model)
     if isinstance(tokens, str):
@@ -430,7 +544,13 @@ def _check_batch(ids: Tensor, lengths: Tensor) -> None:
 
 def check_token_ids(model: HookedModel, ids: Tensor) -> None:
     """Raise a ValueError naming the vocabulary size for ids outside it (the embedding would
-    otherwise fail with 'index out of range in self')."""
+    otherwise fail with 'index out of range in self').
+
+    >>> check_token_ids(model, torch.tensor([[0, 299]]))  # the tiny model has 300 tokens
+    >>> check_token_ids(model, torch.tensor([[0, 300]]))  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ValueError: token ids must lie in 0..299 (the model's vocabulary), got ids from 0 to 300: ...
+    """
     vocab = getattr(model.cfg, "d_vocab", None)
     if vocab is None or ids.numel() == 0:
         return
@@ -443,7 +563,11 @@ def check_token_ids(model: HookedModel, ids: Tensor) -> None:
 
 
 def str_tokens(model: HookedModel, batch: Batch) -> list[list[str]] | None:
-    """Each prompt's tokens as text, cut to its real length; None without a tokenizer."""
+    """Each prompt's tokens as text, cut to its real length; None without a tokenizer.
+
+    >>> str_tokens(model, to_batch(model, ["Q: big", "Q: hot"]))
+    [['<|endoftext|>', 'Q', ':', ' b', 'i', 'g'], ['<|endoftext|>', 'Q', ':', ' ', 'h', 'o', 't']]
+    """
     tokenizer = getattr(model, "tokenizer", None)
     if tokenizer is None:
         return None

@@ -25,7 +25,24 @@ MODEL_HELP = (
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _parser()
+    """Run the `ra-lens` command with `argv` (default: the process's arguments); returns the exit
+    status: 0, or 2 after printing `ra-lens COMMAND: error: ...` to stderr.
+
+    `--model tiny-gpt2` (TransformerLens >= 3) or `tiny-hooked` (TransformerLens 2) is a random
+    tiny model, built in a second:
+
+    >>> import contextlib, importlib.util, io, json, math
+    >>> bridge = importlib.util.find_spec("transformer_lens.model_bridge") is not None
+    >>> tiny = "tiny-gpt2" if bridge else "tiny-hooked"
+    >>> args = ["--prompt", "The capital of France is", "--target", " Paris", "--top", "3"]
+    >>> with contextlib.redirect_stdout(io.StringIO()) as out:
+    ...     status = main(["maps", "--model", tiny, *args, "--json", "-"])
+    >>> report = json.loads(out.getvalue())
+    >>> nll = math.isclose(report["metric"], -math.log(report["target_prob"]), rel_tol=1e-5)
+    >>> status, len(report["top_heads"]), nll  # the metric is -log p(target)
+    (0, 3, True)
+    """
+    parser = build_parser()
     args = parser.parse_args(argv)
     try:
         _check_outputs(args)
@@ -35,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
+    """The `ra-lens` argument parser (every command and its options)."""
     parser = argparse.ArgumentParser(
         prog="ra-lens",
         description="Reversed Attention (dL/d(QK^T), Katz & Wolf 2025) for TransformerLens models.",
@@ -362,7 +380,7 @@ def _run_patch(args: argparse.Namespace) -> int:
 
 def _run_rank(args: argparse.Namespace) -> int:
     from ra_lens.experiments import head_ranking
-    from ra_lens.experiments.ranking import check_rankings
+    from ra_lens.experiments.head_ranking import check_rankings
 
     extra: dict[str, Any] = {} if args.fractions is None else {"fractions": _floats(args.fractions)}
     if args.rankings is not None:
@@ -501,7 +519,7 @@ def _task_names() -> list[str]:
 
 
 def _ranking_names() -> list[str]:
-    from ra_lens.experiments.ranking import RANKINGS
+    from ra_lens.experiments.head_ranking import RANKINGS
 
     return list(RANKINGS)
 

@@ -76,9 +76,24 @@ def reversed_attention(
     Returns:
         ReversedAttention with maps Float[Tensor, "batch layer head query key"] (CPU, float32).
 
-    >>> ra = reversed_attention(model, "I visited the city of", target_nll([florence]))  # doctest: +SKIP
-    >>> ra.top_heads(3)                                                                # doctest: +SKIP
-    [(12, 4, 0.021), ...]
+    Examples (`model`: a tiny random 2-layer x 4-head model, `ra_lens.toy_models.tiny_model`):
+
+    >>> from ra_lens.metrics import target_nll
+    >>> ra = reversed_attention(model, ["I like Italy and France", "Q: hot"], target_nll([5, 7]))
+    >>> ra.maps.shape  # [batch layer head query key], right-padded to the longer prompt
+    torch.Size([2, 2, 4, 11, 11])
+    >>> torch.allclose(ra.maps.sum(-1), torch.zeros(()), atol=1e-6)  # every row sums to zero
+    True
+
+    convention="scores" is autograd's gradient at `hook_attn_scores` (the "qk" maps are it / s):
+
+    >>> tokens, metric = model.to_tokens("I like Italy"), target_nll([5])
+    >>> ra = reversed_attention(model, tokens, metric, convention="scores")
+    >>> name, kept = capture.SCORES.format(1), {}
+    >>> with model.hooks(fwd_hooks=[(name, lambda x, hook: kept.setdefault(name, x))]):
+    ...     (grad,) = torch.autograd.grad(metric(model(tokens)).sum(), kept[name])
+    >>> torch.allclose(ra.maps[:, 1], grad, atol=1e-6)
+    True
     """
     if convention not in CONVENTIONS:
         raise ValueError(f"unknown convention {convention!r}: choose one of {CONVENTIONS}")
@@ -132,7 +147,8 @@ def _collecting(model: HookedModel, collector: _Collector) -> Iterator[None]:
 
 
 def _check_z_route(model: HookedModel, layers: list[int]) -> None:
-    missing = [n.format(la) for la in layers for n in (Z, V) if n.format(la) not in model.hook_dict]
+    points = model.hook_dict  # built afresh on every access by a bridge
+    missing = [n.format(la) for la in layers for n in (Z, V) if n.format(la) not in points]
     if missing:
         raise RuntimeError(
             f"hook_pattern is not in the autograd graph of layers {layers} and the hook_z/hook_v "

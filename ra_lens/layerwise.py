@@ -54,6 +54,16 @@ def layerwise_backward(
     Raises:
         RuntimeError: the model's blocks cannot be recomputed one by one (not called back to
             back on the residual stream, or a head that is not ln_final -> unembed).
+
+    `reversed_attention(..., memory="layerwise")` calls it, with the same result as one pass
+    (`model`: a tiny random model, `ra_lens.toy_models.tiny_model`):
+
+    >>> from ra_lens import metrics, reversed_attention
+    >>> tokens, metric = model.to_tokens("The capital of France is"), metrics.target_nll([294])
+    >>> full = reversed_attention(model, tokens, metric)
+    >>> layerwise = reversed_attention(model, tokens, metric, memory="layerwise")
+    >>> torch.allclose(layerwise.maps, full.maps, atol=1e-6)
+    True
     """
     blocks = _blocks(model)
     head = _head(model)

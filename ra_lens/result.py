@@ -1,4 +1,7 @@
-"""ReversedAttention: what `reversed_attention` returns, with the reductions researchers use."""
+"""ReversedAttention: what `reversed_attention` returns, with the reductions researchers use.
+
+In the examples, `model` is a tiny random 2-layer x 4-head model (`ra_lens.toy_models.tiny_model`).
+"""
 
 from __future__ import annotations
 
@@ -45,6 +48,13 @@ class ReversedAttention:
         routes: how each layer's gradient was read: "pattern" (hook_pattern) or "z" (hook_z, hook_v).
         rows: Float[Tensor, "batch layer head key"], each prompt's RA row at its loss position
             (keep="rows"); row_positions: Int[Tensor, "batch"], the query position of each row.
+
+    >>> from ra_lens import metrics, reversed_attention
+    >>> ra = reversed_attention(model, ["I like Italy", "Q: hot"], metrics.target_nll([5, 7]))
+    >>> ra
+    ReversedAttention(batch=2, layers=2, heads=4, pos=8, convention='qk', keep='maps')
+    >>> torch.equal(ra.norms, ra.maps.flatten(-2).norm(dim=-1))
+    True
     """
 
     norms: Float[Tensor, "batch layer head"]
@@ -71,15 +81,36 @@ class ReversedAttention:
         )
 
     def head_norms(self) -> Float[Tensor, "layer head"]:
-        """Frobenius norm of each head's map, mean over the batch."""
+        """Frobenius norm of each head's map, mean over the batch.
+
+        >>> from ra_lens import metrics, reversed_attention
+        >>> ra = reversed_attention(model, ["I like Italy", "Q: hot"], metrics.target_nll([5, 7]))
+        >>> ra.head_norms().shape  # [layer head]
+        torch.Size([2, 4])
+        >>> torch.allclose(ra.head_norms(), ra.maps.flatten(-2).norm(dim=-1).mean(0))
+        True
+        """
         return self.norms.mean(0)
 
     def forward_norms(self) -> Float[Tensor, "layer head"]:
-        """Frobenius norm of each head's forward pattern, mean over the batch."""
+        """Frobenius norm of each head's forward pattern, mean over the batch.
+
+        >>> from ra_lens import metrics, reversed_attention
+        >>> ra = reversed_attention(model, "I like Italy", metrics.target_nll([5]))
+        >>> torch.allclose(ra.forward_norms(), ra.patterns[0].flatten(-2).norm(dim=-1))
+        True
+        """
         return self.pattern_norms.mean(0)
 
     def top_heads(self, k: int = 10) -> list[tuple[int, int, float]]:
-        """The k heads with the largest mean norm, as (layer, head, norm), largest first."""
+        """The k heads with the largest mean norm, as (layer, head, norm), largest first.
+
+        >>> from ra_lens import metrics, reversed_attention
+        >>> ra = reversed_attention(model, "I like Italy", metrics.target_nll([5]))
+        >>> (layer, head, norm), *rest = ra.top_heads(3)
+        >>> norm == ra.head_norms().max().item() == ra.head_norms()[layer, head].item(), len(rest)
+        (True, 2)
+        """
         norms = self.head_norms()
         values, flat = norms.flatten().topk(min(k, norms.numel()))
         n_heads = norms.shape[1]
@@ -89,15 +120,36 @@ class ReversedAttention:
         ]
 
     def mean_maps(self) -> Float[Tensor, "layer head query key"]:
-        """Maps averaged over the batch (prompts of equal length, as the paper averages them)."""
+        """Maps averaged over the batch (prompts of equal length, as the paper averages them).
+
+        >>> from ra_lens import metrics, reversed_attention
+        >>> prompts = ["The capital of France is", "The capital of Italy is"]  # 8 tokens each
+        >>> ra = reversed_attention(model, prompts, metrics.target_nll([5]))
+        >>> ra.mean_maps().shape  # [layer head query key]
+        torch.Size([2, 4, 8, 8])
+        """
         return self._need("maps").mean(0)
 
     def mean_patterns(self) -> Float[Tensor, "layer head query key"]:
-        """Forward patterns averaged over the batch (the paper's patching baseline)."""
+        """Forward patterns averaged over the batch (the paper's patching baseline).
+
+        >>> from ra_lens import metrics, reversed_attention
+        >>> prompts = ["The capital of France is", "The capital of Italy is"]  # 8 tokens each
+        >>> ra = reversed_attention(model, prompts, metrics.target_nll([5]))
+        >>> torch.allclose(ra.mean_patterns().sum(-1), torch.ones(2, 4, 8))  # rows sum to one
+        True
+        """
         return self._need("patterns").mean(0)
 
     def head(self, layer: int, head: int, prompt: int = 0) -> Float[Tensor, "query key"]:
-        """One head's map for one prompt, cut to the prompt's real length."""
+        """One head's map for one prompt, cut to the prompt's real length.
+
+        >>> from ra_lens import metrics, reversed_attention
+        >>> prompts = ["I like Italy and France", "Q: hot"]  # 11 and 7 tokens
+        >>> ra = reversed_attention(model, prompts, metrics.target_nll([5]))
+        >>> ra.head(1, 0, prompt=1).shape, int(ra.lengths[1])
+        (torch.Size([7, 7]), 7)
+        """
         n = int(self.lengths[prompt])
         return self._need("maps")[prompt, self.layers.index(layer), head, :n, :n]
 
@@ -110,6 +162,14 @@ class ReversedAttention:
         Returns (position, token string or None, signed RA value), largest |RA| first. With a
         loss to minimise (NLL), gradient descent moves the logits along -RA: a negative value
         asks for more attention to that key, a positive one for less.
+
+        >>> from ra_lens import metrics, reversed_attention
+        >>> ra = reversed_attention(model, "I like Italy", metrics.target_nll([5]), keep="rows")
+        >>> keys = ra.top_keys(1, 0, k=2)  # [(position, token, RA value)]
+        >>> [value for _, _, value in keys] == [float(ra.rows[0, 1, 0, p]) for p, _, _ in keys]
+        True
+        >>> all(token == ra.str_tokens[0][p] for p, token, _ in keys)
+        True
         """
         row = self._need("rows", keep="rows")[prompt, self.layers.index(layer), head]
         row = row[: int(self.lengths[prompt])]
@@ -128,7 +188,15 @@ class ReversedAttention:
 
     @classmethod
     def concat(cls, parts: list[ReversedAttention]) -> ReversedAttention:
-        """Join results of equal-length batches (same layers and convention) along the batch."""
+        """Join results of equal-length batches (same layers and convention) along the batch.
+
+        >>> from ra_lens import metrics, reversed_attention
+        >>> tokens, metric = torch.randint(3, 300, (2, 6)), metrics.target_nll([5])
+        >>> parts = [reversed_attention(model, row, metric) for row in tokens.split(1)]
+        >>> joined = ReversedAttention.concat(parts)
+        >>> torch.allclose(joined.maps, reversed_attention(model, tokens, metric).maps, atol=1e-6)
+        True
+        """
         parts = list(parts)
         if not parts:
             raise ValueError("nothing to join: pass at least one ReversedAttention")
@@ -159,7 +227,17 @@ class ReversedAttention:
         )
 
     def save(self, path: str | Path) -> None:
-        """Write tensors to a safetensors file, with the rest as JSON metadata in its header."""
+        """Write tensors to a safetensors file, with the rest as JSON metadata in its header.
+
+        >>> import tempfile
+        >>> from ra_lens import metrics, reversed_attention
+        >>> ra = reversed_attention(model, "I like Italy", metrics.target_nll([5]))
+        >>> with tempfile.TemporaryDirectory() as folder:
+        ...     ra.save(f"{folder}/ra.safetensors")
+        ...     back = ReversedAttention.load(f"{folder}/ra.safetensors")
+        >>> torch.equal(back.maps, ra.maps), back.layers, back.str_tokens == ra.str_tokens
+        (True, [0, 1], True)
+        """
         tensors = {
             n: getattr(self, n).contiguous() for n in _TENSORS if getattr(self, n) is not None
         }
@@ -185,7 +263,16 @@ class ReversedAttention:
 
     @classmethod
     def load(cls, path: str | Path) -> ReversedAttention:
-        """Read a file written by `save`."""
+        """Read a file written by `save` (an example is there); refuses other files.
+
+        >>> import tempfile
+        >>> from safetensors.torch import save_file
+        >>> with tempfile.TemporaryDirectory() as folder:
+        ...     save_file({"x": torch.zeros(1)}, f"{folder}/other.safetensors")
+        ...     ReversedAttention.load(f"{folder}/other.safetensors")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ValueError: .../other.safetensors was not written by ReversedAttention.save
+        """
         from safetensors import safe_open
 
         with safe_open(str(path), framework="pt") as handle:

@@ -27,7 +27,13 @@ _CORPUS = [
 
 @lru_cache(maxsize=1)
 def tiny_tokenizer_dir() -> str:
-    """Train a 300-token byte-level BPE on a built-in corpus and save it; returns the folder."""
+    """Train a 300-token byte-level BPE on a built-in corpus and save it; returns the folder.
+
+    >>> from transformers import AutoTokenizer
+    >>> tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer_dir())
+    >>> len(tokenizer), tokenizer.tokenize(" Paris"), tokenizer.pad_token_id
+    (300, ['ĠPar', 'is'], 2)
+    """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -52,7 +58,13 @@ def tiny_tokenizer_dir() -> str:
     return folder
 
 
-def _hf_config(arch: str, vocab: int, d_model: int, n_layers: int, n_heads: int, n_ctx: int):
+def hf_config(arch: str, vocab: int, d_model: int, n_layers: int, n_heads: int, n_ctx: int):
+    """The HuggingFace config `tiny_model` builds a "gpt2", "llama" or "opt" model from (e.g.
+    for a plain HuggingFace copy with the same weights: seed, then `from_config`).
+
+    >>> hf_config("llama", 300, 32, 2, 4, 64).num_key_value_heads  # GQA: half the heads
+    2
+    """
     from transformers import GPT2Config, LlamaConfig, OPTConfig
 
     special = {"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 2}
@@ -116,6 +128,14 @@ def tiny_model(
 
     Returns:
         A TransformerBridge (or HookedTransformer for "hooked") in eval mode.
+
+    The bridge architectures need TransformerLens >= 3, "hooked" TransformerLens 2.x or 3.x:
+
+    >>> import importlib.util
+    >>> has_bridge = importlib.util.find_spec("transformer_lens.model_bridge") is not None
+    >>> model = tiny_model("gpt2" if has_bridge else "hooked", frozen=True)
+    >>> model.cfg.n_layers, model.cfg.n_heads, model.training, model.W_Q.requires_grad
+    (2, 4, False, False)
     """
     torch.manual_seed(seed)
     if arch == "hooked":
@@ -158,7 +178,7 @@ def tiny_model(
         from transformer_lens.model_bridge import TransformerBridge
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        hf_cfg = _hf_config(arch, 300, d_model, n_layers, n_heads, n_ctx)
+        hf_cfg = hf_config(arch, 300, d_model, n_layers, n_heads, n_ctx)
         hf_cfg._attn_implementation = "eager"
         hf_model = AutoModelForCausalLM.from_config(hf_cfg).eval()
         folder = tempfile.mkdtemp(prefix=f"ra_lens_tiny_{arch}_")

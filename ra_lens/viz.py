@@ -6,10 +6,12 @@ shown, nothing global is left open and nothing of the caller's is closed) and re
 `circuitsvis_heads` returns a self-contained HTML string instead (its JavaScript is inlined, so
 the page works offline).
 
-    >>> from ra_lens import viz
-    >>> viz.head_norm_heatmaps(ra, save="norms.png")                  # doctest: +SKIP
-    >>> viz.top_heads_grid(ra, k=4)                                   # doctest: +SKIP
-    >>> open("heads.html", "w").write(viz.circuitsvis_heads(ra))      # doctest: +SKIP
+In the examples, `model` is a tiny random 2-layer x 4-head model (`ra_lens.toy_models.tiny_model`):
+
+    >>> from ra_lens import metrics, reversed_attention, viz
+    >>> ra = reversed_attention(model, "The capital of France is", metrics.target_nll([294]))
+    >>> fig = viz.head_norm_heatmaps(ra)  # save="norms.png" writes it too
+    >>> page = viz.circuitsvis_heads(ra, ra.top_heads(4))  # save="heads.html"
 
 Colour conventions: signed maps (RA and its other conventions) use a diverging map centred at
 zero with a symmetric range (vmin == -vmax); forward patterns use a sequential map on [0, 1].
@@ -34,6 +36,7 @@ from matplotlib.ticker import FuncFormatter, ScalarFormatter
 from torch import Tensor
 
 from ra_lens.attribution import AttentionAttribution
+from ra_lens.ranking import trapezoid_auc
 from ra_lens.result import ReversedAttention
 
 __all__ = [
@@ -68,7 +71,11 @@ _SHORT_NAMES = {"qk": "RA", "scores": "dL/dS", "pattern": "dL/dA"}
 
 def visible_token(token: str) -> str:
     """A token as drawn on an axis: newlines, tabs and carriage returns escaped ("\\n"), and a
-    token made only of spaces (or empty) drawn as open-box characters, so no label is blank."""
+    token made only of spaces (or empty) drawn as open-box characters, so no label is blank.
+
+    >>> print(visible_token("\\n"), visible_token("  "), visible_token(" cat"))
+    \\n ␣␣  cat
+    """
     out = token.replace("\\", "\\\\").replace("\n", "\\n").replace("\t", "\\t")
     out = out.replace("\r", "\\r")
     if out.strip(" ") == "":
@@ -280,6 +287,11 @@ def head_norm_heatmaps(ra: ReversedAttention, *, save: PathLike | None = None) -
     Returns:
         Figure with two axes titled "Reversed Attention norm" and "Forward attention norm"
         (layer 0 at the top, heads along x, one colorbar each).
+
+    >>> from ra_lens import metrics, reversed_attention
+    >>> ra = reversed_attention(model, "The capital of France is", metrics.target_nll([294]))
+    >>> [ax.get_title() for ax in head_norm_heatmaps(ra).axes[:2]]
+    ['Reversed Attention norm', 'Forward attention norm']
     """
     ra_norms, fwd_norms = _numpy(ra.head_norms()), _numpy(ra.forward_norms())
     fig = _layer_head_figure(2, *ra_norms.shape)
@@ -310,6 +322,15 @@ def head_pair(
         Figure with axes [forward, RA]: tokens on both axes (queries down y, keys along x),
         the RA on a diverging colour map with vmin == -vmax, the upper triangle masked (grey),
         and the suptitle "L{layer} H{head}  |RA|={norm of this prompt's map}".
+
+    >>> from ra_lens import metrics, reversed_attention
+    >>> ra = reversed_attention(model, "The capital of France is", metrics.target_nll([294]))
+    >>> forward, reversed_ = head_pair(ra, 1, 2).axes[:2]
+    >>> forward.images[0].get_clim(), reversed_.get_title()
+    ((0.0, 1.0), 'Reversed Attention')
+    >>> low, high = reversed_.images[0].get_clim()
+    >>> low == -high == -ra.head(1, 2).abs().max().item()  # centred at zero
+    True
     """
     width, height = _pair_size(_labels(ra, prompt))
     fig = _new_figure(width, height)
@@ -331,6 +352,11 @@ def top_heads_grid(
 
     Returns:
         Figure with one subfigure per head (`fig.subfigs`), each with axes [forward, RA].
+
+    >>> from ra_lens import metrics, reversed_attention
+    >>> ra = reversed_attention(model, "The capital of France is", metrics.target_nll([294]))
+    >>> len(top_heads_grid(ra, k=2).subfigs)
+    2
     """
     heads = ra.top_heads(k)
     width, height = _pair_size(_labels(ra, prompt))
@@ -380,6 +406,12 @@ def circuitsvis_heads(
         offline). RA is shown signed with a symmetric range shared by all the chosen heads
         (min_value == -max_value == -max|RA|); forward patterns on [0, 1]. Heads are named
         "L{layer}H{head} RA" and "L{layer}H{head} attn".
+
+    >>> from ra_lens import metrics, reversed_attention
+    >>> ra = reversed_attention(model, "The capital of France is", metrics.target_nll([294]))
+    >>> page = circuitsvis_heads(ra, [(1, 2), (0, 3)])
+    >>> page.startswith("<!DOCTYPE html>"), "L1H2 RA" in page, "L0H3 attn" in page
+    (True, True, True)
     """
     chosen = _parse_heads(ra, heads)
     if not chosen:
@@ -467,16 +499,6 @@ def _assemble_page(
     return head + "".join(divs) + script + "</body>\n</html>\n"
 
 
-def trapezoid_auc(x: ArrayLike, y: ArrayLike) -> float:
-    """Area under y(x) by the trapezoid rule, after sorting by x."""
-    xs, ys = _numpy(x).reshape(-1), _numpy(y).reshape(-1)
-    if xs.shape != ys.shape:
-        raise ValueError(f"{xs.size} x values for {ys.size} y values")
-    order = np.argsort(xs, kind="stable")
-    xs, ys = xs[order], ys[order]
-    return float(np.sum(np.diff(xs) * (ys[1:] + ys[:-1]) / 2.0))
-
-
 def _check_curves(x: np.ndarray, curves: Mapping[str, ArrayLike]) -> dict[str, np.ndarray]:
     if not curves:
         raise ValueError("no curves to plot")
@@ -517,6 +539,10 @@ def scale_sweep(
         Figure with one axis; x on a symlog scale, linear on [-linthresh, linthresh] (so 0,
         +-0.1 and -120 are all visible) and logarithmic beyond; negative scales (the
         gradient-descent direction) to the left.
+
+    >>> fig = scale_sweep([-16.0, -4.0, 0.0, 4.0], {"RA top-3": [0.5, 0.3, 0.1, 0.0]}, baseline=0.1)
+    >>> fig.axes[0].get_xscale()
+    'symlog'
     """
     xs = _numpy(scales).reshape(-1)
     data = _check_curves(xs, curves)
@@ -567,6 +593,10 @@ def ablation_curves(
 
     Returns:
         Figure with one axis; legend labels read "{name} (AUC={trapezoid_auc:.3f})".
+
+    >>> fig = ablation_curves([0.0, 0.5, 1.0], {"ra": [0.0, 1.0, 1.0]})
+    >>> [text.get_text() for text in fig.axes[0].get_legend().get_texts()]
+    ['ra (AUC=0.750)']
     """
     xs = _numpy(fractions).reshape(-1)
     if xs.size and (xs.min() < 0 or xs.max() > 1):
@@ -611,6 +641,12 @@ def ranking_maps(
 
     Returns:
         Figure with one axis per ranking, titled with its name, layer 0 at the top.
+
+    >>> from ra_lens import metrics, reversed_attention
+    >>> ra = reversed_attention(model, "The capital of France is", metrics.target_nll([294]))
+    >>> fig = ranking_maps({"ra": ra.head_norms(), "forward": ra.forward_norms()})
+    >>> [ax.get_title() for ax in fig.axes[:2]]
+    ['ra', 'forward']
     """
     if not rankings:
         raise ValueError("no rankings to plot")
@@ -644,6 +680,12 @@ def attribution_heatmaps(att: Any, *, save: PathLike | None = None) -> Figure:
 
     Signed, centred at zero; key nodes are drawn per key/value head (fewer columns on GQA
     models). Titles give the method and direction.
+
+    >>> from ra_lens import attention_attribution, metrics
+    >>> clean, corrupted = "The capital of France is", "The capital of Italy is"
+    >>> att = attention_attribution(model, clean, corrupted, metrics.logit_diff([294], [52]))
+    >>> [ax.get_title().splitlines()[0] for ax in attribution_heatmaps(att).axes[:3]]
+    ['pattern', 'query nodes', 'key nodes (per key/value head)']
     """
     kinds = list(att.scores)
     n_layers = len(att.layers)
@@ -673,6 +715,13 @@ def attribution_edges_page(
             with the largest |pattern| score.
         prompt: which pair of the batch.
         save: optional .html path.
+
+    >>> from ra_lens import attention_attribution, metrics
+    >>> clean, corrupted = "The capital of France is", "The capital of Italy is"
+    >>> att = attention_attribution(model, clean, corrupted, metrics.logit_diff([294], [52]))
+    >>> page = attribution_edges_page(att, att.top(2, node="pattern"))
+    >>> page.startswith("<!DOCTYPE html>"), "Edges R * (A_other - A)" in page
+    (True, True)
     """
 
     chosen = [(int(h[0]), int(h[1])) for h in (heads or att.top(8, node="pattern"))]
@@ -720,6 +769,11 @@ def estimate_scatter(
     Args:
         truth: kind -> true effects (any shape).
         estimates: estimate name -> kind -> values of the truth's shape.
+
+    >>> truth = {"query": [0.1, -0.2, 0.3]}
+    >>> fig = estimate_scatter(truth, {"linear": {"query": [0.2, -0.4, 0.6]}})
+    >>> [text.get_text() for text in fig.axes[0].get_legend().get_texts()]
+    ['linear (r=1.00)']
     """
     kinds = list(truth)
     fig = _new_figure(3.6 * len(kinds), 3.4)
@@ -746,7 +800,14 @@ def top_edges_on_tokens(
 ) -> Figure:
     """The k query-key links with the largest |R * (A_other - A)|, drawn as arcs over the tokens
     from key (left) to query (right); red raises the metric, blue lowers it, width ~ |value|.
-    Each arc is numbered at its top; the legend names its head and value."""
+    Each arc is numbered at its top; the legend names its head and value.
+
+    >>> from ra_lens import attention_attribution, metrics
+    >>> clean, corrupted = "The capital of France is", "The capital of Italy is"
+    >>> att = attention_attribution(model, clean, corrupted, metrics.logit_diff([294], [52]))
+    >>> len(top_edges_on_tokens(att, k=3).axes[0].get_legend().get_texts())
+    3
+    """
     n = int(att.lengths[prompt])
     labels = (
         [visible_token(t) for t in att.str_tokens[prompt][:n]]

@@ -169,10 +169,10 @@ def test_opt_uses_z_route_and_matches_autograd_of_pattern():
     # Reference: dL/dA in a plain HuggingFace copy (same seed, same weights), outside the bridge.
     from transformers import AutoModelForCausalLM
 
-    from ra_lens.toy_models import _hf_config
+    from ra_lens.toy_models import hf_config
 
     torch.manual_seed(0)
-    config = _hf_config("opt", 300, 32, 2, 4, 64)
+    config = hf_config("opt", 300, 32, 2, 4, 64)
     config._attn_implementation = "eager"
     hf = AutoModelForCausalLM.from_config(config).eval()
     out = hf(tokens, output_attentions=True)

@@ -206,10 +206,10 @@ def dispatched_pair():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from ra_lens.models import hub_offline
-    from ra_lens.toy_models import _hf_config, tiny_tokenizer_dir
+    from ra_lens.toy_models import hf_config, tiny_tokenizer_dir
 
     torch.manual_seed(0)
-    config = _hf_config("llama", 300, 32, 4, 4, 64)
+    config = hf_config("llama", 300, 32, 4, 4, 64)
     config._attn_implementation = "eager"
     folder = tempfile.mkdtemp(prefix="ra_lens_test_dispatch_")
     AutoModelForCausalLM.from_config(config).save_pretrained(folder)

@@ -180,7 +180,11 @@ def test_liveness_error_on_opt():
     pytest.importorskip("transformer_lens.model_bridge")
     opt = tiny_model("opt")
     ra = ra_lens.reversed_attention(opt, FLORENCE, target_nll([5]))
-    with pytest.raises(RuntimeError, match="silently do nothing"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"hook_pattern of layers \[0, 1\] is not in the autograd graph .* attention "
+        r"patching would silently do nothing; use a model that computes attention through",
+    ):
         attention_patch_hooks(ra, -10.0, model=opt)
 
 

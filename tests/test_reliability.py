@@ -361,3 +361,20 @@ def test_concat_errors_are_clear(tiny, small_ra):
     ra = ra_lens.reversed_attention(tiny, PROMPT, scalar)
     with pytest.raises(ValueError, match="scalar metric"):
         ReversedAttention.concat([ra, ra])
+
+
+def test_mixed_train_eval_modes_come_back_module_by_module(tiny):
+    """RA runs in eval mode and restores each submodule's own mode (not one mode for all)."""
+    modules = list(tiny.modules())
+    tiny.train()
+    modules[len(modules) // 2].eval()
+    before = [m.training for m in modules]
+    seen = []
+    hooks = [(capture.PATTERN.format(0), lambda x, hook: seen.append(tiny.training))]
+    with tiny.hooks(fwd_hooks=hooks):
+        ra_lens.reversed_attention(tiny, PROMPT, target_nll(5))
+    try:
+        assert seen and not any(seen)  # every forward pass ran in eval mode
+        assert [m.training for m in modules] == before
+    finally:
+        tiny.eval()

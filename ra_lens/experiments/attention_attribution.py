@@ -19,6 +19,7 @@ For each task (IOI, country-capital; `ra_lens.tasks.ioi`), on the first `n_truth
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
 from collections.abc import Sequence
@@ -32,7 +33,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from ra_lens import capture
-from ra_lens.attribution import _k_name, _q_name, attention_attribution
+from ra_lens.attribution import attention_attribution
 from ra_lens.capture import PATTERN, Batch, HookedModel
 from ra_lens.core import reversed_attention
 from ra_lens.tasks import ioi
@@ -42,9 +43,9 @@ KINDS: tuple[str, ...] = ("query", "key", "pattern")
 
 def _hook_name(model: HookedModel, kind: str, layer: int) -> str:
     if kind == "query":
-        return _q_name(model, layer)
+        return capture.query_hook_name(model, layer)
     if kind == "key":
-        return _k_name(model, layer)
+        return capture.key_hook_name(model, layer)
     return PATTERN.format(layer)
 
 
@@ -54,14 +55,15 @@ def _rows(batch: Batch, rows: Sequence[int]) -> Batch:
 
 
 def clean_activations(model: HookedModel, clean: Batch, layers: Sequence[int]) -> dict[str, Tensor]:
-    """q, k and pattern of every layer on the clean run (the values patched in)."""
+    """q, k and pattern of every layer on the clean run (the values patched in).
+
+    >>> from ra_lens import to_batch
+    >>> acts = clean_activations(model, to_batch(model, "I like Italy"), [1])
+    >>> sorted(acts)  # GPT-2: no rotary embedding, so hook_q and hook_k
+    ['blocks.1.attn.hook_k', 'blocks.1.attn.hook_pattern', 'blocks.1.attn.hook_q']
+    """
     names = {_hook_name(model, kind, la) for kind in KINDS for la in layers}
-    seen: dict[str, Tensor] = {}
-
-    def keep(x: Tensor, hook: Any) -> None:
-        seen[hook.name] = x.detach().clone()
-
-    with torch.no_grad(), model.hooks(fwd_hooks=[(n, keep) for n in names]):
+    with torch.no_grad(), capture.recorded(model, names) as seen:
         model(clean.tokens)
     return seen
 
@@ -81,6 +83,18 @@ def patching_effects(
     A job is (kind, layer, head, position): the head's queries, the key/value head's keys or the
     head's pattern (rows) at one position, or at all positions when position is None. Jobs are
     stacked along the batch axis, max_rows rows per forward pass.
+
+    >>> from ra_lens import to_batch
+    >>> from ra_lens.metrics import logit_diff
+    >>> clean, corrupted = to_batch(model, ["I like Italy"]), to_batch(model, ["I like Paris"])
+    >>> metric = logit_diff(torch.tensor([5]), torch.tensor([7]))
+    >>> jobs = [("query", 1, 2, None), ("pattern", 0, 1, 3), ("key", 1, 0, None)]
+    >>> effects = patching_effects(model, clean, corrupted, metric, jobs, progress=False)
+    >>> effects.shape  # [job batch]
+    torch.Size([3, 1])
+    >>> same = patching_effects(model, clean, clean, metric, jobs, progress=False)
+    >>> bool(same.abs().max() < 1e-6)  # patching a run with itself: nothing but rounding
+    True
     """
     layers = sorted({job[1] for job in jobs})
     source = clean_activations(model, clean, layers)
@@ -96,11 +110,13 @@ def patching_effects(
             kind, layer, head, position = jobs[j]
             by_name.setdefault(_hook_name(model, kind, layer), []).append((slot, head, position))
 
-        def patch(x: Tensor, hook: Any, by_name: dict = by_name) -> Tensor:
+        # The name asked for, not hook.name: on TransformerBridge an alias such as hook_q
+        # reports its canonical name (attn.q.hook_out).
+        def patch(x: Tensor, hook: Any, name: str, by_name: dict = by_name) -> Tensor:
             x = x.clone()
-            src = source[hook.name]
-            pattern = hook.name.endswith("hook_pattern")
-            for slot, head, position in by_name[hook.name]:
+            src = source[name]
+            pattern = name.endswith("hook_pattern")
+            for slot, head, position in by_name[name]:
                 rows = slice(slot * n, (slot + 1) * n)
                 at = slice(None) if position is None else position
                 if pattern:  # [batch, head, query, key]
@@ -112,14 +128,22 @@ def patching_effects(
         repeats = len(chunk)
         tokens = corrupted.tokens.repeat(repeats, 1)
         lengths = corrupted.lengths.repeat(repeats)
-        with torch.no_grad(), model.hooks(fwd_hooks=[(name, patch) for name in by_name]):
+        hooks = [(name, functools.partial(patch, name=name)) for name in by_name]
+        with torch.no_grad(), model.hooks(fwd_hooks=hooks):
             values = metric_repeated(metric, model(tokens), lengths, repeats)
         out[list(chunk)] = values.double().cpu().reshape(repeats, n) - base
     return out
 
 
 def metric_repeated(metric: Any, logits: Tensor, lengths: Tensor, repeats: int) -> Tensor:
-    """The metric of a batch repeated `repeats` times (its per-pair targets repeated too)."""
+    """The metric of a batch repeated `repeats` times (its per-pair targets repeated too).
+
+    >>> from ra_lens.metrics import target_prob
+    >>> logits = torch.randn(2, 3, 10)
+    >>> repeated = metric_repeated(target_prob([4]), logits, torch.tensor([3, 3]), repeats=2)
+    >>> torch.allclose(repeated, target_prob([4, 4])(logits))
+    True
+    """
     n = logits.shape[0] // repeats
     return torch.cat(
         [
@@ -130,12 +154,23 @@ def metric_repeated(metric: Any, logits: Tensor, lengths: Tensor, repeats: int) 
 
 
 def pearson(a: Tensor, b: Tensor) -> float:
+    """Pearson correlation of two tensors' entries, in float64.
+
+    >>> pearson(torch.tensor([1.0, 2.0, 3.0]), torch.tensor([2.0, 4.0, 6.5]))  # doctest: +ELLIPSIS
+    0.99...
+    """
     a, b = a.double().flatten(), b.double().flatten()
     a, b = a - a.mean(), b - b.mean()
     return float((a * b).sum() / (a.norm() * b.norm()).clamp_min(1e-300))
 
 
 def spearman(a: Tensor, b: Tensor) -> float:
+    """Spearman correlation of two tensors' entries (ties broken by position).
+
+    >>> round(spearman(torch.tensor([1.0, 2.0, 3.0]), torch.tensor([1.0, 8.0, 27.0])), 12)
+    1.0
+    """
+
     def ranks(x: Tensor) -> Tensor:
         return x.double().flatten().argsort().argsort().double()
 
@@ -143,7 +178,11 @@ def spearman(a: Tensor, b: Tensor) -> float:
 
 
 def top_recall(estimate: Tensor, truth: Tensor, k: int = 20) -> float:
-    """Share of the truth's k largest |values| among the estimate's k largest |values|."""
+    """Share of the truth's k largest |values| among the estimate's k largest |values|.
+
+    >>> top_recall(torch.tensor([3.0, -2.0, 0.1]), torch.tensor([-5.0, 0.2, 4.0]), k=2)
+    0.5
+    """
     k = min(k, truth.numel())
     top_truth = set(truth.flatten().abs().argsort(descending=True)[:k].tolist())
     top_est = set(estimate.flatten().abs().argsort(descending=True)[:k].tolist())
@@ -216,7 +255,13 @@ def measure(
     max_rows: int = 64,
     progress: bool = True,
 ) -> TaskMeasurement:
-    """Truth, estimates, their agreement and timings on `pairs` (see the module docstring)."""
+    """Truth, estimates, their agreement and timings on `pairs` (see the module docstring).
+
+    On the real model (`python -m ra_lens.experiments.attention_attribution` runs both tasks):
+
+    >>> pairs = ioi.usable(model, ioi.ioi_pairs(40))[:6]  # doctest: +SKIP
+    >>> print(markdown([measure(model, pairs, "ioi")]))  # minutes  # doctest: +SKIP
+    """
     shape = capture.model_shape(model)
     clean, corrupted, metric = ioi.paired_batch(model, pairs)
     layers = list(range(shape.n_layers))

@@ -18,6 +18,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,12 @@ from tqdm.auto import tqdm
 
 from ra_lens import ranking as rk
 from ra_lens import tasks
-from ra_lens.experiments.ranking import RANKINGS, HeadRankingResult, check_rankings, head_ranking
+from ra_lens.experiments.head_ranking import (
+    RANKINGS,
+    HeadRankingResult,
+    check_rankings,
+    head_ranking,
+)
 from ra_lens.tasks import Task
 
 #: The study's tasks and shot counts (issue 14).
@@ -46,6 +52,15 @@ QUICK_TASK = Task(
         ("Ital", "t"), ("Fran", "F"),
     ],
 )  # fmt: skip
+#: --quick's cells and settings: the fewest prompts, resamples and fractions that still run every
+#: path (a fraction inside (0, 1) with unequal trapezoid widths, both protocols, labels or none).
+QUICK_CELLS: tuple[tuple[Task, int], ...] = ((QUICK_TASK, 0), (QUICK_TASK, 2))
+QUICK_SETTINGS: dict[str, Any] = {
+    "n_prompts": 4,
+    "n_boot": 50,
+    "n_means": 20,
+    "fractions": (0.0, 0.25, 1.0),
+}
 
 
 @dataclass
@@ -74,14 +89,7 @@ class StudyResult:
 
     def goals(self) -> dict[str, Any]:
         """The speed claim, checked on the measured seconds (never asserted in tests)."""
-        ratios = self.speed_ratios()
-        worst = min(ratios.values()) if ratios else None
-        return {
-            "cm_over_ra_speed_ratio_min": worst,
-            "cm_over_ra_speed_ratio_goal": SPEED_GOAL,
-            "cm_over_ra_speed_ratio_met": None if worst is None else worst >= SPEED_GOAL,
-            "cm_over_ra_speed_ratio": ratios,
-        }
+        return _speed_goal(self.speed_ratios())
 
     def summary(self) -> list[dict[str, Any]]:
         """One row per cell and ranking: AUCs with intervals, the paired difference to RA,
@@ -181,6 +189,49 @@ class StudyResult:
         return paths
 
 
+def _speed_goal(ratios: dict[str, float]) -> dict[str, Any]:
+    worst = min(ratios.values()) if ratios else None
+    return {
+        "cm_over_ra_speed_ratio_min": worst,
+        "cm_over_ra_speed_ratio_goal": SPEED_GOAL,
+        "cm_over_ra_speed_ratio_met": None if worst is None else worst >= SPEED_GOAL,
+        "cm_over_ra_speed_ratio": ratios,
+    }
+
+
+def merge_saved(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One study from saved studies that ran side by side (e.g. one process per cell).
+
+    The settings must agree except for the cells; the speed goal is recomputed from every cell's
+    seconds; `runtime_seconds` is the longest part's (they ran at the same time) and
+    `runtime_seconds_parts` keeps each part's.
+    """
+    if not parts:
+        raise ValueError("merge_saved needs at least one saved study")
+    base = {k: v for k, v in parts[0]["config"].items() if k != "cells"}
+    for part in parts[1:]:
+        other = {k: v for k, v in part["config"].items() if k != "cells"}
+        if other != base:
+            diff = sorted(k for k in base.keys() | other.keys() if base.get(k) != other.get(k))
+            raise ValueError(f"saved studies ran with different settings ({', '.join(diff)})")
+    cells = [cell for part in parts for cell in part["cells"]]
+    ratios = {
+        f"{c['task']} {c['shots']}-shot {c['ablation']}": c["seconds"]["causal_mediation"]
+        / max(c["seconds"]["ra"], 1e-12)
+        for c in cells
+        if "causal_mediation" in c["seconds"] and "ra" in c["seconds"]
+    }
+    return {
+        "config": {**base, "cells": [cell for part in parts for cell in part["config"]["cells"]]},
+        "runtime_seconds": max(part["runtime_seconds"] for part in parts),
+        "runtime_seconds_parts": [part["runtime_seconds"] for part in parts],
+        "goals": _speed_goal(ratios),
+        "skipped": [why for part in parts for why in part["skipped"]],
+        "summary": [row for part in parts for row in part["summary"]],
+        "cells": cells,
+    }
+
+
 def markdown_summary(data: dict[str, Any]) -> str:
     """A markdown table from a saved study (`StudyResult.to_dict()` or its JSON): one row per
     task x shots x ablation x ranking with the top-1 AUC and its 95% interval, the reverse AUC,
@@ -234,7 +285,7 @@ def ranking_study(
         model: a TransformerLens model.
         cells: (task, shots) pairs; default every STUDY_TASKS x STUDY_SHOTS.
         ablations: "zero" and/or "mean".
-        rankings: names in `experiments.ranking.RANKINGS`.
+        rankings: names in `experiments.head_ranking.RANKINGS`.
         n_prompts, n_test, fractions, n_boot, batch_size, eval_batch_size, n_means, seed: as in
             `head_ranking` (batch_size also batches causal mediation's prompts).
         on_cell: called with the partial result after every cell (e.g. to save it as it goes).
@@ -296,6 +347,14 @@ def ranking_study(
     return result
 
 
+def _device_name(device: str) -> str:
+    if device.startswith("cuda"):
+        import torch
+
+        return f"{device} ({torch.cuda.get_device_name(torch.device(device))})"
+    return device
+
+
 def _cells(text: str) -> list[tuple[str, int]]:
     out = []
     for part in text.split(","):
@@ -332,14 +391,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--n-means", type=int, default=100, help="held-out prompts for mean ablation (100)"
     )
+    parser.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:1, ...")
     parser.add_argument("--json", default=None, metavar="FILE", help="write the results here")
     parser.add_argument("--plots", type=Path, default=None, metavar="DIR", help="write plots here")
     parser.add_argument(
         "--markdown", type=Path, default=None, metavar="JSON", help="print a saved study's table"
     )
+    parser.add_argument(
+        "--merge",
+        type=Path,
+        nargs="+",
+        default=None,
+        metavar="JSON",
+        help="merge saved studies (run side by side) into --json",
+    )
     args = parser.parse_args(argv)
     if args.markdown is not None:
         print(markdown_summary(json.loads(args.markdown.read_text())))
+        return 0
+    if args.merge is not None:
+        if not args.json:
+            parser.error("--merge needs --json FILE for the merged study")
+        merged = merge_saved([json.loads(path.read_text()) for path in args.merge])
+        Path(args.json).write_text(json.dumps(merged, indent=1, allow_nan=False))
+        print(markdown_summary(merged))
         return 0
     try:
         rankings = [n.strip() for n in args.rankings.split(",") if n.strip()]
@@ -347,18 +422,21 @@ def main(argv: list[str] | None = None) -> int:
         if args.quick:
             from ra_lens.toy_models import tiny_model
 
-            model, model_name = tiny_model("llama", n_layers=2), "tiny-llama (random weights)"
-            cells: list[tuple[str | Task, int]] = [(QUICK_TASK, 0), (QUICK_TASK, 2)]
-            extra = {"n_prompts": 6, "n_boot": 200, "n_means": 20}
+            arch = "llama" if find_spec("transformer_lens.model_bridge") else "hooked"  # TL 2.x
+            model, model_name = tiny_model(arch, n_layers=2), f"tiny-{arch} (random weights)"
+            model = model.to(args.device)
+            cells: list[tuple[str | Task, int]] = list(QUICK_CELLS)
+            extra = dict(QUICK_SETTINGS)
         else:
             from ra_lens.models import load_model
 
-            model, model_name = load_model(args.model, device="cpu"), args.model
+            model, model_name = load_model(args.model, device=args.device), args.model
             cells = list(_cells(args.cells)) if args.cells else []
             extra = {"n_prompts": args.n_prompts, "n_boot": args.n_boot, "n_means": args.n_means}
 
         def save(partial: StudyResult) -> None:
             partial.config["model"] = model_name
+            partial.config["device"] = _device_name(args.device)
             if args.json:
                 partial.save_json(args.json)
 

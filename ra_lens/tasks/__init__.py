@@ -6,11 +6,13 @@
 >>> prompts = tasks.build_prompts(task, splits.test, shots=5, demos_from=splits.train)
 >>> prompts[0].text.endswith("\\nA:"), prompts[0].answer.startswith(" ")
 (True, True)
->>> acc = tasks.evaluate(model, prompts)            # doctest: +SKIP
+>>> acc = tasks.evaluate(model, tasks.build_prompts(task, shots=0)[:8])  # any TL model
+>>> acc.n, 0 <= acc.top1 <= acc.top3 <= 1
+(8, True)
 """
 
 from ra_lens.tasks._task import SPLIT_FRACTIONS, Pair, Splits, Task, available, load
-from ra_lens.tasks.accuracy import Accuracy, answer_ranks, evaluate
+from ra_lens.tasks.accuracy import Accuracy, answer_ranks, evaluate, evaluate_by_length
 from ra_lens.tasks.prompts import (
     DEMO_TEMPLATE,
     QUERY_TEMPLATE,
@@ -20,7 +22,9 @@ from ra_lens.tasks.prompts import (
     format_prompt,
     prompt_lengths,
     same_length,
+    shuffled_label_prompts,
     single_token_pairs,
+    task_prompts,
 )
 
 __all__ = [
@@ -37,9 +41,12 @@ __all__ = [
     "available",
     "build_prompts",
     "evaluate",
+    "evaluate_by_length",
     "format_prompt",
     "load",
     "prompt_lengths",
     "same_length",
+    "shuffled_label_prompts",
     "single_token_pairs",
+    "task_prompts",
 ]

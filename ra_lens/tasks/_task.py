@@ -17,7 +17,11 @@ SPLIT_FRACTIONS: tuple[float, float, float] = (0.70, 0.21, 0.09)
 
 @dataclass(frozen=True)
 class Splits:
-    """Disjoint train / test / valid parts of a task's pairs."""
+    """Disjoint train / test / valid parts of a task's pairs.
+
+    >>> load("antonym").split(seed=42).sizes()
+    {'train': 99, 'test': 30, 'valid': 12}
+    """
 
     train: tuple[Pair, ...]
     test: tuple[Pair, ...]
@@ -49,6 +53,10 @@ class Task:
 
         Raises:
             ValueError: a split would be empty (fewer than about 10 pairs).
+
+        >>> splits = Task("toy", [(f"x{i}", f"y{i}") for i in range(100)]).split(seed=0)
+        >>> splits.sizes(), set(splits.train) & set(splits.test)
+        ({'train': 70, 'test': 21, 'valid': 9}, set())
         """
         n = len(self.pairs)
         n_train = round(SPLIT_FRACTIONS[0] * n)
@@ -69,7 +77,14 @@ class Task:
 
 
 def normalise_pairs(pairs: Sequence[Sequence[str]], *, what: str = "pairs") -> tuple[Pair, ...]:
-    """Check that every item is a pair of strings and return them as a tuple of tuples."""
+    """Check that every item is a pair of strings and return them as a tuple of tuples.
+
+    >>> normalise_pairs([["hot", "cold"], ("up", "down")])
+    (('hot', 'cold'), ('up', 'down'))
+    >>> normalise_pairs(["hot"])
+    Traceback (most recent call last):
+    TypeError: pairs: item 0 is 'hot', expected an (input, output) string pair
+    """
     out: list[Pair] = []
     for i, pair in enumerate(pairs):
         if isinstance(pair, str) or len(pair) != 2 or not all(isinstance(s, str) for s in pair):
@@ -85,7 +100,12 @@ def _data_dir():
 
 
 def available() -> list[str]:
-    """Names of the bundled tasks, sorted (e.g. "antonym", "country-capital")."""
+    """Names of the bundled tasks, sorted (e.g. "antonym", "country-capital").
+
+    >>> available()  # doctest: +NORMALIZE_WHITESPACE
+    ['antonym', 'capitalize', 'country-capital', 'english-french', 'person-sport', 'present-past',
+     'singular-plural', 'synonym']
+    """
     return sorted(
         entry.name[: -len(".json")]
         for entry in _data_dir().iterdir()
@@ -99,6 +119,10 @@ def load(name: str) -> Task:
 
     Raises:
         ValueError: unknown name; the message lists the available tasks.
+
+    >>> task = load("antonym")
+    >>> task.name, len(task), task.pairs[0]
+    ('antonym', 141, ('hot', 'cold'))
     """
     names = available()
     if name not in names:

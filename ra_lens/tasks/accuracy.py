@@ -24,6 +24,10 @@ class Accuracy:
     `ranks[i]` is the rank of prompt i's answer token among the vocabulary logits at its last
     position (0 = the model's top prediction; rank = how many logits are strictly larger), so
     top-k accuracy is the fraction of ranks below k.
+
+    >>> acc = Accuracy.from_ranks(torch.tensor([0, 1, 5, 0]))
+    >>> acc.top1, acc.top3, acc.top(10), acc.to_dict()
+    (0.5, 0.75, 1.0, {'n': 4, 'top1': 0.5, 'top2': 0.75, 'top3': 0.75})
     """
 
     top1: float
@@ -64,6 +68,11 @@ def answer_ranks(
 
     A NaN answer logit (e.g. a patch that broke the forward pass) gets the worst rank, vocab - 1,
     instead of the 0 that comparisons with NaN would give.
+
+    >>> logits = torch.tensor([[[0.0, 1.0, 2.0], [3.0, 2.0, 1.0]]]).repeat(3, 1, 1)
+    >>> logits[2, 1, 0] = float("nan")  # [batch pos vocab]; row i is read at lengths[i] - 1
+    >>> answer_ranks(logits, lengths=torch.tensor([2, 1, 2]), answers=torch.tensor([0, 0, 0]))
+    tensor([0, 2, 2])
     """
     rows = torch.arange(logits.shape[0], device=logits.device)
     last: Float[Tensor, "batch vocab"] = logits[rows, lengths.to(logits.device) - 1].float()
@@ -103,7 +112,14 @@ def evaluate(
             `forward_patch_hooks`).
 
     Returns:
-        Accuracy with `ranks: Int[Tensor, " n"]` in prompt order.
+        Accuracy with `ranks: Int[Tensor, "n"]` in prompt order.
+
+    >>> from ra_lens.tasks import build_prompts
+    >>> pairs = [("b", "of"), ("c", "is"), ("d", "to"), ("l", "an")]
+    >>> prompts = build_prompts(pairs, shots=1, seed=0)
+    >>> acc = evaluate(model, prompts)
+    >>> acc.n, acc.ranks.shape, torch.equal(acc.ranks, evaluate(model, prompts, batch_size=1).ranks)
+    (4, torch.Size([4]), True)
     """
     prompts = list(prompts)
     if batch_size < 1:
@@ -128,3 +144,23 @@ def evaluate(
             target = torch.tensor([answers[i] for i in idx], dtype=torch.long)
             ranks[idx] = answer_ranks(logits, batch.lengths, target).cpu()
     return Accuracy.from_ranks(ranks, ks)
+
+
+def evaluate_by_length(
+    model: HookedModel,
+    prompts: Sequence[Prompt],
+    hooks: Sequence[FwdHook] = (),
+    *,
+    batch_size: int = 32,
+) -> Accuracy:
+    """`evaluate` with batches of one token length each, hooks or not: position-aligned hooks
+    (patching) then see every prompt unpadded, and the unpatched baseline runs the same batches.
+
+    >>> from ra_lens.tasks import build_prompts
+    >>> pairs = [("b", "of"), ("c", "is"), ("d", "to"), ("of", "b")]
+    >>> prompts = build_prompts(pairs, shots=1, seed=0)
+    >>> acc = evaluate_by_length(model, prompts)
+    >>> torch.equal(acc.ranks, evaluate(model, prompts, batch_size=1).ranks)
+    True
+    """
+    return evaluate(model, prompts, fwd_hooks=hooks, batch_size=batch_size, by_length=True)

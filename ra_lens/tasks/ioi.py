@@ -62,7 +62,15 @@ class PromptPair:
 
 def ioi_pairs(n: int = 40, *, seed: int = 0, template: int | None = None) -> list[PromptPair]:
     """n IOI pairs, templates in turn (or only `template`), names drawn without repeats in a
-    prompt. The first pair is always the Mary/John store example."""
+    prompt. The first pair is always the Mary/John store example.
+
+    >>> pair = ioi_pairs(2)[0]
+    >>> print(pair.clean, pair.corrupted, sep="\\n")
+    When Mary and John went to the store, John gave a drink to
+    When Alice and Bob went to the store, John gave a drink to
+    >>> pair.answer, pair.wrong
+    (' Mary', ' John')
+    """
     rng = random.Random(seed)
     templates = IOI_TEMPLATES if template is None else (IOI_TEMPLATES[template],)
     pairs = []
@@ -95,6 +103,10 @@ def capital_pairs(
     Each country is corrupted with the next country of the shuffle (whose capital is the wrong
     answer). Given a model, only countries whose capital is one token are kept, and each is
     paired with the next one whose prompt has the same token length.
+
+    >>> pair = capital_pairs(n=1)[0]
+    >>> pair.clean, pair.answer
+    ('The capital of Mongolia is the city of', ' Ulaanbaatar')
     """
     rows = list(load("country-capital").pairs)
     random.Random(seed).shuffle(rows)
@@ -124,7 +136,11 @@ def capital_pairs(
 
 def usable(model: Any, pairs: Sequence[PromptPair]) -> list[PromptPair]:
     """The pairs whose answers are one token each and whose prompts have equal token lengths
-    under the model's tokenizer."""
+    under the model's tokenizer.
+
+    >>> len(ioi_pairs(10)), len(usable(model, ioi_pairs(10)))  # the tiny tokenizer knows few names
+    (10, 0)
+    """
 
     def n_tokens(text: str) -> int:
         return int(model.to_tokens(text, prepend_bos=False).shape[1])
@@ -144,6 +160,15 @@ def paired_batch(model: Any, pairs: Sequence[PromptPair]) -> tuple[Batch, Batch,
     Raises:
         ValueError: a pair whose answers are not single tokens or whose prompts differ in token
             length (filter with `usable` first).
+
+    >>> pair = PromptPair("I like Italy", "I like Paris", " and", " the")  # one token apart
+    >>> clean, corrupted, metric = paired_batch(model, [pair])
+    >>> clean.tokens.shape == corrupted.tokens.shape, metric(model(clean.tokens)).shape
+    (True, torch.Size([1]))
+    >>> paired_batch(model, [PromptPair("I like Italy", "I like Spain", " and", " the")])
+    ... # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ValueError: 1 pair(s) unusable with this tokenizer, e.g. PromptPair(...): answers must be ...
     """
     if not pairs:
         raise ValueError("no pairs: pass at least one PromptPair")

@@ -17,9 +17,8 @@ from __future__ import annotations
 
 import json
 import math
-import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -30,10 +29,9 @@ from ra_lens import capture, tasks
 from ra_lens import ranking as rk
 from ra_lens._typing import Validated
 from ra_lens.capture import HookedModel
-from ra_lens.experiments.patching import task_prompts
 from ra_lens.experiments.timing import timed
 from ra_lens.ranking import AblationCurve, HeadMeans, Interval, Scores
-from ra_lens.tasks import Accuracy, Prompt, Task
+from ra_lens.tasks import Accuracy, Prompt, Task, shuffled_label_prompts, task_prompts
 
 
 @dataclass
@@ -191,6 +189,17 @@ class HeadRankingResult:
         intervals: name -> {"auc", "auc_top3", "reverse_auc", "paired_vs_ra", "spearman"}:
             `ranking.Interval`s (95% percentile bootstrap over test prompts for AUCs, paired for
             the difference AUC(RA) - AUC(name), over ranking prompts for Spearman with RA).
+
+    >>> from ra_lens.tasks import Task
+    >>> toy = Task("toy", [("b", "of"), ("c", "is"), ("d", "to"), ("l", "an"), ("o", "and"),
+    ...                    ("s", "the"), ("t", "cap"), ("F", "Par"), ("I", "Mar"), ("of", "b")])
+    >>> result = head_ranking(model, toy, shots=1, n_prompts=4, rankings=["random"],
+    ...                       fractions=[0, 1], n_boot=20, progress=False)
+    >>> data = result.to_dict()
+    >>> data["rankings"]["random"]["auc"] == result.curves["random"].auc, list(data["spearman"])
+    (True, ['random'])
+    >>> print(result.table())  # doctest: +ELLIPSIS
+    toy, 1-shot, 2x4 heads: rankings from 4 prompts (...), accuracy on 2 test prompts, ...
     """
 
     task: str
@@ -341,47 +350,16 @@ def _json_float(value: float) -> float | None:
     return None if math.isnan(value) else value
 
 
-def shuffled_label_prompts(prompts: Sequence[Prompt], *, seed: int = 0) -> list[Prompt]:
-    """The same prompts with their demonstrations' labels shuffled (Todd et al.'s corruption).
-
-    With two or more demonstrations, the labels of each prompt are permuted so that none stays
-    with its own input (a random cycle); with one, each prompt takes the label of the next
-    prompt's demonstration whose label differs. The query and the answer are unchanged.
-
-    Raises:
-        ValueError: zero-shot prompts (nothing to shuffle) or prompts without demonstrations.
-    """
-    prompts = list(prompts)
-    if not prompts or any(p.shots == 0 for p in prompts):
-        raise ValueError(
-            "shuffled-label corruption needs demonstrations in every prompt (shots >= 1)"
-        )
-    rng = random.Random(seed)
-    out = []
-    for i, prompt in enumerate(prompts):
-        xs = [x for x, _ in prompt.demos]
-        ys = [y for _, y in prompt.demos]
-        if len(ys) >= 2:
-            cycle = list(range(len(ys)))
-            rng.shuffle(cycle)
-            new = list(ys)
-            for a, b in zip(cycle, cycle[1:] + cycle[:1], strict=True):
-                new[a] = ys[b]
-        else:
-            others = [
-                q.demos[0][1]
-                for q in prompts[i + 1 :] + prompts[:i]
-                if q.demos and q.demos[0][1] != ys[0]
-            ]
-            new = [others[0] if others else ys[0]]
-        demos = tuple(zip(xs, new, strict=True))
-        out.append(replace(prompt, text=tasks.format_prompt(demos, prompt.query), demos=demos))
-    return out
-
-
 def check_rankings(names: Sequence[str]) -> list[str]:
     """Known ranking names, de-duplicated in RANKINGS order, always with "ra"; or a ValueError
-    listing the names the registry knows."""
+    listing the names the registry knows.
+
+    >>> check_rankings(["forward", "random", "forward"])  # RANKINGS order, with "ra"
+    ['ra', 'forward', 'random']
+    >>> check_rankings(["nope"])  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ValueError: unknown ranking 'nope': choose from ra, ra_loss_row, ...
+    """
     unknown = [n for n in names if n not in RANKINGS]
     if unknown:
         raise ValueError(f"unknown ranking {unknown[0]!r}: choose from {', '.join(RANKINGS)}")
@@ -437,6 +415,21 @@ def head_ranking(
 
     Returns:
         HeadRankingResult (`.table()`, `.to_dict()`, `.save_json(path)`, `.plot(out_dir)`).
+
+    >>> import torch
+    >>> from ra_lens.tasks import Task
+    >>> toy = Task("toy", [("b", "of"), ("c", "is"), ("d", "to"), ("l", "an"), ("o", "and"),
+    ...                    ("s", "the"), ("t", "cap"), ("F", "Par"), ("I", "Mar"), ("of", "b")])
+    >>> result = head_ranking(model, toy, shots=1, n_prompts=4, rankings=["forward", "layer"],
+    ...                       fractions=[0, 0.5, 1], n_boot=50, progress=False)
+    >>> list(result.scores), result.curves["ra"].n_kept
+    (['ra', 'forward', 'layer'], [0, 4, 8])
+    >>> torch.equal(result.curves["ra"].accuracies[-1].ranks, result.unablated.ranks)  # p = 1
+    True
+    >>> train = tasks.task_prompts(model, toy, shots=1)[0][:4]  # the ranking prompts
+    >>> targets = [tasks.answer_token(model, p.answer) for p in train]
+    >>> torch.allclose(result.scores["ra"], rk.ra_ranking(model, [p.text for p in train], targets))
+    True
     """
     names = check_rankings(rankings)
     fractions = rk.check_fractions(fractions)
@@ -479,7 +472,13 @@ def head_ranking(
                     "use the rest"
                 )
 
-    means_from = _mean_prompts(model, task, shots, seed)[:n_means] if ablation == "mean" else []
+    # Todd et al.'s means: training prompts of every token length (the ranking prompts are
+    # their equal-length subset), never a test prompt.
+    means_from = (
+        task_prompts(model, task, shots, seed=seed, equal_length=False)[0][:n_means]
+        if ablation == "mean"
+        else []
+    )
     if ablation == "mean":
         inputs.means = rk.last_token_means(model, [p.text for p in means_from])
     memo: dict[tuple[tuple[int, int], ...], Accuracy] = {}
@@ -578,15 +577,6 @@ def _intervals(
             )
         out[name] = entry
     return out
-
-
-def _mean_prompts(model: HookedModel, task: Task, shots: int, seed: int) -> list[Prompt]:
-    """Training prompts of every token length (the ranking prompts are their equal-length
-    subset), for the held-out means of mean ablation; never a test prompt."""
-    splits = task.split(seed)
-    usable = set(tasks.single_token_pairs(task, model))
-    pairs = [p for p in splits.train if p in usable]
-    return tasks.build_prompts(task, pairs, shots=shots, demos_from=pairs, seed=seed)
 
 
 def _patching_pairs(

@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
 from tqdm.auto import tqdm
 
 from ra_lens import tasks
@@ -19,7 +18,7 @@ from ra_lens.experiments.timing import timed
 from ra_lens.metrics import target_nll
 from ra_lens.patching import attention_patch_hooks, forward_patch_hooks
 from ra_lens.result import ReversedAttention
-from ra_lens.tasks import Accuracy, Prompt, Task
+from ra_lens.tasks import Accuracy, Prompt, Task, evaluate_by_length, task_prompts
 
 # The paper's grid, extended to stronger negative values (SmolLM2 peaks between -16 and -32).
 PAPER_SCALES: tuple[float, ...] = (
@@ -31,7 +30,17 @@ DEFAULT_SCALES: tuple[float, ...] = PAPER_SCALES + (-160, -240)
 
 @dataclass
 class PatchingResult:
-    """Accuracy on held-out prompts for each scale, with RA patching and the forward baseline."""
+    """Accuracy on held-out prompts for each scale, with RA patching and the forward baseline.
+
+    >>> import torch
+    >>> from ra_lens.tasks import Accuracy
+    >>> def acc(*ranks): return Accuracy.from_ranks(torch.tensor(ranks))
+    >>> result = PatchingResult("toy", 0, scales=[1.0, -1.0], ra=[acc(0, 9), acc(0, 0)],
+    ...                         forward=[acc(9, 9), acc(0, 9)], unpatched=acc(0, 9),
+    ...                         n_train=4, n_test=2)
+    >>> result.best(1), result.best(1, "forward"), result.to_dict()["best_ra_top3"]
+    ((-1.0, 1.0), (-1.0, 0.5), {'scale': -1.0, 'top3': 1.0})
+    """
 
     task: str
     shots: int
@@ -108,56 +117,26 @@ class PatchingResult:
         )
 
 
-def task_prompts(
-    model: HookedModel, task: str | Task, shots: int, *, seed: int = 42
-) -> tuple[list[Prompt], list[Prompt]]:
-    """(train, test) prompts whose answers are one token for this model (the paper's filter).
-
-    Train prompts keep only the most common token length, so their maps can be averaged position
-    by position; test prompts keep every length.
-    """
-    task = tasks.load(task) if isinstance(task, str) else task
-    splits = task.split(seed)
-    usable = set(tasks.single_token_pairs(task, model))
-    train_pairs = [p for p in splits.train if p in usable]
-    test_pairs = [p for p in splits.test if p in usable]
-    if len(train_pairs) < max(shots + 1, 2) or not test_pairs:
-        raise ValueError(
-            f"task {task.name!r} has {len(train_pairs)} train and {len(test_pairs)} test pairs whose "
-            "answer is one token for this tokenizer: too few for the experiment"
-        )
-    train = tasks.build_prompts(task, train_pairs, shots=shots, demos_from=train_pairs, seed=seed)
-    test = tasks.build_prompts(task, test_pairs, shots=shots, demos_from=train_pairs, seed=seed + 1)
-    return tasks.same_length(train, model), test
-
-
 def mean_reversed_attention(
     model: HookedModel, prompts: Sequence[Prompt], *, batch_size: int = 8
 ) -> ReversedAttention:
-    """RA of each prompt's own -log p(first answer token), for equal-length prompts, in batches."""
+    """RA of each prompt's own -log p(first answer token), for equal-length prompts, in batches.
+
+    >>> import torch
+    >>> from ra_lens.tasks import Task
+    >>> toy = Task("toy", [("b", "of"), ("c", "is"), ("d", "to"), ("l", "an"), ("o", "and"),
+    ...                    ("s", "the"), ("t", "cap"), ("F", "Par"), ("I", "Mar"), ("of", "b")])
+    >>> train, _ = tasks.task_prompts(model, toy, shots=1)
+    >>> ra = mean_reversed_attention(model, train[:4], batch_size=3)  # batches of 3 and 1
+    >>> ra.maps.shape[0], ra.maps.shape[1:3]  # [batch layer head query key]
+    (4, torch.Size([2, 4]))
+    """
     parts = []
     for i in range(0, len(prompts), batch_size):
         chunk = prompts[i : i + batch_size]
         targets = [tasks.answer_token(model, p.answer) for p in chunk]
         parts.append(reversed_attention(model, [p.text for p in chunk], target_nll(targets)))
     return ReversedAttention.concat(parts)
-
-
-def evaluate_by_length(
-    model: HookedModel, prompts: Sequence[Prompt], hooks: Sequence = (), *, batch_size: int = 32
-) -> Accuracy:
-    """tasks.evaluate with batches of one token length each, hooks or not: position-aligned
-    hooks (patching) then see every prompt unpadded, and the unpatched baseline runs the same
-    batches."""
-    lengths = tasks.prompt_lengths(prompts, model)
-    ranks = torch.empty(len(prompts), dtype=torch.long)
-    for n in sorted(set(lengths)):
-        idx = [i for i, m in enumerate(lengths) if m == n]
-        acc = tasks.evaluate(
-            model, [prompts[i] for i in idx], fwd_hooks=hooks, batch_size=batch_size
-        )
-        ranks[idx] = acc.ranks
-    return Accuracy.from_ranks(ranks)
 
 
 def attention_patching(
@@ -183,6 +162,23 @@ def attention_patching(
 
     Returns:
         PatchingResult with top-1/2/3 accuracy per scale for RA and the forward baseline.
+
+    >>> import torch
+    >>> from ra_lens.tasks import Task
+    >>> toy = Task("toy", [("b", "of"), ("c", "is"), ("d", "to"), ("l", "an"), ("o", "and"),
+    ...                    ("s", "the"), ("t", "cap"), ("F", "Par"), ("I", "Mar"), ("of", "b")])
+    >>> result = attention_patching(model, toy, shots=1, n_train=4, scales=[0.0, -4.0],
+    ...                             progress=False)
+    >>> result.n_train, result.n_test, result.scales
+    (4, 2, [0.0, -4.0])
+    >>> torch.equal(result.ra[0].ranks, result.unpatched.ranks)  # scale 0 adds nothing
+    True
+    >>> print(result.table())  # doctest: +ELLIPSIS
+    toy, 1-shot: RA averaged over 4 training prompts, 2 test prompts; unpatched top-1 ...
+
+    On the real model (minutes on a CPU; `DEFAULT_SCALES` has 26 scales):
+
+    >>> result = attention_patching(ra_lens.load_model(), "antonym", shots=0)  # doctest: +SKIP
     """
     seconds: dict[str, float] = {}
     name = task if isinstance(task, str) else task.name

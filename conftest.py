@@ -1,0 +1,42 @@
+"""What the docstring examples in ra_lens (collected by --doctest-modules) find in their namespace.
+
+`model`: a fresh tiny random model from `ra_lens.toy_models.tiny_model`, 2 layers x 4 heads,
+d_model 32, a 300-token vocabulary, built offline: the GPT-2 TransformerBridge under
+TransformerLens 4, a HookedTransformer under TransformerLens 2.18 (which has no bridge), so one
+example runs in both environments. It is built only for examples that mention `model` (0.2 s
+each on TL 4), and fresh for each docstring, so no example sees another's hooks or gradients.
+
+Examples of what needs TransformerLens >= 3 are skipped under TL 2, with the reason below.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+
+import pytest
+
+HAS_BRIDGE = importlib.util.find_spec("transformer_lens.model_bridge") is not None
+
+#: Docstrings whose examples need a TransformerBridge (TransformerLens >= 3), and why.
+TL4_ONLY = {
+    "ra_lens.dynamics.EditDynamics": "edit_dynamics refuses HookedTransformer",
+    "ra_lens.dynamics.edit_dynamics": "edit_dynamics refuses HookedTransformer",
+    "ra_lens.attribution.AttentionAttribution.to_transformer_lens": "AttributionResult is "
+    "TransformerLens 4's",
+}
+
+
+@pytest.fixture(autouse=True)
+def _doctest_model(request: pytest.FixtureRequest) -> None:
+    """Puts `model` into the namespace of the docstring examples that use it."""
+    test = getattr(request.node, "dtest", None)  # a doctest.DocTest: only doctest items have it
+    if test is None:
+        return
+    if not HAS_BRIDGE and test.name in TL4_ONLY:
+        pytest.skip(f"TransformerLens 2: {TL4_ONLY[test.name]}")
+    if any(re.search(r"\bmodel\b", example.source) for example in test.examples):
+        from ra_lens.toy_models import tiny_model
+
+        namespace = request.getfixturevalue("doctest_namespace")
+        namespace["model"] = tiny_model("gpt2" if HAS_BRIDGE else "hooked")

@@ -62,6 +62,8 @@ class RankingSpec:
             TransformerLens's activation patching, which only returns the mean).
         description: one line for tables and help.
         needs_labels: needs demonstrations to shuffle (skipped zero-shot).
+        paired: needs clean/shuffled-label prompt pairs of equal token length (implies
+            needs_labels).
         protocol: depends on the ablation protocol (causal mediation ablates the way the curves do).
     """
 
@@ -69,6 +71,7 @@ class RankingSpec:
     description: str
     needs_labels: bool = False
     protocol: bool = False
+    paired: bool = False
 
 
 def _pairs(inputs: RankingInputs) -> tuple[list[str], list[str], list[int]]:
@@ -150,6 +153,7 @@ RANKINGS: dict[str, RankingSpec] = {
         ),
         "activation patching (transformer_lens.patching)",
         needs_labels=True,
+        paired=True,
     ),
     "attribution_patching": RankingSpec(
         lambda i: rk.attribution_patching(
@@ -157,17 +161,17 @@ RANKINGS: dict[str, RankingSpec] = {
         ),
         "attribution patching",
         needs_labels=True,
+        paired=True,
     ),
     "exact_qk_attribution": RankingSpec(
         lambda i: rk.exact_qk_attribution(i.model, *_pairs(i), batch_size=i.batch_size),
         "exact query/key attribution (AtP* QK fix)",
         needs_labels=True,
+        paired=True,
     ),
 }
 #: Rankings that need clean/corrupted prompt pairs of equal token length.
-PAIRED: frozenset[str] = frozenset(
-    {"activation_patching", "attribution_patching", "exact_qk_attribution"}
-)
+PAIRED: frozenset[str] = frozenset(name for name, spec in RANKINGS.items() if spec.paired)
 
 
 @dataclass

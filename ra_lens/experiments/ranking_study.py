@@ -82,7 +82,7 @@ class StudyResult:
     def speed_ratios(self) -> dict[str, float]:
         """ "task k-shot ablation" -> seconds(causal mediation) / seconds(RA), where both ran."""
         return {
-            _label(c): c.speedup()
+            _label(c.task, c.shots, c.ablation): c.speedup()
             for c in self.cells
             if "causal_mediation" in c.seconds and "ra" in c.seconds
         }
@@ -216,7 +216,7 @@ def merge_saved(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
             raise ValueError(f"saved studies ran with different settings ({', '.join(diff)})")
     cells = [cell for part in parts for cell in part["cells"]]
     ratios = {
-        f"{c['task']} {c['shots']}-shot {c['ablation']}": c["seconds"]["causal_mediation"]
+        _label(c["task"], c["shots"], c["ablation"]): c["seconds"]["causal_mediation"]
         / max(c["seconds"]["ra"], 1e-12)
         for c in cells
         if "causal_mediation" in c["seconds"] and "ra" in c["seconds"]
@@ -258,8 +258,8 @@ def markdown_summary(data: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _label(cell: HeadRankingResult) -> str:
-    return f"{cell.task} {cell.shots}-shot {cell.ablation}"
+def _label(task: str, shots: int, ablation: str) -> str:
+    return f"{task} {shots}-shot {ablation}"
 
 
 def ranking_study(

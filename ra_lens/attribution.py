@@ -35,19 +35,20 @@ In the examples, `model` is a tiny random 2-layer x 4-head model (`ra_lens.toy_m
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import einops
 import torch
-from jaxtyping import Float, Int
+from jaxtyping import Float
 from torch import Tensor
 
 from ra_lens import capture
 from ra_lens._typing import Validated
 from ra_lens.capture import PATTERN, RESID_PRE, Batch, HookedModel
 from ra_lens.core import metric_loss
+from ra_lens.types import MetricFn, Tokens
 
 NodeKind = Literal["pattern", "query", "key"]
 Method = Literal["exact", "linear"]
@@ -56,8 +57,6 @@ NODES: tuple[str, ...] = ("pattern", "query", "key")
 METHODS: tuple[str, ...] = ("exact", "linear")
 DIRECTIONS: tuple[str, ...] = ("denoise", "noise")
 
-Tokens = Validated[Int[Tensor, "batch pos"] | Batch | str | Sequence[str]]
-MetricFn = Callable[..., Tensor]
 
 #: Largest |softmax(q k^T / s + causal mask) - A| accepted before the recomputed attention is
 #: declared not to be the model's (soft-capping, ALiBi, sliding windows are not modelled).

@@ -31,10 +31,10 @@ from ra_lens.math import (
     upcast,
 )
 from ra_lens.result import ReversedAttention, stack_layers
+from ra_lens.types import MetricFn
 
 Keep = Literal["maps", "norms", "rows"]
 Memory = Literal["full", "layerwise"]
-MetricFn = Callable[..., Tensor]
 RawHook = Callable[[Tensor], None]
 
 

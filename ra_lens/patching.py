@@ -13,7 +13,7 @@ people's hooks on the same points (`model`: a tiny random model, `ra_lens.toy_mo
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, Literal
 
 import torch
@@ -24,8 +24,8 @@ from ra_lens import capture
 from ra_lens._typing import Validated
 from ra_lens.capture import PATTERN, HookedModel, Z
 from ra_lens.result import ReversedAttention
+from ra_lens.types import Hook
 
-Hook = tuple[str, Callable]
 Align = Literal["right", "strict"]
 Heads = Validated[Iterable[tuple[int, int]] | Bool[Tensor, "layer head"]]
 

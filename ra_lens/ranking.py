@@ -54,6 +54,7 @@ from ra_lens.core import reversed_attention
 from ra_lens.math import frobenius_norms, upcast
 from ra_lens.metrics import target_nll
 from ra_lens.patching import head_ablation_hooks
+from ra_lens.types import Scores, Targets, Tokens
 
 __all__ = [
     "DEFAULT_FRACTIONS",
@@ -92,9 +93,6 @@ __all__ = [
     "trapezoid_auc",
 ]
 
-Tokens = Validated[Int[Tensor, "batch pos"] | Batch | str | Sequence[str]]
-Targets = Validated[Int[Tensor, "batch"] | Sequence[int]]
-Scores = Float[Tensor, "layer head"]
 PerPrompt = Float[Tensor, "batch layer head"]
 #: Mean head outputs for mean ablation: one vector per head (`patching.mean_head_outputs`, used at
 #: every position) or one per position counted back from the last token (`last_token_means`).

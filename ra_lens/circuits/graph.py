@@ -1,0 +1,195 @@
+"""The component graph of a TransformerLens model, named as EAP-IG and MIB name it.
+
+Writers (what adds to the residual stream), in forward order: `input` (the embeddings),
+`a{layer}.h{head}` (one head's output, z_h @ W_O[h]) and `m{layer}` (one MLP's output).
+Readers (what reads the residual stream): each head's query input `a{layer}.h{head}<q>`, each
+key/value head's key and value inputs `a{layer}.h{group}<k>` / `<v>`, each MLP's input `m{layer}`
+and `logits`. An edge `writer->reader` exists when the writer comes before the reader. On a
+grouped-query model (n_kv_heads < n_heads) the key and value readers are per key/value head:
+`a3.h1<k>` is key/value head 1 there, read by query heads 1*r .. 1*r + r - 1 (r = n_heads /
+n_kv_heads); files written for EAP-IG's ungrouped model repeat it on each query head of its group.
+
+Scores and circuits are dense `[writer, reader]` tensors; `Graph.real` says which entries are edges.
+
+    >>> g = Graph(n_layers=2, n_heads=4, n_kv_heads=2, d_model=16)
+    >>> len(g.writers), len(g.readers), g.n_edges
+    (11, 19, 82)
+    >>> g.readers[:7]
+    ['a0.h0<q>', 'a0.h1<q>', 'a0.h2<q>', 'a0.h3<q>', 'a0.h0<k>', 'a0.h1<k>', 'a0.h0<v>']
+    >>> g.edge_name(g.writer_index["a0.h2"], g.reader_index["a1.h1<k>"])
+    'a0.h2->a1.h1<k>'
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Literal
+
+import torch
+from jaxtyping import Bool
+from torch import Tensor
+
+from ra_lens._typing import Validated
+from ra_lens.capture import HookedModel, model_shape
+
+ReaderKind = Literal["q", "k", "v", "mlp", "logits"]
+WriterKind = Literal["input", "head", "mlp"]
+
+_READER = re.compile(r"^a(\d+)\.h(\d+)<([qkv])>$|^m(\d+)$|^logits$")
+_WRITER = re.compile(r"^a(\d+)\.h(\d+)$|^m(\d+)$|^input$")
+
+
+@dataclass(frozen=True)
+class Reader:
+    """One reader of the residual stream: kind, layer (n_layers for logits), head (q: query
+    head; k/v: key/value head; None for mlp and logits)."""
+
+    kind: ReaderKind
+    layer: int
+    head: int | None
+
+
+@dataclass(frozen=True)
+class Writer:
+    """One writer to the residual stream: kind, layer (-1 for input), head (None unless a head)."""
+
+    kind: WriterKind
+    layer: int
+    head: int | None
+
+
+@dataclass(frozen=True)
+class Graph:
+    """Writers, readers and which writer feeds which reader, for one model geometry."""
+
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    d_model: int
+    parallel_attn_mlp: bool = False
+
+    def __post_init__(self) -> None:
+        if self.n_layers < 1 or self.n_heads < 1 or self.n_kv_heads < 1:
+            raise ValueError(f"a graph needs at least one layer and one head, got {self}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}"
+            )
+
+    @classmethod
+    def from_model(cls, model: Validated[HookedModel]) -> Graph:
+        """The graph of a TransformerLens model (HookedTransformer or TransformerBridge).
+
+        >>> Graph.from_model(model)
+        Graph(n_layers=2, n_heads=4, n_kv_heads=4, d_model=32, parallel_attn_mlp=False)
+        """
+        shape = model_shape(model)
+        cfg = model.cfg
+        return cls(
+            n_layers=shape.n_layers,
+            n_heads=shape.n_heads,
+            n_kv_heads=shape.n_kv_heads,
+            d_model=int(cfg.d_model),
+            parallel_attn_mlp=bool(getattr(cfg, "parallel_attn_mlp", False)),
+        )
+
+    @property
+    def group(self) -> int:
+        """Query heads per key/value head (1 without grouped-query attention)."""
+        return self.n_heads // self.n_kv_heads
+
+    @cached_property
+    def writers(self) -> list[str]:
+        names = ["input"]
+        for layer in range(self.n_layers):
+            names += [f"a{layer}.h{h}" for h in range(self.n_heads)] + [f"m{layer}"]
+        return names
+
+    @cached_property
+    def readers(self) -> list[str]:
+        names: list[str] = []
+        for layer in range(self.n_layers):
+            names += [f"a{layer}.h{h}<q>" for h in range(self.n_heads)]
+            names += [f"a{layer}.h{g}<k>" for g in range(self.n_kv_heads)]
+            names += [f"a{layer}.h{g}<v>" for g in range(self.n_kv_heads)]
+            names.append(f"m{layer}")
+        return names + ["logits"]
+
+    @cached_property
+    def writer_index(self) -> dict[str, int]:
+        return {name: i for i, name in enumerate(self.writers)}
+
+    @cached_property
+    def reader_index(self) -> dict[str, int]:
+        return {name: i for i, name in enumerate(self.readers)}
+
+    @cached_property
+    def real(self) -> Bool[Tensor, "writer reader"]:
+        """True where the writer comes before the reader (an edge of the graph)."""
+        writer_rank = torch.tensor([self._writer_rank(w) for w in self.writers])
+        reader_rank = torch.tensor([self._reader_rank(r) for r in self.readers])
+        return writer_rank[:, None] < reader_rank[None, :]
+
+    @property
+    def n_edges(self) -> int:
+        return int(self.real.sum())
+
+    # Ranks place every writer and reader on one forward timeline: layer l's attention readers at
+    # 3l, its head writers at 3l + 1, its MLP reader at 3l + 1 (3l with parallel attention/MLP,
+    # so that the heads of the same layer do not feed it), its MLP writer at 3l + 2.
+    def _writer_rank(self, name: str) -> float:
+        w = self.writer(name)
+        if w.kind == "input":
+            return -1.0
+        return 3 * w.layer + (1.0 if w.kind == "head" else 2.0)
+
+    def _reader_rank(self, name: str) -> float:
+        r = self.reader(name)
+        if r.kind in ("q", "k", "v"):
+            return 3.0 * r.layer
+        if r.kind == "mlp":
+            return 3 * r.layer + (0.0 if self.parallel_attn_mlp else 1.5)
+        return 3.0 * self.n_layers
+
+    def writer(self, name: str) -> Writer:
+        """Parse a writer name: `input`, `a{l}.h{h}` or `m{l}`."""
+        match = _WRITER.match(name)
+        if match is None or (name != "input" and name not in self.writer_index):
+            raise KeyError(
+                f"{name!r} is not a writer of {self}: expected input, a{{l}}.h{{h}}, m{{l}}"
+            )
+        if name == "input":
+            return Writer("input", -1, None)
+        if match.group(3) is not None:
+            return Writer("mlp", int(match.group(3)), None)
+        return Writer("head", int(match.group(1)), int(match.group(2)))
+
+    def reader(self, name: str) -> Reader:
+        """Parse a reader name: `a{l}.h{h}<q|k|v>`, `m{l}` or `logits`."""
+        match = _READER.match(name)
+        if match is None or name not in self.reader_index:
+            raise KeyError(
+                f"{name!r} is not a reader of {self}: expected a{{l}}.h{{h}}<q|k|v> (k/v per "
+                "key/value head), m{l} or logits"
+            )
+        if name == "logits":
+            return Reader("logits", self.n_layers, None)
+        if match.group(4) is not None:
+            return Reader("mlp", int(match.group(4)), None)
+        return Reader(match.group(3), int(match.group(1)), int(match.group(2)))  # type: ignore[arg-type]
+
+    def edge_name(self, writer: int, reader: int) -> str:
+        """`writer->reader` for indices into `writers` and `readers`."""
+        return f"{self.writers[writer]}->{self.readers[reader]}"
+
+    def edge_index(self, name: str) -> tuple[int, int]:
+        """(writer index, reader index) of an edge name such as `a0.h1->a3.h2<q>`."""
+        writer, sep, reader = name.partition("->")
+        if not sep or writer not in self.writer_index or reader not in self.reader_index:
+            raise KeyError(f"{name!r} is not an edge of {self}")
+        w, r = self.writer_index[writer], self.reader_index[reader]
+        if not self.real[w, r]:
+            raise KeyError(f"{name!r}: {writer} comes after {reader}, so there is no such edge")
+        return w, r

@@ -246,9 +246,7 @@ def test_scale_sweep(tmp_path):
         viz.scale_sweep(scales, {"RA": [1.0, 2.0]})
 
 
-def test_ablation_curves_and_auc(tmp_path):
-    assert viz.trapezoid_auc([0, 0.5, 1], [0, 1, 1]) == pytest.approx(0.75)
-    assert viz.trapezoid_auc([1, 0], [1, 1]) == pytest.approx(1.0)  # sorted first
+def test_ablation_curves(tmp_path):
     fractions = np.linspace(0, 1, 11)
     curves = {"RA": fractions**0.5, "random": fractions, "forward": torch.tensor(fractions**2)}
     path = tmp_path / "ablation.png"
@@ -289,3 +287,23 @@ def test_backend_untouched():
     backend = matplotlib.get_backend()
     viz.scale_sweep([0, -1], {"a": [0.0, 1.0]})
     assert matplotlib.get_backend() == backend
+
+
+def test_all_lists_every_public_function():
+    """`viz.__all__` is exactly the public functions of its modules, each importable from viz."""
+    import inspect
+
+    from ra_lens.viz import _base, attribution, curves, maps, pages
+
+    modules = (_base, attribution, curves, maps, pages)
+    for module in modules:
+        defined = {
+            name
+            for name, value in vars(module).items()
+            if inspect.isfunction(value)
+            and value.__module__ == module.__name__
+            and not name.startswith("_")
+        }
+        assert set(module.__all__) == defined, module.__name__
+    assert viz.__all__ == sorted(name for module in modules for name in module.__all__)
+    assert all(callable(getattr(viz, name)) for name in viz.__all__)

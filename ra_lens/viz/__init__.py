@@ -1,0 +1,48 @@
+"""Figures for Reversed Attention and attention attribution, one module per kind of drawing:
+
+- `maps`: layer x head heat maps of head norms or any per-head scores, and one head's forward
+  pattern beside its RA map (`head_norm_heatmaps`, `head_pair`, `top_heads_grid`, `ranking_maps`);
+- `curves`: accuracy against the patching scale or the fraction of heads kept
+  (`scale_sweep`, `ablation_curves`);
+- `pages`: interactive circuitsvis HTML (`circuitsvis_heads`, `attribution_edges_page`);
+- `attribution`: `AttentionAttribution` scores, edges and estimates (`attribution_heatmaps`,
+  `top_edges_on_tokens`, `estimate_scatter`).
+
+Every figure function builds a fresh `matplotlib.figure.Figure` (never through pyplot, so
+nothing is shown, nothing global is left open and nothing of the caller's is closed) and returns
+it; pass `save="path.png"` (any format matplotlib knows: png, pdf, svg) to also write it to disk.
+The pages return a self-contained HTML string instead (the JavaScript is inlined, so the page
+works offline). Import everything from `ra_lens.viz`.
+
+In the examples, `model` is a tiny random 2-layer x 4-head model (`ra_lens.toy_models.tiny_model`):
+
+    >>> from ra_lens import metrics, reversed_attention, viz
+    >>> ra = reversed_attention(model, "The capital of France is", metrics.target_nll([294]))
+    >>> fig = viz.head_norm_heatmaps(ra)  # save="norms.png" writes it too
+    >>> page = viz.circuitsvis_heads(ra, ra.top_heads(4))  # save="heads.html"
+
+Colour conventions: signed maps (RA and its other conventions, attribution scores) use a
+diverging map centred at zero with a symmetric range (vmin == -vmax); forward patterns use a
+sequential map on [0, 1]. The causal (upper) triangle is masked and drawn grey.
+"""
+
+from ra_lens.viz._base import visible_token
+from ra_lens.viz.attribution import attribution_heatmaps, estimate_scatter, top_edges_on_tokens
+from ra_lens.viz.curves import ablation_curves, scale_sweep
+from ra_lens.viz.maps import head_norm_heatmaps, head_pair, ranking_maps, top_heads_grid
+from ra_lens.viz.pages import attribution_edges_page, circuitsvis_heads
+
+__all__ = [
+    "ablation_curves",
+    "attribution_edges_page",
+    "attribution_heatmaps",
+    "circuitsvis_heads",
+    "estimate_scatter",
+    "head_norm_heatmaps",
+    "head_pair",
+    "ranking_maps",
+    "scale_sweep",
+    "top_edges_on_tokens",
+    "top_heads_grid",
+    "visible_token",
+]

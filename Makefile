@@ -1,5 +1,6 @@
 # ra-lens: every target does its own set-up on a fresh clone.
 #   make test    set up .venv (TransformerLens 4) and .venv-tl2 (TransformerLens 2.18), run both suites
+#   make test-fast  the edit-test loop: tiny offline models, no real model, notebooks or script runs
 #   make demo    the paper's Figure-1 example on the embedded SmolLM2-135M-Instruct, into demo_out/
 #   make bench   every benchmarks/bench_*.py at its default plan, JSON into bench_out/
 #   make figures the README's figures into docs/figures/ (docs/make_figures.py)
@@ -14,7 +15,7 @@ PIP_FLAGS := --disable-pip-version-check -q
 # another process are several times slower than one.
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup setup-tl2 test test-tl4 test-tl2 demo bench bench-long figures notebooks lint clean
+.PHONY: setup setup-tl2 test test-fast test-fast-tl2 test-tl4 test-tl2 demo bench bench-long figures notebooks lint clean
 
 setup: $(VENV)/.installed
 setup-tl2: $(VENV_TL2)/.installed
@@ -43,6 +44,17 @@ test-tl4: setup
 # run the other environment's Python when it exists (after `make test-tl4`, or `make setup`).
 test-tl2: setup-tl2
 	$(PY_TL2) -m pytest -q -m "not tl4" tests ra_lens
+
+# The edit-test loop: the tests and doctests on the tiny offline models, without the real model
+# (`real_model`, given to every test using the smollm2 fixture), the notebooks (`notebook`) and the
+# end-to-end script runs (`slow`, listed in tests/conftest.py).
+# TransformerLens 4 only: the TL 2 run repeats the same checks on HookedTransformer and would
+# double the time; `make test-fast-tl2` runs it, `make test` runs both in full.
+test-fast: setup
+	$(PY) -m pytest -q -m "not real_model and not notebook and not slow" tests ra_lens
+
+test-fast-tl2: setup-tl2
+	$(PY_TL2) -m pytest -q -m "not real_model and not notebook and not slow and not tl4" tests ra_lens
 
 demo: setup
 	$(VENV)/bin/ra-lens maps --prompt "I like Italy and France. I visited the city of" \

@@ -1,5 +1,6 @@
 """Test helpers shared by several test files: prompts, the tiny architectures the installed
-TransformerLens offers (from `ra_lens.toy_models.ARCHITECTURES`), and a model-state snapshot.
+TransformerLens offers (from `ra_lens.toy_models.ARCHITECTURES`), a model-state snapshot, and a toy
+task whose prompts tokenize evenly on the tiny models.
 
 Imported as `from helpers import ...` (pytest puts tests/ on sys.path: it has no __init__.py).
 """
@@ -11,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from ra_lens.tasks import Task
 from ra_lens.toy_models import ARCHITECTURES, tiny_model
 
 #: The paper's Figure-1 prompt.
@@ -69,3 +71,31 @@ def snapshot(model: Any) -> tuple[Any, ...]:
         [None if p.grad is None else p.grad.clone() for p in params],
         hook_count(model),
     )
+
+
+# --- the toy task -----------------------------------------------------------------------------
+
+#: Word pairs whose input and answer are each one token (with its leading space) for the tiny
+#: tokenizer of `tiny_model`, so every n-shot prompt of the task has the same token length.
+TOY_PAIRS = [
+    ("b", "of"), ("c", "is"), ("d", "to"), ("l", "an"), ("o", "and"), ("s", "the"),
+    ("t", "cap"), ("F", "Par"), ("I", "Mar"), ("of", "Ital"), ("is", "Fran"), ("to", "Jo"),
+    ("an", "b"), ("and", "c"), ("the", "d"), ("cap", "l"), ("Par", "o"), ("Mar", "s"),
+    ("Ital", "t"), ("Fran", "F"),
+]  # fmt: skip
+#: The toy task, for experiments and rankings on `tiny_model`.
+TOY_TASK = Task(name="toy", pairs=TOY_PAIRS)
+#: Prompts in the task's template, of different token lengths on purpose (padding must not
+#: change a result); their corrupted twins swap the demonstrations' answers; TOY_TARGETS holds
+#: one target token id per prompt.
+TOY_CLEAN = [
+    "Q: b\nA: of\n\nQ: c\nA: is\n\nQ: d\nA:",
+    "Q: c\nA: is\n\nQ: d\nA: to\n\nQ: b\nA:",
+    "Q: the city of\nA:",
+]
+TOY_CORRUPTED = [
+    "Q: b\nA: is\n\nQ: c\nA: of\n\nQ: d\nA:",
+    "Q: c\nA: to\n\nQ: d\nA: is\n\nQ: b\nA:",
+    "Q: the city to\nA:",
+]
+TOY_TARGETS = [5, 6, 7]

@@ -12,6 +12,8 @@ the notebooks make many small forward passes, which gain little from threads, an
 CPU oversubscribed threads made them 3-5 times slower. Set OMP_NUM_THREADS to override.
 
 Set RA_LENS_NOTEBOOK_OUT=<folder> to keep the executed copies (with outputs and figures).
+Executing them is marked `notebook` (and `real_model`): `make test-fast` leaves them out, `make
+notebooks` runs only this file. The checks on the committed files run everywhere.
 
 The sources are the jupytext percent scripts notebooks/0N_name.py (linted by ruff); each committed
 .ipynb must hold exactly their cells (`test_notebook_matches_its_source`). The notebooks use only
@@ -34,6 +36,14 @@ NOTEBOOK_DIR = Path(__file__).resolve().parent.parent / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("[0-9][0-9]_*.ipynb"))
 CELL_TIMEOUT_S = 600
 KERNEL = "python3"
+#: Every tutorial notebook; a new one is added here (and to the README's list).
+EXPECTED = (
+    "01_quickstart",
+    "02_attention_patching",
+    "03_circuits",
+    "04_edit_dynamics",
+    "05_circuits_qk",
+)
 #: Notebooks that need TransformerLens 4, with the reason.
 TL4_ONLY = {
     # edit_dynamics refuses HookedTransformer, and tiny_model boots HF models as TransformerBridge
@@ -49,8 +59,10 @@ def _marked(path: Path):
 
 def test_notebooks_are_present() -> None:
     names = {path.stem for path in NOTEBOOKS}
-    for expected in ("01_quickstart", "02_attention_patching", "03_circuits", "04_edit_dynamics"):
+    for expected in EXPECTED:
         assert expected in names, f"notebooks/{expected}.ipynb is missing"
+    unlisted = sorted(names - set(EXPECTED))
+    assert not unlisted, f"add {unlisted} to EXPECTED in tests/test_notebooks.py"
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
@@ -151,6 +163,7 @@ def _execute(path: Path, workdir: Path):
 
 
 @pytest.mark.real_model
+@pytest.mark.notebook
 @pytest.mark.parametrize("path", [_marked(p) for p in NOTEBOOKS])
 def test_notebook_runs(path: Path, kernel_env: Path, tmp_path: Path) -> None:
     began = time.perf_counter()

@@ -307,3 +307,29 @@ def test_all_lists_every_public_function():
         assert set(module.__all__) == defined, module.__name__
     assert viz.__all__ == sorted(name for module in modules for name in module.__all__)
     assert all(callable(getattr(viz, name)) for name in viz.__all__)
+
+
+def test_ablation_curves_pair(tmp_path):
+    fractions = np.linspace(0, 1, 6)
+    names = [f"ranking {i}" for i in range(12)]  # more rankings than the colour cycle has colours
+    top = {name: fractions ** (1 + i / 4) for i, name in enumerate(names)}
+    bottom = {name: fractions ** (4 - i / 4) for i, name in enumerate(names)}
+    path = tmp_path / "pair.png"
+    fig = viz.ablation_curves_pair(fractions, top, bottom, title="toy, 2-shot", save=path)
+    _png(path)
+    left, right = fig.axes
+    assert fig.get_suptitle() == "toy, 2-shot"
+    assert left.get_title() == "Keeping the top-ranked heads"
+    assert right.get_title() == "Keeping the bottom-ranked heads"
+    assert left.get_shared_y_axes().joined(left, right)
+    for ax, curves in ((left, top), (right, bottom)):
+        lines = ax.get_lines()
+        np.testing.assert_allclose(lines[11].get_ydata(), curves["ranking 11"])
+        styles = [line.get_linestyle() for line in lines]
+        assert styles == ["-"] * 10 + ["--"] * 2  # the 11th and 12th differ from the 1st, 2nd
+        auc = float(
+            np.sum(np.diff(fractions) * (curves["ranking 0"][1:] + curves["ranking 0"][:-1]) / 2)
+        )
+        assert _tick_texts(ax.get_legend().get_texts())[0] == f"ranking 0 (AUC={auc:.3f})"
+    with pytest.raises(ValueError, match="fractions"):
+        viz.ablation_curves_pair([0, 2], {"a": [0, 1]}, {"a": [0, 1]})

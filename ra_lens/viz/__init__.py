@@ -3,7 +3,7 @@
 - `maps`: layer x head heat maps of head norms or any per-head scores, and one head's forward
   pattern beside its RA map (`head_norm_heatmaps`, `head_pair`, `top_heads_grid`, `ranking_maps`);
 - `curves`: accuracy against the patching scale or the fraction of heads kept
-  (`scale_sweep`, `ablation_curves`);
+  (`scale_sweep`, `ablation_curves`, `ablation_curves_pair`);
 - `pages`: interactive circuitsvis HTML (`circuitsvis_heads`, `attribution_edges_page`);
 - `attribution`: `AttentionAttribution` scores, edges and estimates (`attribution_heatmaps`,
   `top_edges_on_tokens`, `estimate_scatter`).
@@ -28,12 +28,13 @@ sequential map on [0, 1]. The causal (upper) triangle is masked and drawn grey.
 
 from ra_lens.viz._base import visible_token
 from ra_lens.viz.attribution import attribution_heatmaps, estimate_scatter, top_edges_on_tokens
-from ra_lens.viz.curves import ablation_curves, scale_sweep
+from ra_lens.viz.curves import ablation_curves, ablation_curves_pair, scale_sweep
 from ra_lens.viz.maps import head_norm_heatmaps, head_pair, ranking_maps, top_heads_grid
 from ra_lens.viz.pages import attribution_edges_page, circuitsvis_heads
 
 __all__ = [
     "ablation_curves",
+    "ablation_curves_pair",
     "attribution_edges_page",
     "attribution_heatmaps",
     "circuitsvis_heads",

@@ -15,7 +15,7 @@ from matplotlib.ticker import FuncFormatter
 from ra_lens.ranking import trapezoid_auc
 from ra_lens.viz._base import ArrayLike, PathLike, _legend, _new_figure, _numpy, _save
 
-__all__ = ["ablation_curves", "scale_sweep"]
+__all__ = ["ablation_curves", "ablation_curves_pair", "scale_sweep"]
 
 
 def _check_curves(x: np.ndarray, curves: Mapping[str, ArrayLike]) -> dict[str, np.ndarray]:
@@ -91,6 +91,38 @@ def scale_sweep(
     return _save(fig, save)
 
 
+def _fractions(fractions: ArrayLike) -> np.ndarray:
+    xs = _numpy(fractions).reshape(-1)
+    if xs.size and (xs.min() < 0 or xs.max() > 1):
+        raise ValueError(f"fractions must lie in [0, 1], got {xs.min()} to {xs.max()}")
+    return xs
+
+
+def _ablation_axis(
+    ax: Axes, xs: np.ndarray, data: dict[str, np.ndarray], ylabel: str, title: str
+) -> None:
+    """One panel of ablation curves. Past the colour cycle's ten colours lines turn dashed, then
+    dotted, so no two rankings of a study look alike."""
+    order = np.argsort(xs, kind="stable")
+    for i, (name, ys) in enumerate(data.items()):
+        auc = trapezoid_auc(xs, ys)
+        ax.plot(
+            xs[order],
+            ys[order],
+            linestyle=("-", "--", ":")[(i // 10) % 3],
+            marker="o",
+            markersize=3.5,
+            linewidth=1.5,
+            label=f"{name} (AUC={auc:.3f})",
+        )
+    ax.set_xlim(-0.02, 1.02)
+    ax.grid(True, alpha=0.3)
+    ax.set_xlabel("fraction of heads kept", fontsize=9)
+    ax.set_ylabel(ylabel, fontsize=9)
+    ax.set_title(title, fontsize=11)
+    _legend(ax, len(data))
+
+
 def ablation_curves(
     fractions: ArrayLike,
     curves: Mapping[str, ArrayLike],
@@ -113,27 +145,44 @@ def ablation_curves(
     >>> [text.get_text() for text in fig.axes[0].get_legend().get_texts()]
     ['ra (AUC=0.750)']
     """
-    xs = _numpy(fractions).reshape(-1)
-    if xs.size and (xs.min() < 0 or xs.max() > 1):
-        raise ValueError(f"fractions must lie in [0, 1], got {xs.min()} to {xs.max()}")
+    xs = _fractions(fractions)
     data = _check_curves(xs, curves)
-    order = np.argsort(xs, kind="stable")
     fig = _new_figure(6.5, 4.2)
-    ax = fig.subplots()
-    for name, ys in data.items():
-        auc = trapezoid_auc(xs, ys)
-        ax.plot(
-            xs[order],
-            ys[order],
-            marker="o",
-            markersize=3.5,
-            linewidth=1.5,
-            label=f"{name} (AUC={auc:.3f})",
-        )
-    ax.set_xlim(-0.02, 1.02)
-    ax.grid(True, alpha=0.3)
-    ax.set_xlabel("fraction of heads kept", fontsize=9)
-    ax.set_ylabel(ylabel, fontsize=9)
-    ax.set_title(title, fontsize=11)
-    _legend(ax, len(data))
+    _ablation_axis(fig.subplots(), xs, data, ylabel, title)
+    return _save(fig, save)
+
+
+def ablation_curves_pair(
+    fractions: ArrayLike,
+    top: Mapping[str, ArrayLike],
+    bottom: Mapping[str, ArrayLike],
+    *,
+    ylabel: str = "top-1 accuracy",
+    title: str | None = None,
+    save: PathLike | None = None,
+) -> Figure:
+    """Keeping the top-ranked heads (left) beside keeping the bottom-ranked heads (right), as in
+    `ablation_curves`, on one shared y axis: a good ranking rises early on the left and late on
+    the right.
+
+    Args:
+        fractions: Float[step], fractions of heads kept, each in [0, 1].
+        top, bottom: ranking name -> Float[step] accuracies with the top (bottom) heads kept.
+        ylabel: y axis label; title: optional figure title; save: optional path.
+
+    >>> fig = ablation_curves_pair([0.0, 1.0], {"ra": [0.0, 1.0]}, {"ra": [0.5, 1.0]}, title="toy")
+    >>> [ax.get_title() for ax in fig.axes], fig.get_suptitle()
+    (['Keeping the top-ranked heads', 'Keeping the bottom-ranked heads'], 'toy')
+    """
+    xs = _fractions(fractions)
+    panels = [
+        (_check_curves(xs, top), "Keeping the top-ranked heads"),
+        (_check_curves(xs, bottom), "Keeping the bottom-ranked heads"),
+    ]
+    fig = _new_figure(12.0, 4.4)
+    axes = fig.subplots(1, 2, sharey=True)
+    for ax, (data, panel_title) in zip(axes, panels, strict=True):
+        _ablation_axis(ax, xs, data, ylabel, panel_title)
+    if title:
+        fig.suptitle(title, fontsize=12)
     return _save(fig, save)

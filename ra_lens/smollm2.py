@@ -475,6 +475,7 @@ def smollm2_hf_dir(cache: str | os.PathLike | None = None, *, rebuild: bool = Fa
     its weights load and prove finite. A damaged copy is rebuilt beside the old one and swapped
     in when complete; if the rebuild fails the old folder is left as it was. A conversion holds
     the cache's file lock: another process that needs one meanwhile waits, then uses the copy.
+    Build folders of killed conversions (no live owner) are removed on every call.
 
     Args:
         cache: cache folder; default :func:`cache_dir`.
@@ -493,6 +494,8 @@ def smollm2_hf_dir(cache: str | os.PathLike | None = None, *, rebuild: bool = Fa
     """
     root = Path(cache).expanduser() if cache is not None else cache_dir()
     target = root / _CONVERTED_DIR
+    if root.is_dir():
+        _clean_stale_builds(root)
     problem = "a rebuild was asked for" if rebuild else _cache_problem(target)
     if problem is None:
         return target
@@ -520,7 +523,6 @@ def _build_locked(root: Path, target: Path, problem: str, *, rebuild: bool) -> P
         _say(f"another process is converting SmolLM2 into {root}; waiting for it to finish")
         lock.acquire()
     try:
-        _clean_stale_builds(root)
         if not rebuild:  # the process we waited for may have built it
             problem = _cache_problem(target) or ""
             if problem == "no sha256 recorded":

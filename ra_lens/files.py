@@ -23,7 +23,7 @@ from pathlib import Path
 __all__ = ["is_stream", "write_file"]
 
 
-def is_stream(path: str | os.PathLike[str]) -> bool:
+def is_stream(path: str | os.PathLike) -> bool:
     """Whether `path` is written in place rather than replaced: a FIFO, a terminal or other
     character device, a socket, or anything under /dev or /proc (``/dev/stdout`` may stand for a
     pipe or for the file the shell redirected it to: either way it must not be renamed over).
@@ -41,9 +41,7 @@ def is_stream(path: str | os.PathLike[str]) -> bool:
     return stat.S_ISFIFO(mode) or stat.S_ISCHR(mode) or stat.S_ISSOCK(mode)
 
 
-def write_file(
-    path: str | os.PathLike[str], data: str | bytes, *, make_folders: bool = False
-) -> Path:
+def write_file(path: str | os.PathLike, data: str | bytes, *, make_folders: bool = False) -> Path:
     """Write `data` (text is UTF-8) to `path`; returns the file actually written.
 
     - A symlink is followed: the file it points to gets the data, the link stays a link.

@@ -38,6 +38,7 @@ import importlib.util
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -73,8 +74,10 @@ _REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json")
 _PORTABLE_TOKENIZER_CLASS = "PreTrainedTokenizerFast"
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 _READ_ONLY = (errno.EROFS, errno.EACCES, errno.EPERM)
-# A build folder older than this process with no live owner can only be a killed conversion's.
+# A build folder older than this process with no live owner can only be a killed conversion's;
+# one without an owner record must also have been left alone this long (a conversion takes ~1 min).
 _PROCESS_START = time.time()
+_UNOWNED_GRACE = 3600.0
 
 
 def _say(message: str) -> None:
@@ -371,17 +374,32 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _last_change(folder: Path) -> float:
+    """The newest modification time in the folder's tree (a live conversion keeps writing)."""
+    times = [folder.stat().st_mtime]
+    times += [p.lstat().st_mtime for p in folder.rglob("*")]
+    return max(times)
+
+
 def _stale(build: Path) -> bool:
-    """A build folder no live process owns: its recorded owner is gone, or it has no record and
-    is older than this process (killed before it wrote one, or by an older ra-lens)."""
+    """A build folder no live process owns.
+
+    With an owner record from this machine: the recorded process is gone. Without one (killed
+    before writing it, or a build by an older ra-lens that kept no record) or from another
+    machine sharing the cache (whose processes this one cannot see): nothing in it changed
+    since this process started nor in the last `_UNOWNED_GRACE` seconds.
+    """
     try:
-        pid = int(json.loads((build / _OWNER).read_text())["pid"])
+        owner = json.loads((build / _OWNER).read_text())
+        pid, host = int(owner["pid"]), owner.get("host")
     except (OSError, ValueError, KeyError, TypeError):
-        try:
-            return build.stat().st_mtime < _PROCESS_START
-        except OSError:
-            return False
-    return pid != os.getpid() and not _pid_alive(pid)
+        pid, host = None, None
+    if pid is not None and host == socket.gethostname():
+        return pid != os.getpid() and not _pid_alive(pid)
+    try:
+        return _last_change(build) < min(_PROCESS_START, time.time() - _UNOWNED_GRACE)
+    except OSError:  # removed meanwhile, or unreadable: leave it
+        return False
 
 
 def _clean_stale_builds(cache: Path) -> None:
@@ -421,7 +439,8 @@ def _build_cache(cache: Path, target: Path, *, replace_intact: bool = False) -> 
     """
     build = Path(tempfile.mkdtemp(prefix=_BUILD_PREFIX, dir=cache))
     try:
-        _write_json(build / _OWNER, {"pid": os.getpid(), "started": time.time()})
+        owner = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
+        _write_json(build / _OWNER, owner)
         gguf = _find_gguf(cache, build / "gguf")
         out = build / "model"
         _say(f"converting SmolLM2-135M-Instruct from GGUF (about 40 s, once) into {target}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import socket
 import stat
 import subprocess
 import sys
@@ -261,12 +262,16 @@ def dead_pid() -> int:
     return done.pid
 
 
-def build_folder(cache: Path, name: str, owner: int | None) -> Path:
+def build_folder(cache: Path, name: str, owner: dict[str, Any] | None, *, old: bool) -> Path:
+    """A leftover build folder with a partial conversion; `old`: untouched since 1970."""
     folder = cache / f".build-{name}"
     (folder / "model").mkdir(parents=True)
     (folder / "model" / "model.safetensors").write_bytes(b"\0" * 1000)
     if owner is not None:
-        (folder / "owner.json").write_text(json.dumps({"pid": owner}))
+        (folder / "owner.json").write_text(json.dumps(owner))
+    if old:
+        for path in [*folder.rglob("*"), folder]:
+            os.utime(path, (0, 0))
     return folder
 
 
@@ -279,14 +284,19 @@ def test_build_folders_of_killed_conversions_are_removed_on_the_next_load(
     monkeypatch.setattr(smollm2, "_convert_gguf", convert(calls))
     if cache_state == "intact":
         smollm2.smollm2_hf_dir()
-    killed = build_folder(cache, "killed", dead_pid())
-    unrecorded = build_folder(cache, "old", None)
-    os.utime(unrecorded, (0, 0))  # from before this process started
-    live = build_folder(cache, "live", os.getppid())  # a running conversion elsewhere
-    fresh = build_folder(cache, "fresh", None)  # just created, owner not written yet
+    host = socket.gethostname()
+    stale = {
+        "killed": build_folder(cache, "killed", {"pid": dead_pid(), "host": host}, old=False),
+        "no record, old": build_folder(cache, "unrecorded", None, old=True),
+    }
+    kept = {
+        "live owner": build_folder(cache, "live", {"pid": os.getppid(), "host": host}, old=True),
+        "no record yet": build_folder(cache, "fresh", None, old=False),
+        "other machine, busy": build_folder(cache, "other", {"pid": 1, "host": "x"}, old=False),
+    }
     smollm2.smollm2_hf_dir()
-    assert not killed.exists() and not unrecorded.exists()
-    assert live.exists() and fresh.exists()
+    assert [why for why, folder in stale.items() if folder.exists()] == []
+    assert [why for why, folder in kept.items() if not folder.exists()] == []
     assert len(calls) == 1
 
 

@@ -1,7 +1,7 @@
 """Writing a file so that no reader ever sees half of it: the one writer every ra-lens output uses
 (`ReversedAttention.save`, the experiments' `save_json`, `ra-lens --json`, the model cache).
 
-    >>> import os, stat, tempfile
+    >>> import os, shutil, stat, tempfile
     >>> folder = tempfile.mkdtemp()
     >>> real, link = os.path.join(folder, "real.json"), os.path.join(folder, "link.json")
     >>> _ = write_file(real, "old")
@@ -11,6 +11,7 @@
     True
     >>> os.path.islink(link), open(real).read(), oct(stat.S_IMODE(os.stat(real).st_mode))
     (True, '{"a": 1}', '0o600')
+    >>> shutil.rmtree(folder)
 """
 
 from __future__ import annotations

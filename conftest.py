@@ -11,12 +11,13 @@ Examples of what needs TransformerLens >= 3 are skipped under TL 2, with the rea
 
 from __future__ import annotations
 
-import importlib.util
 import re
 
 import pytest
 
-HAS_BRIDGE = importlib.util.find_spec("transformer_lens.model_bridge") is not None
+from ra_lens.models import bridge_available
+
+HAS_BRIDGE = bridge_available()
 
 #: Docstrings whose examples need a TransformerBridge (TransformerLens >= 3), and why.
 TL4_ONLY = {

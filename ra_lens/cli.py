@@ -18,9 +18,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ra_lens.files import is_stream, write_file
+from ra_lens.types import HookedModel
+
 MODEL_HELP = (
     "model: 'smollm2-135m' (default, embedded, offline), a hub name for users with a network, "
-    "or 'tiny-gpt2' / 'tiny-llama' (random weights, for trying the tool in seconds)"
+    "or a tiny model with random weights, for trying the tool in seconds: 'tiny-gpt2', "
+    "'tiny-llama', 'tiny-opt', 'tiny-native' (TransformerLens >= 3) or 'tiny-hooked' "
+    "(TransformerLens 2)"
 )
 
 
@@ -31,9 +36,9 @@ def main(argv: list[str] | None = None) -> int:
     `--model tiny-gpt2` (TransformerLens >= 3) or `tiny-hooked` (TransformerLens 2) is a random
     tiny model, built in a second:
 
-    >>> import contextlib, importlib.util, io, json, math
-    >>> bridge = importlib.util.find_spec("transformer_lens.model_bridge") is not None
-    >>> tiny = "tiny-gpt2" if bridge else "tiny-hooked"
+    >>> import contextlib, io, json, math
+    >>> from ra_lens.models import bridge_available
+    >>> tiny = "tiny-gpt2" if bridge_available() else "tiny-hooked"
     >>> args = ["--prompt", "The capital of France is", "--target", " Paris", "--top", "3"]
     >>> with contextlib.redirect_stdout(io.StringIO()) as out:
     ...     status = main(["maps", "--model", tiny, *args, "--json", "-"])
@@ -174,11 +179,12 @@ def _task_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _load(name: str, backend: str = "auto") -> Any:
+def _load(name: str, backend: str = "auto") -> HookedModel:
+    """The model behind --model: a tiny random one (``tiny-ARCH``) or `load_model`'s."""
     if name.startswith("tiny-"):
         from ra_lens.toy_models import tiny_model
 
-        return tiny_model(name.removeprefix("tiny-"))  # type: ignore[arg-type]
+        return tiny_model(name.removeprefix("tiny-"))
     from ra_lens.models import load_model
 
     return load_model(name, backend=backend, device="cpu")
@@ -203,10 +209,12 @@ def _check_outputs(args: argparse.Namespace) -> None:
             raise ValueError(f"--out {out} is a file: give a folder (it is created if missing)")
         _check_writable_folder(out, "--out")
     target = getattr(args, "json", None)
-    if target is not None and target != "-":
-        path = Path(target)
-        if path.is_dir():
-            raise ValueError(f"--json {path} is a folder: give a file name such as {path}/out.json")
+    if target is not None and target != "-" and not is_stream(target):
+        path = Path(os.path.realpath(target))  # a symlink is written through: check its target
+        if path.exists() and not path.is_file():
+            raise ValueError(
+                f"--json {target} is a folder: give a file name such as {target}/out.json"
+            )
         _check_writable_folder(path.parent, "--json")
 
 
@@ -224,31 +232,17 @@ def _check_writable_folder(folder: Path, flag: str) -> None:
         ) from None
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
 def _emit_json(target: str | None, payload: dict[str, Any]) -> None:
+    """Print the report (`-`), or write it with the library's one writer: through symlinks,
+    keeping an existing file's mode, directly into a FIFO or /dev/stdout, atomically otherwise."""
     if target is None:
         return
     text = json.dumps(payload, indent=2)
     if target == "-":
         print(text)
         return
-    path = Path(target)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # Atomic: write beside the target, then rename, so a failure never leaves half a JSON file.
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
-        os.chmod(tmp, 0o666 & ~_umask())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    sys.stdout.flush()  # /dev/stdout may be the terminal the tables went to: keep the order
+    write_file(target, text + "\n", make_folders=True)
 
 
 def _say(args: argparse.Namespace, message: str) -> None:
@@ -411,7 +405,7 @@ def _run_rank(args: argparse.Namespace) -> int:
     return 0
 
 
-def _first_token(model: Any, text: str, flag: str) -> int:
+def _first_token(model: HookedModel, text: str, flag: str) -> int:
     ids = model.to_tokens(text, prepend_bos=False)[0].tolist()
     if len(ids) != 1:
         raise ValueError(f"{flag} {text!r} is {len(ids)} tokens: give a one-token answer")

@@ -6,16 +6,16 @@ In the examples, `model` is a tiny random 2-layer x 4-head model (`ra_lens.toy_m
 from __future__ import annotations
 
 import json
-import os
-import stat
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from jaxtyping import Float, Int
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+from safetensors.torch import save as save_bytes
 from torch import Tensor
+
+from ra_lens.files import write_file
 
 _TENSORS = (
     "maps",
@@ -248,18 +248,7 @@ class ReversedAttention:
             "routes": self.routes,
             "str_tokens": self.str_tokens,
         }
-        target = _writable_target(Path(path))
-        # Write beside the target, then rename: a crash never leaves half a file, and the
-        # target keeps its permissions.
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-        os.close(fd)
-        try:
-            save_file(tensors, tmp, metadata={"ra_lens": json.dumps(meta)})
-            os.chmod(tmp, _mode_for(target))
-            os.replace(tmp, target)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        write_file(path, save_bytes(tensors, metadata={"ra_lens": json.dumps(meta)}))
 
     @classmethod
     def load(cls, path: str | Path) -> ReversedAttention:
@@ -281,29 +270,6 @@ class ReversedAttention:
             raise ValueError(f"{path} was not written by ReversedAttention.save")
         tensors = load_file(str(path))
         return cls(**json.loads(header["ra_lens"]), **tensors)
-
-
-def _writable_target(path: Path) -> Path:
-    """The file to write: a symlink's target (the link stays a link); refuses folders and other
-    things that are not regular files."""
-    target = Path(os.path.realpath(path))
-    if target.exists() and not target.is_file():
-        raise ValueError(
-            f"{path} exists and is not a regular file: ReversedAttention.save writes a file; "
-            "choose a file path such as ra.safetensors"
-        )
-    if not target.parent.is_dir():
-        raise FileNotFoundError(f"folder {target.parent} does not exist: create it first")
-    return target
-
-
-def _mode_for(target: Path) -> int:
-    """The target's permissions if it exists, else what a new file gets under the umask."""
-    if target.exists():
-        return stat.S_IMODE(target.stat().st_mode)
-    umask = os.umask(0)
-    os.umask(umask)
-    return 0o666 & ~umask
 
 
 def stack_layers(per_layer: list[Tensor]) -> Tensor:

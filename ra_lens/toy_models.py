@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import tempfile
 from functools import lru_cache
-from typing import Any, Literal
+from typing import Literal
 
 import torch
+
+from ra_lens._typing import Validated
+from ra_lens.models import BackendUnavailableError, _has_hooked, _tl_version, bridge_available
+from ra_lens.types import HookedModel
 
 Architecture = Literal["gpt2", "llama", "opt", "native", "hooked"]
 ARCHITECTURES: tuple[str, ...] = ("gpt2", "llama", "opt", "native", "hooked")
@@ -108,7 +112,7 @@ def hf_config(arch: str, vocab: int, d_model: int, n_layers: int, n_heads: int, 
 
 
 def tiny_model(
-    arch: Architecture = "gpt2",
+    arch: Validated[Architecture] = "gpt2",
     *,
     d_model: int = 32,
     n_layers: int = 2,
@@ -117,7 +121,7 @@ def tiny_model(
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
     frozen: bool = False,
-) -> Any:
+) -> HookedModel:
     """A small randomly initialised TransformerLens model, built offline.
 
     Args:
@@ -131,12 +135,17 @@ def tiny_model(
 
     The bridge architectures need TransformerLens >= 3, "hooked" TransformerLens 2.x or 3.x:
 
-    >>> import importlib.util
-    >>> has_bridge = importlib.util.find_spec("transformer_lens.model_bridge") is not None
-    >>> model = tiny_model("gpt2" if has_bridge else "hooked", frozen=True)
+    >>> from ra_lens.models import bridge_available
+    >>> model = tiny_model("gpt2" if bridge_available() else "hooked", frozen=True)
     >>> model.cfg.n_layers, model.cfg.n_heads, model.training, model.W_Q.requires_grad
     (2, 4, False, False)
+
+    Raises:
+        ValueError: an unknown architecture.
+        BackendUnavailableError: the installed TransformerLens cannot build it (the message
+            names the architectures it can build); also an ImportError and a RuntimeError.
     """
+    _check_arch(arch)
     torch.manual_seed(seed)
     if arch == "hooked":
         from transformer_lens import HookedTransformer, HookedTransformerConfig
@@ -196,3 +205,31 @@ def tiny_model(
         for p in model.parameters():
             p.requires_grad_(False)
     return model
+
+
+def available_architectures() -> list[str]:
+    """The tiny architectures the installed TransformerLens builds: the bridge ones on
+    TransformerLens >= 3, "hooked" where HookedTransformer exists (TransformerLens 2.x/3.x).
+
+    >>> archs = available_architectures()
+    >>> set(archs) <= set(ARCHITECTURES), ("gpt2" in archs) == bridge_available()
+    (True, True)
+    """
+    bridge = bridge_available()
+    return [a for a in ARCHITECTURES if (bridge if a != "hooked" else _has_hooked())]
+
+
+def _check_arch(arch: object) -> None:
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"unknown tiny architecture {arch!r}: use one of {list(ARCHITECTURES)}")
+    if arch in available_architectures():
+        return
+    kind = (
+        "a HookedTransformer, which TransformerLens 4 removed"
+        if arch == "hooked"
+        else "a TransformerBridge, which needs TransformerLens >= 3"
+    )
+    raise BackendUnavailableError(
+        f"tiny model {arch!r} is {kind} (installed: {_tl_version()}); here use one of "
+        f"{available_architectures()}"
+    )

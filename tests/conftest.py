@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from pathlib import Path
 from typing import Any
@@ -57,7 +56,9 @@ def other_env_python() -> str:
     ``$RA_LENS_TL2_PYTHON`` / ``$RA_LENS_TL4_PYTHON`` when set (a worktree without its own
     environments), else the repository's ``.venv-tl2`` / ``.venv``; skipped when absent.
     """
-    here_tl4 = importlib.util.find_spec("transformer_lens.model_bridge") is not None
+    from ra_lens.models import bridge_available
+
+    here_tl4 = bridge_available()
     var, venv = ("RA_LENS_TL2_PYTHON", ".venv-tl2") if here_tl4 else ("RA_LENS_TL4_PYTHON", ".venv")
     python = os.environ.get(var) or str(Path(__file__).resolve().parents[1] / venv / "bin/python")
     if not os.access(python, os.X_OK):

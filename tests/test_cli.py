@@ -9,14 +9,11 @@ import torch
 
 import ra_lens
 from ra_lens.cli import main
+from ra_lens.models import bridge_available
 from ra_lens.toy_models import tiny_model
 
-try:  # TransformerLens 4: bridges of two architectures; TransformerLens 2: HookedTransformer
-    import transformer_lens.model_bridge  # noqa: F401
-
-    ARCH, OTHER_ARCH = "gpt2", "llama"
-except ImportError:
-    ARCH = OTHER_ARCH = "hooked"
+# TransformerLens 4: bridges of two architectures; TransformerLens 2: HookedTransformer
+ARCH, OTHER_ARCH = ("gpt2", "llama") if bridge_available() else ("hooked", "hooked")
 
 PROMPT = "I like Italy and France. I visited the city of"
 
@@ -65,4 +62,47 @@ def test_help_lists_subcommands(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
     text = capsys.readouterr().out
-    assert all(word in text for word in ("maps", "patch", "rank"))
+    assert all(word in text for word in ("maps", "patch", "rank", "attribute"))
+
+
+#: Single-token pairs for the tiny tokenizer (the example task of `attention_patching`).
+TOY_PAIRS = [["b", "of"], ["c", "is"], ["d", "to"], ["l", "an"], ["o", "and"], ["s", "the"],
+             ["t", "cap"], ["F", "Par"], ["I", "Mar"], ["of", "b"]]  # fmt: skip
+
+
+def test_patch_end_to_end_matches_the_api(tmp_path, capsys, monkeypatch):
+    from ra_lens.experiments import attention_patching
+    from ra_lens.tasks import _task
+
+    # A bundled-task folder holding one task the tiny tokenizer spells in single tokens.
+    (tmp_path / "toy.json").write_text(json.dumps({"name": "toy", "pairs": TOY_PAIRS}))
+    monkeypatch.setattr(_task, "_data_dir", lambda: tmp_path)
+    out = tmp_path / "out"
+    args = ["--task", "toy", "--shots", "1", "--n-train", "4", "--scales", "0,-4"]
+    code = main(["patch", *args, "--model", f"tiny-{ARCH}", "--out", str(out),
+                 "--json", str(out / "patch.json")])  # fmt: skip
+    assert code == 0
+    report = json.loads((out / "patch.json").read_text())
+    expected = attention_patching(
+        tiny_model(ARCH), "toy", shots=1, n_train=4, scales=[0.0, -4.0], progress=False
+    ).to_dict()
+    report.pop("seconds"), expected.pop("seconds")
+    assert report == expected
+    assert report["n_train"] == 4 and report["scales"] == [0.0, -4.0]
+    assert (out / "patching_toy_1shot.png").stat().st_size > 1000
+    printed = capsys.readouterr().out
+    assert "toy, 1-shot: RA averaged over 4 training prompts" in printed
+
+
+def test_a_tiny_model_this_transformer_lens_cannot_build_is_one_line_exit_2(capsys):
+    from ra_lens.toy_models import available_architectures
+
+    other = "tiny-hooked" if bridge_available() else "tiny-gpt2"
+    here = f"here use one of {available_architectures()}"
+    for model, why in [(other, "tiny model"), ("tiny-nope", "unknown tiny architecture 'nope'")]:
+        code = main(["maps", "--prompt", PROMPT, "--target", " the", "--model", model])
+        err = capsys.readouterr().err
+        assert code == 2
+        assert err.startswith(f"ra-lens maps: error: {why}") and err.count("\n") == 1, err
+        assert "Traceback" not in err
+        assert here in err or model == "tiny-nope"

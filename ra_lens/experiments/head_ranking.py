@@ -30,6 +30,7 @@ from ra_lens import ranking as rk
 from ra_lens._typing import Validated
 from ra_lens.capture import HookedModel
 from ra_lens.experiments.timing import timed
+from ra_lens.files import write_file
 from ra_lens.ranking import AblationCurve, HeadMeans, Interval, Scores
 from ra_lens.tasks import Accuracy, Prompt, Task, shuffled_label_prompts, task_prompts
 
@@ -278,8 +279,7 @@ class HeadRankingResult:
         }
 
     def save_json(self, path: str | Path) -> None:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2))
+        write_file(path, json.dumps(self.to_dict(), indent=2), make_folders=True)
 
     def table(self) -> str:
         """One row per ranking: ablation AUCs with 95% bootstrap intervals (top-1 keeping the top

@@ -32,6 +32,7 @@ from ra_lens.experiments.head_ranking import (
     check_rankings,
     head_ranking,
 )
+from ra_lens.files import write_file
 from ra_lens.tasks import Task
 
 #: The study's tasks and shot counts (issue 14).
@@ -129,8 +130,7 @@ class StudyResult:
         }
 
     def save_json(self, path: str | Path) -> None:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(self.to_dict(), indent=1, allow_nan=False))
+        write_file(path, json.dumps(self.to_dict(), indent=1, allow_nan=False), make_folders=True)
 
     def table(self) -> str:
         """Every cell's table, then the runtime and the speed goal."""

@@ -164,7 +164,8 @@ def edit_dynamics(
     mask = _real_triangle(batch)
 
     clone = _deepcopy(model)
-    clone.eval()
+    for module in capture.model_modules(clone):  # a bridge's HF modules too: no dropout
+        module.eval()
     for p in clone.parameters():
         p.requires_grad_(False)
         p.grad = None

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Literal
 
 import einops
@@ -510,13 +511,21 @@ def _capture(
     queries = [capture.query_hook_name(model, layer) for layer in layers]
     keys = [capture.key_hook_name(model, layer) for layer in layers]
     leaf: dict[str, Tensor] = {}
-    with (
-        torch.enable_grad(),
-        model.hooks(fwd_hooks=[(RESID_PRE.format(layers[0]), capture.gradient_leaf_hook(leaf))]),
-        capture.recorded(model, patterns + queries + keys) as acts,
-        capture.recorded(model, patterns if backward else [], grad=True) as grads,
-    ):
-        logits = model(batch.tokens)
+    grads: dict[str, Tensor] = {}
+    # R is read on the raw input of hook_pattern: a tensor hook on this forward's own tensor,
+    # so it still fires after the module hooks are gone.
+    keep_grad = {name: partial(_keep, grads, name) for name in patterns} if backward else {}
+    with torch.enable_grad():
+        with (
+            model.hooks(
+                fwd_hooks=[(RESID_PRE.format(layers[0]), capture.gradient_leaf_hook(leaf))]
+            ),
+            capture.recorded(model, patterns + queries + keys) as acts,
+            capture.raw_input_hooks(model, {}, keep_grad),
+        ):
+            logits = model(batch.tokens)
+        # The hooks are off before the metric runs: a metric may run the model itself (e.g.
+        # reference logits under no_grad), and that forward must not replace the gradient leaf.
         values, loss = metric_loss(metric, logits, batch)
         if backward:
             torch.autograd.grad(loss, [leaf["leaf"]], allow_unused=True)
@@ -543,6 +552,10 @@ def _capture(
         by_layer(patterns, grads),
         values.detach(),
     )
+
+
+def _keep(store: dict[str, Tensor], name: str, grad: Tensor) -> None:
+    store[name] = grad.detach()
 
 
 def _layer_estimates(

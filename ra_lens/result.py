@@ -19,6 +19,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
+from ra_lens._typing import Validated
+
 _TENSORS = (
     "maps",
     "patterns",
@@ -108,7 +110,7 @@ class ReversedAttention:
         """
         return self.pattern_norms.mean(0)
 
-    def top_heads(self, k: int = 10) -> list[tuple[int, int, float]]:
+    def top_heads(self, k: Validated[int] = 10) -> list[tuple[int, int, float]]:
         """The k heads with the largest mean norm, as (layer, head, norm), largest first.
 
         >>> from ra_lens import metrics, reversed_attention
@@ -117,6 +119,8 @@ class ReversedAttention:
         >>> norm == ra.head_norms().max().item() == ra.head_norms()[layer, head].item(), len(rest)
         (True, 2)
         """
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"k must be a positive number of heads, got {k!r}")
         norms = self.head_norms()
         values, flat = norms.flatten().topk(min(k, norms.numel()))
         n_heads = norms.shape[1]

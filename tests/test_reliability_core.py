@@ -8,11 +8,13 @@ import torch
 from helpers import arch_or_hooked
 
 import ra_lens
-from ra_lens.metrics import target_nll
+from ra_lens.capture import Batch
+from ra_lens.metrics import logit_diff, target_nll
 from ra_lens.toy_models import tiny_model
 
 TOKENS = torch.tensor([[0, 5, 9, 14, 20, 33, 7, 41, 12], [0, 8, 3, 14, 25, 33, 7, 40, 12]])
 CORRUPTED = torch.tensor([[0, 5, 17, 14, 20, 61, 7, 41, 12], [0, 8, 3, 19, 25, 33, 70, 40, 12]])
+DIFF = logit_diff([30, 31], [32, 33])
 
 
 @pytest.fixture(scope="module")
@@ -183,3 +185,115 @@ def test_load_names_a_damaged_file(saved, tmp_path, damage):
     with pytest.raises(ValueError, match="not a readable ra-lens result file") as error:
         ra_lens.ReversedAttention.load(bad)
     assert str(bad) in str(error.value)
+
+
+# --------------------------------------------------------------------------------------------
+# item 5 (and issue 21 item 6): what to_transformer_lens exports
+
+
+@pytest.fixture(scope="module")
+def mixed(model):
+    """Two pairs of different real lengths (9 and 7 tokens, right-padded)."""
+    lengths = torch.tensor([9, 7])
+    clean, corrupted = Batch(TOKENS, lengths), Batch(CORRUPTED, lengths)
+    return ra_lens.attention_attribution(model, clean, corrupted, target_nll([5]))
+
+
+@pytest.mark.tl4  # TransformerLens 4's AttributionResult
+def test_to_transformer_lens_refuses_noise(model):
+    att = ra_lens.attention_attribution(model, TOKENS, CORRUPTED, DIFF, direction="noise")
+    with pytest.raises(ValueError, match="direction='denoise' only"):
+        att.to_transformer_lens()
+
+
+@pytest.mark.tl4
+def test_to_transformer_lens_refuses_to_average_pairs_of_different_lengths(mixed):
+    with pytest.raises(ValueError, match=r"the pairs have \[7, 9\] tokens"):
+        mixed.to_transformer_lens()
+    from transformer_lens.tools.analysis.attribution_patching import Node
+
+    one = mixed.to_transformer_lens(pair=1)  # one pair: its own 7 positions
+    assert len(one.node_scores) == 2 * 2 * 4 * 7
+    node = Node(kind="q_input", position=6, layer=1, head=3)
+    assert one.node_scores[node] == pytest.approx(float(mixed.by_position["query"][1, 1, 3, 6]))
+
+
+# --------------------------------------------------------------------------------------------
+# issue 20: AttentionAttribution's vocabulary, to_dict/save/load
+
+
+@pytest.mark.parametrize("direction", ["denoise", "noise"])
+def test_clean_and_corrupted_metric_keep_their_meaning(model, direction):
+    att = ra_lens.attention_attribution(model, TOKENS, CORRUPTED, DIFF, direction=direction)
+    with torch.no_grad():
+        clean, corrupted = DIFF(model(TOKENS)), DIFF(model(CORRUPTED))
+    torch.testing.assert_close(att.clean_metric, clean.float())
+    torch.testing.assert_close(att.corrupted_metric, corrupted.float())
+
+
+def test_attribution_top_heads_to_dict_and_save_load(model, tmp_path):
+    att = ra_lens.attention_attribution(model, TOKENS, CORRUPTED, DIFF)
+    (layer, head, score), *_ = att.top_heads(3, node="key")
+    assert score == pytest.approx(float(att.scores["key"][att.layers.index(layer), head]))
+    assert abs(score) == pytest.approx(float(att.scores["key"].abs().max()))
+    report = att.to_dict(k=2, pair=1)
+    assert report["top"]["query"][0]["score"] == att.top_heads(1)[0][2]
+    assert report["top_edges"][0]["value"] == att.top_edges(1, batch=1)[0][4]
+    assert report["clean_metric"] == att.clean_metric.tolist()
+    att.save(tmp_path / "att.safetensors")
+    back = ra_lens.AttentionAttribution.load(tmp_path / "att.safetensors")
+    assert back.to_dict(k=5) == att.to_dict(k=5)
+    torch.testing.assert_close(
+        back.delta_pattern("key", 1, 2, 5), att.delta_pattern("key", 1, 2, 5), rtol=0, atol=0
+    )
+    with pytest.raises(ValueError, match="not written by AttentionAttribution.save"):
+        ra_lens.AttentionAttribution.load(_saved_ra(model, tmp_path))
+
+
+def _saved_ra(model, folder):
+    ra_lens.reversed_attention(model, TOKENS, target_nll([5])).save(folder / "ra.safetensors")
+    return folder / "ra.safetensors"
+
+
+@pytest.mark.parametrize("k", [0, -3])
+def test_top_heads_refuses_a_non_positive_k(model, k):
+    att = ra_lens.attention_attribution(model, TOKENS, CORRUPTED, DIFF, nodes=["query"])
+    with pytest.raises(ValueError, match="k must be a positive number"):
+        att.top_heads(k)
+    ra = ra_lens.reversed_attention(model, TOKENS, target_nll([5]), keep="norms")
+    with pytest.raises(ValueError, match="k must be a positive number"):
+        ra.top_heads(k)
+
+
+# --------------------------------------------------------------------------------------------
+# item 8: counts and sweeps that would silently shrink are refused
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"n_train": -1}, "n_train must be a whole number >= 2"),
+        ({"n_train": 1}, "n_train must be a whole number >= 2"),
+        ({"n_test": -1}, "n_test must be a whole number >= 1"),
+        ({"n_test": 0}, "n_test must be a whole number >= 1"),
+        ({"scales": []}, "non-empty sequence of finite numbers"),
+        ({"scales": [1.0, float("nan")]}, "non-empty sequence of finite numbers"),
+        ({"shots": -1}, "shots must be a whole number >= 0"),
+    ],
+)
+def test_attention_patching_refuses_bad_counts(model, kwargs, message):
+    from ra_lens.experiments import attention_patching
+
+    arguments = {"shots": 1, "n_train": 2, "scales": [-4.0], "progress": False} | kwargs
+    with pytest.raises(ValueError, match=message):
+        attention_patching(model, "antonym", **arguments)
+
+
+def test_cli_attribute_refuses_a_negative_top(capsys):
+    from ra_lens import cli
+
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["attribute", "--clean", "a", "--corrupted", "b", "--target", " c",
+                  "--top", "-3"])  # fmt: skip
+    assert exit_.value.code == 2
+    assert "expected a whole number >= 1, got '-3'" in capsys.readouterr().err

@@ -307,8 +307,8 @@ def measure(
             "answer": pairs[0].answer,
             "wrong": pairs[0].wrong,
         },  # fmt: skip
-        metric_clean=float(exact.other_metric.mean()),
-        metric_corrupted=float(exact.metric.mean()),
+        metric_clean=float(exact.clean_metric.mean()),
+        metric_corrupted=float(exact.corrupted_metric.mean()),
         truth={k: v.float() for k, v in truth.items()},
         exact={k: exact.scores[k] for k in KINDS},
         linear={k: linear.scores[k] for k in KINDS},

@@ -1,21 +1,24 @@
-"""Every public function that runs a model gives one answer in train mode: the answer of eval
-mode, the same on every call, with each module's own mode (a bridge's HuggingFace modules
-included) restored afterwards.
+"""Every public function that runs a model gives one answer in train mode (the answer of eval
+mode, the same on every call) and leaves the model exactly as it found it: each module's own mode
+(a bridge's HuggingFace modules included), requires_grad, .grad, parameter values and hooks, also
+when the metric raises.
 
 The model (`helpers.dropout_model`) is a tiny float64 GPT-2 bridge with dropout 0.3 held in train
 mode, so any module left in train mode makes two calls differ. TransformerLens 2's
 HookedTransformer has no dropout, so under TL 2 only the mode bookkeeping is exercised.
 
-To cover a new function, append one (name, function(model) -> tensor) pair to `CASES`.
+To cover a new function, append one (name, function(model) -> tensor) pair to `CASES`; a function
+with a `metric` parameter is also run with a metric that raises.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 
 import pytest
 import torch
-from helpers import dropout_model, has_bridge, module_modes
+from helpers import dropout_model, has_bridge, hook_count, module_modes
 from torch import Tensor
 
 import ra_lens
@@ -35,18 +38,18 @@ TOY = tasks.Task(
 )
 
 
-def _ra(memory: str, keep: str) -> Callable[[object], Tensor]:
-    def run(model) -> Tensor:
-        ra = ra_lens.reversed_attention(model, TOKENS, NLL, memory=memory, keep=keep)
+def _ra(memory: str, keep: str) -> Callable[..., Tensor]:
+    def run(model, metric=NLL) -> Tensor:
+        ra = ra_lens.reversed_attention(model, TOKENS, metric, memory=memory, keep=keep)
         kept = {"maps": ra.maps, "rows": ra.rows, "norms": ra.norms}[keep]
         return torch.cat([kept.flatten(), ra.norms.flatten(), ra.metric_values.flatten()])
 
     return run
 
 
-def _attribution(method: str) -> Callable[[object], Tensor]:
-    def run(model) -> Tensor:
-        att = ra_lens.attention_attribution(model, TOKENS, CORRUPTED, DIFF, method=method)
+def _attribution(method: str) -> Callable[..., Tensor]:
+    def run(model, metric=DIFF) -> Tensor:
+        att = ra_lens.attention_attribution(model, TOKENS, CORRUPTED, metric, method=method)
         return torch.cat([att.edges.flatten()] + [s.flatten() for s in att.by_position.values()])
 
     return run
@@ -58,8 +61,8 @@ def _patching(model) -> Tensor:
     return torch.cat([result.ra_maps.maps.flatten()] + [a.ranks.double() for a in accs])
 
 
-def _dynamics(model) -> Tensor:
-    dyn = ra_lens.edit_dynamics(model, TOKENS, NLL, lr=1e-2)
+def _dynamics(model, metric=NLL) -> Tensor:
+    dyn = ra_lens.edit_dynamics(model, TOKENS, metric, lr=1e-2)
     return torch.cat([dyn.predicted.flatten(), dyn.actual.flatten()])
 
 
@@ -68,7 +71,7 @@ def _evaluate(model) -> Tensor:
 
 
 #: (name, function(model) -> tensor): every public function that runs a model.
-CASES: list[tuple[str, Callable[[object], Tensor]]] = [
+CASES: list[tuple[str, Callable[..., Tensor]]] = [
     *[(f"ra-{m}-{k}", _ra(m, k)) for m in ("full", "layerwise") for k in ("maps", "norms", "rows")],
     ("attribution-exact", _attribution("exact")),
     ("attribution-linear", _attribution("linear")),
@@ -107,3 +110,51 @@ def test_the_dropout_model_is_random_in_train_mode(model):
     model.train()
     with torch.no_grad():
         assert not torch.equal(model(TOKENS), model(TOKENS))
+
+
+def _state(model) -> tuple:
+    """Everything a call must leave as it was: module modes, requires_grad, .grad (the same
+    tensor, with the same values), parameter values and the hooks on every hook point and module."""
+    params = list(model.parameters())
+    return (
+        module_modes(model),
+        [p.requires_grad for p in params],
+        [None if p.grad is None else (id(p.grad), p.grad.clone()) for p in params],
+        [p.detach().clone() for p in params],
+        hook_count(model),
+    )
+
+
+@pytest.fixture
+def mixed_model():
+    """The dropout model in a state worth restoring: train mode with one module in eval mode,
+    half the parameters frozen, one with a .grad already."""
+    model = dropout_model()
+    modules = model_modules(model)
+    modules[len(modules) // 2].eval()
+    params = list(model.parameters())
+    for p in params[::2]:
+        p.requires_grad_(False)
+    params[1].grad = torch.full_like(params[1], 7.0)
+    return model
+
+
+def _raises(logits):
+    raise KeyError("metric failed")
+
+
+@pytest.mark.parametrize("run", [fn for _, fn in CASES], ids=[name for name, _ in CASES])
+def test_leaves_the_model_exactly_as_found(mixed_model, run):
+    run(mixed_model)  # a bridge adds its own hooks on its first forward pass
+    before = _state(mixed_model)
+    run(mixed_model)
+    if "metric" in inspect.signature(run).parameters:
+        with pytest.raises(KeyError, match="metric failed"):
+            run(mixed_model, metric=_raises)
+    after = _state(mixed_model)
+    assert after[0] == before[0] and after[1] == before[1] and after[4] == before[4]
+    for found, kept in zip(after[2], before[2]):
+        assert (found is None) == (kept is None)
+        if found is not None:
+            assert found[0] == kept[0] and torch.equal(found[1], kept[1])
+    assert all(torch.equal(a, b) for a, b in zip(after[3], before[3]))

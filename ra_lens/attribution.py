@@ -35,8 +35,11 @@ In the examples, `model` is a tiny random 2-layer x 4-head model (`ra_lens.toy_m
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
 from typing import Any, Literal
 
 import einops
@@ -48,6 +51,7 @@ from ra_lens import capture
 from ra_lens._typing import Validated
 from ra_lens.capture import PATTERN, RESID_PRE, Batch, HookedModel
 from ra_lens.core import metric_loss
+from ra_lens.result import read_safetensors, write_safetensors
 from ra_lens.types import MetricFn, Tokens
 
 NodeKind = Literal["pattern", "query", "key"]
@@ -188,8 +192,10 @@ class AttentionAttribution:
             per-link terms: which query-key links carry the effect.
         patterns, other_patterns, pattern_grads: A of the patched run, A of the other run and
             R = dM/dA of the patched run, Float[Tensor, "batch layer head query key"].
-        metric, other_metric: the metric of each pair on the patched and the other run.
-        layers, method, direction, n_heads, n_kv_heads, tokens, lengths, str_tokens.
+        clean_metric, corrupted_metric: Float[Tensor, "batch"], the metric of each pair on the
+            clean and on the corrupted prompt (whichever run was patched).
+        layers, method, direction, n_heads, n_kv_heads, tokens (the patched run's),
+        other_tokens, lengths, str_tokens (the patched run's).
 
     A pattern node's estimate is the sum of its edges; a query node's is R times the exact
     change of its row (`delta_pattern`):
@@ -212,8 +218,8 @@ class AttentionAttribution:
     patterns: Tensor
     other_patterns: Tensor
     pattern_grads: Tensor
-    metric: Tensor
-    other_metric: Tensor
+    clean_metric: Tensor
+    corrupted_metric: Tensor
     layers: list[int]
     method: str
     direction: str
@@ -249,20 +255,25 @@ class AttentionAttribution:
         if node not in self.by_position:
             raise ValueError(f"node {node!r} was not computed: choose one of {self.nodes}")
 
-    def top(self, k: int = 10, node: NodeKind = "query") -> list[tuple[int, int, float]]:
-        """The k heads with the largest |score| of one node kind: [(layer, head, score)].
+    def top_heads(
+        self, k: Validated[int] = 10, node: NodeKind = "query"
+    ) -> list[tuple[int, int, float]]:
+        """The k heads with the largest |score| of one node kind: [(layer, head, score)], as
+        `ReversedAttention.top_heads` gives them.
 
         For node="key" the head is the key/value head.
 
         >>> from ra_lens.metrics import logit_diff
         >>> clean, corrupted = "The capital of France is", "The capital of Italy is"
         >>> att = attention_attribution(model, clean, corrupted, logit_diff([294], [52]))
-        >>> (layer, head, score), *rest = att.top(3, node="key")
+        >>> (layer, head, score), *rest = att.top_heads(3, node="key")
         >>> scores = att.scores["key"]  # [layer kv_head]
         >>> score == scores[layer, head].item(), abs(score) == scores.abs().max().item()
         (True, True)
         """
         self._check_node(node)
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"k must be a positive number of heads, got {k!r}")
         scores = self.scores[node]
         order = scores.flatten().abs().argsort(descending=True, stable=True)[:k]
         n = scores.shape[1]
@@ -323,15 +334,169 @@ class AttentionAttribution:
             out[heads] = key_delta_rows(log_pattern[heads], delta, position)
         return out
 
-    def to_transformer_lens(self) -> Any:
+    def to_dict(self, k: int = 10, pair: int = 0) -> dict[str, Any]:
+        """A JSON-ready summary: settings, each pair's clean and corrupted metric, every head's
+        score per node kind ([layer][head] lists), the k top heads per kind and the k top
+        query-key links of one pair (with its tokens).
+
+        >>> import json
+        >>> from ra_lens.metrics import logit_diff
+        >>> clean, corrupted = "The capital of France is", "The capital of Italy is"
+        >>> att = attention_attribution(model, clean, corrupted, logit_diff([294], [52]))
+        >>> report = json.loads(json.dumps(att.to_dict(k=3)))
+        >>> [len(report["top"][kind]) for kind in att.nodes], len(report["top_edges"])
+        ([3, 3, 3], 3)
+        """
+        tokens = self.str_tokens[pair] if self.str_tokens is not None else None
+        edges = [
+            {
+                "layer": layer,
+                "head": head,
+                "query": query,
+                "key": key,
+                "query_token": tokens[query] if tokens else query,
+                "key_token": tokens[key] if tokens else key,
+                "value": value,
+            }
+            for layer, head, query, key, value in self.top_edges(k, batch=pair)
+        ]
+        return {
+            "method": self.method,
+            "direction": self.direction,
+            "layers": list(self.layers),
+            "nodes": self.nodes,
+            "clean_metric": self.clean_metric.tolist(),
+            "corrupted_metric": self.corrupted_metric.tolist(),
+            "scores": {kind: self.scores[kind].tolist() for kind in self.nodes},
+            "top": {
+                kind: [
+                    {"layer": layer, "head": head, "score": score}
+                    for layer, head, score in self.top_heads(k, node=kind)
+                ]
+                for kind in self.nodes
+            },
+            "top_edges": edges,
+            "str_tokens": tokens,
+        }
+
+    def table(self, k: int = 10, pair: int = 0) -> str:
+        """The k top heads of each node kind and the k top links of one pair, as text.
+
+        >>> from ra_lens.metrics import logit_diff
+        >>> clean, corrupted = "The capital of France is", "The capital of Italy is"
+        >>> att = attention_attribution(model, clean, corrupted, logit_diff([294], [52]))
+        >>> print(att.table(1))  # doctest: +ELLIPSIS
+        top pattern nodes (sum over positions)
+        layer     head  score
+        ...
+        top edges R * (A_other - A)
+        L...
+        """
+        report = self.to_dict(k, pair)
+        lines: list[str] = []
+        for kind in self.nodes:
+            head_word = "kv head" if kind == "key" else "head"
+            lines += [
+                f"top {kind} nodes (sum over positions)",
+                f"{'layer':>5}  {head_word:>7}  score",
+            ]
+            lines += [
+                f"{row['layer']:>5}  {row['head']:>7}  {row['score']:+.4g}"
+                for row in report["top"][kind]
+            ]
+            lines.append("")
+        lines.append("top edges R * (A_other - A)")
+        lines += [
+            f"L{e['layer']}H{e['head']}  {e['query_token']!r} -> {e['key_token']!r}  "
+            f"{e['value']:+.4g}"
+            for e in report["top_edges"]
+        ]
+        return "\n".join(lines)
+
+    def save(self, path: str | Path) -> None:
+        """Write every tensor to a safetensors file, the settings as JSON in its header (written
+        like `ReversedAttention.save`: atomically, through symlinks, keeping the file's mode).
+
+        >>> import tempfile
+        >>> from ra_lens.metrics import logit_diff
+        >>> clean, corrupted = "The capital of France is", "The capital of Italy is"
+        >>> att = attention_attribution(model, clean, corrupted, logit_diff([294], [52]))
+        >>> with tempfile.TemporaryDirectory() as folder:
+        ...     att.save(f"{folder}/att.safetensors")
+        ...     back = AttentionAttribution.load(f"{folder}/att.safetensors")
+        >>> torch.equal(back.edges, att.edges), back.top_heads(2) == att.top_heads(2)
+        (True, True)
+        """
+        tensors = {f"by_position.{kind}": v for kind, v in self.by_position.items()}
+        tensors |= {f"scores.{kind}": v for kind, v in self.scores.items()}
+        for name in _ATT_TENSORS:
+            value = getattr(self, name)
+            if value is not None:
+                tensors[name] = value
+        meta = {name: getattr(self, name) for name in _ATT_META}
+        write_safetensors(
+            path,
+            {name: value.contiguous() for name, value in tensors.items()},
+            {_ATT_HEADER: json.dumps(meta)},
+            "AttentionAttribution.save",
+        )
+
+    @classmethod
+    def load(cls, path: str | Path) -> AttentionAttribution:
+        """Read a file written by `save` (an example is there), checking that its tensors and
+        settings agree; refuses other files and damaged ones with one ValueError naming the file.
+        """
+        meta, tensors = read_safetensors(path, _ATT_HEADER, "AttentionAttribution.save")
+        try:
+            if not isinstance(meta, dict) or set(meta) != set(_ATT_META):
+                raise ValueError(
+                    f"its metadata has keys {sorted(meta)}, expected {sorted(_ATT_META)}"
+                )
+            nodes = [n for n in NODES if f"by_position.{n}" in tensors]
+            by_position = {n: tensors.pop(f"by_position.{n}") for n in nodes}
+            scores = {n: tensors.pop(f"scores.{n}") for n in nodes}
+            missing = [n for n in _ATT_TENSORS if n not in tensors and n != "key_by_head"]
+            unknown = sorted(set(tensors) - set(_ATT_TENSORS))
+            if not nodes or missing or unknown:
+                raise ValueError(f"no node kinds, or tensors missing {missing} / unknown {unknown}")
+            n_layers = len(capture.check_layer_list(meta["layers"]))
+            for kind in nodes:
+                heads = meta["n_kv_heads"] if kind == "key" else meta["n_heads"]
+                if tuple(scores[kind].shape) != (n_layers, heads):
+                    raise ValueError(
+                        f"{kind} scores have shape {tuple(scores[kind].shape)}, expected "
+                        f"{(n_layers, heads)} (layers {meta['layers']})"
+                    )
+            if meta["method"] not in METHODS or meta["direction"] not in DIRECTIONS:
+                raise ValueError(
+                    f"unknown method {meta['method']!r} or direction {meta['direction']!r}"
+                )
+        except (TypeError, ValueError, KeyError) as error:
+            raise ValueError(
+                f"{path} is not a readable ra-lens result file ({error}): it is damaged, "
+                "truncated or was edited; compute the result again and save it"
+            ) from None
+        return cls(by_position=by_position, scores=scores, **meta, **tensors)
+
+    def to_transformer_lens(self, pair: int | None = None) -> Any:
         """TransformerLens 4's `AttributionResult` of the query and key nodes.
 
         Keys: `Node(kind="q_input", layer, head, position)` and `Node(kind="k_input", layer,
-        head, position)`, values averaged over the batch (as `attribution_patch` does). Patching a
-        head's q_input (its residual input) at one position is the same intervention as patching
-        its query there, so the scores mean what TL's mean. On GQA models a k_input node's `head`
-        is the key/value head. Pattern nodes have no TL kind and are left out. Only
-        direction="denoise" matches TL's sign convention.
+        head, position)`; values averaged over the batch of pairs (as `attribution_patch` does),
+        or those of one pair with `pair=i`. Patching a head's q_input (its residual input) at one
+        position is the same intervention as patching its query there, so the scores mean what
+        TL's mean. Pattern nodes have no TL kind and are left out.
+
+        On GQA models a k_input node's `head` is the key/value head (0..n_kv_heads-1), whose key
+        every query head of its group reads: its score is the effect of patching that shared key
+        input. TransformerLens's own attribution refuses GQA models, so it has no such node.
+
+        Raises:
+            ValueError: direction="noise" (TL's scores are M(corrupted with the node from the
+                clean run) - M(corrupted): the noise estimate is taken at the clean run instead,
+                a different quantity, not a sign flip); averaging pairs of different token
+                lengths (position p is not the same place in each: pass `pair=i`, or group the
+                pairs by length).
 
         >>> from ra_lens.metrics import logit_diff
         >>> clean, corrupted = "The capital of France is", "The capital of Italy is"
@@ -345,18 +510,55 @@ class AttentionAttribution:
             Node,
         )
 
+        if self.direction != "denoise":
+            raise ValueError(
+                "to_transformer_lens exports direction='denoise' only: TransformerLens's scores "
+                "are M(corrupted run with the node from the clean run) - M(corrupted run); a "
+                "direction='noise' estimate is taken at the clean run, a different quantity (not "
+                "its sign flipped): compute attention_attribution(..., direction='denoise')"
+            )
+        batch = self.lengths.shape[0]
+        if pair is not None and not (isinstance(pair, int) and 0 <= pair < batch):
+            raise ValueError(f"pair must be one of 0..{batch - 1}, got {pair!r}")
+        chosen = range(batch) if pair is None else [pair]
+        lengths = sorted({int(self.lengths[i]) for i in chosen})
+        if len(lengths) > 1:
+            raise ValueError(
+                f"the pairs have {lengths} tokens: averaging position p over them mixes different "
+                "places of each prompt; export one pair (to_transformer_lens(pair=i)) or compute "
+                "pairs of one token length"
+            )
         kinds = {"query": "q_input", "key": "k_input"}
         node_scores: dict[Any, float] = {}
         for kind, tl_kind in kinds.items():
             if kind not in self.by_position:
                 continue
-            mean = self.by_position[kind].double().mean(0)
+            mean = self.by_position[kind][list(chosen)].double().mean(0)[..., : lengths[0]]
             for i, layer in enumerate(self.layers):
                 for head in range(mean.shape[1]):
                     for position in range(mean.shape[2]):
                         node = Node(kind=tl_kind, position=position, layer=layer, head=head)  # type: ignore[arg-type]
                         node_scores[node] = float(mean[i, head, position])
         return AttributionResult(node_scores=node_scores)
+
+
+_ATT_HEADER = "ra_lens.attention_attribution"
+_ATT_TENSORS = (
+    "key_by_head",
+    "edges",
+    "patterns",
+    "other_patterns",
+    "pattern_grads",
+    "clean_metric",
+    "corrupted_metric",
+    "tokens",
+    "other_tokens",
+    "lengths",
+    "_logits",
+    "_query_logits",
+    "_key_logit_change",
+)
+_ATT_META = ("layers", "method", "direction", "n_heads", "n_kv_heads", "str_tokens")
 
 
 # --------------------------------------------------------------------------------------------
@@ -395,7 +597,7 @@ def attention_attribution(
     Returns:
         AttentionAttribution: `.scores[kind]` Float[Tensor, "layer head"] (key: "layer
         kv_head"), `.by_position[kind]` [batch layer head pos], `.edges` [batch layer head query
-        key], `.top(k, node)`, `.to_transformer_lens()`.
+        key], `.top_heads(k, node)`, `.to_transformer_lens()`, `.to_dict()`, `.save(path)`.
 
     Raises:
         ValueError: unknown node/method/direction, pairs of unequal token length, attention that
@@ -455,8 +657,8 @@ def attention_attribution(
         patterns=stack("pattern_a"),
         other_patterns=stack("other_pattern_a"),
         pattern_grads=stack("grad"),
-        metric=patched.metric.float().cpu(),
-        other_metric=source.metric.float().cpu(),
+        clean_metric=(source if direction == "denoise" else patched).metric.float().cpu(),
+        corrupted_metric=(patched if direction == "denoise" else source).metric.float().cpu(),
         layers=chosen,
         method=method,
         direction=direction,
@@ -510,13 +712,21 @@ def _capture(
     queries = [capture.query_hook_name(model, layer) for layer in layers]
     keys = [capture.key_hook_name(model, layer) for layer in layers]
     leaf: dict[str, Tensor] = {}
-    with (
-        torch.enable_grad(),
-        model.hooks(fwd_hooks=[(RESID_PRE.format(layers[0]), capture.gradient_leaf_hook(leaf))]),
-        capture.recorded(model, patterns + queries + keys) as acts,
-        capture.recorded(model, patterns if backward else [], grad=True) as grads,
-    ):
-        logits = model(batch.tokens)
+    grads: dict[str, Tensor] = {}
+    # R is read on the raw input of hook_pattern: a tensor hook on this forward's own tensor,
+    # so it still fires after the module hooks are gone.
+    keep_grad = {name: partial(_keep, grads, name) for name in patterns} if backward else {}
+    with torch.enable_grad():
+        with (
+            model.hooks(
+                fwd_hooks=[(RESID_PRE.format(layers[0]), capture.gradient_leaf_hook(leaf))]
+            ),
+            capture.recorded(model, patterns + queries + keys) as acts,
+            capture.raw_input_hooks(model, {}, keep_grad),
+        ):
+            logits = model(batch.tokens)
+        # The hooks are off before the metric runs: a metric may run the model itself (e.g.
+        # reference logits under no_grad), and that forward must not replace the gradient leaf.
         values, loss = metric_loss(metric, logits, batch)
         if backward:
             torch.autograd.grad(loss, [leaf["leaf"]], allow_unused=True)
@@ -543,6 +753,10 @@ def _capture(
         by_layer(patterns, grads),
         values.detach(),
     )
+
+
+def _keep(store: dict[str, Tensor], name: str, grad: Tensor) -> None:
+    store[name] = grad.detach()
 
 
 def _layer_estimates(

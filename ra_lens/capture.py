@@ -233,6 +233,10 @@ def exclusive(model: HookedModel) -> Iterator[None]:
 def preserved_state(model: HookedModel) -> Iterator[None]:
     """Run in eval mode; afterwards restore mode, requires_grad flags and every .grad as found.
 
+    Eval mode reaches every module that takes part (`model_modules`: a bridge's HuggingFace
+    modules included), so dropout never makes a result random; each module gets its own mode
+    back.
+
     Also claims the model for this thread (`exclusive`), and refuses inference mode, where
     autograd cannot run.
 
@@ -257,7 +261,35 @@ def _restored(model: HookedModel) -> Iterator[None]:
     params = list(model.parameters())
     flags = [p.requires_grad for p in params]
     grads = [p.grad for p in params]
-    modules = list(model.modules())
+    try:
+        with _eval_mode(model):
+            yield
+    finally:
+        for p, flag, grad in zip(params, flags, grads):
+            p.requires_grad_(flag)
+            p.grad = grad
+
+
+@contextlib.contextmanager
+def eval_mode(model: HookedModel) -> Iterator[None]:
+    """Run every module that takes part in eval mode (`model_modules`), for forward passes that
+    need no autograd; afterwards each module gets its own mode back. Claims the model for this
+    thread (`exclusive`).
+
+    >>> _ = model.train()
+    >>> with eval_mode(model):
+    ...     any(m.training for m in model_modules(model))
+    False
+    >>> model.training
+    True
+    """
+    with exclusive(model), _eval_mode(model):
+        yield
+
+
+@contextlib.contextmanager
+def _eval_mode(model: HookedModel) -> Iterator[None]:
+    modules = model_modules(model)
     modes = [m.training for m in modules]
     # TL 4's GPT-2 attention bridge caches its last pattern; ours would keep our graph alive.
     cached = {m: m._pattern for m in modules if hasattr(m, "_pattern")}
@@ -269,14 +301,30 @@ def _restored(model: HookedModel) -> Iterator[None]:
     try:
         yield
     finally:
-        for p, flag, grad in zip(params, flags, grads):
-            p.requires_grad_(flag)
-            p.grad = grad
         for module, pattern in cached.items():
             module._pattern = pattern
         for module, mode in zip(modules, modes):
             if module.training != mode:
                 module.training = mode
+
+
+def model_modules(model: HookedModel) -> list[torch.nn.Module]:
+    """Every module that takes part in the model's forward pass, each once.
+
+    A TransformerBridge registers its adapters as submodules but holds the HuggingFace model in
+    `original_model` without registering it: the HF root and modules only it calls (GPT-2's
+    embedding dropout `transformer.drop`) are missing from `model.modules()`, so `model.eval()`
+    leaves them in train mode.
+
+    >>> len(model_modules(model)) >= len(list(model.modules()))
+    True
+    """
+    found: dict[int, torch.nn.Module] = {id(m): m for m in model.modules()}
+    hf = getattr(model, "original_model", None)
+    if isinstance(hf, torch.nn.Module):
+        for module in hf.modules():
+            found.setdefault(id(module), module)
+    return list(found.values())
 
 
 @contextlib.contextmanager

@@ -150,7 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     attribute.add_argument("--method", default="exact", choices=["exact", "linear"])
     attribute.add_argument("--direction", default="denoise", choices=["denoise", "noise"])
-    attribute.add_argument("--top", type=int, default=10, metavar="K", help="rows per table (10)")
+    attribute.add_argument(
+        "--top", type=_positive_int, default=10, metavar="K", help="rows per table (10)"
+    )
     _common(attribute)
     attribute.set_defaults(run=_run_attribute)
     return parser
@@ -280,24 +282,15 @@ def _run_maps(args: argparse.Namespace) -> int:
         for i, p in zip(top_ids.tolist(), top_p.tolist())
     ]
     target_prob = float(probs[target_ids[0]])
-    forward = ra.forward_norms()
-    top = [
-        {
-            "layer": la,
-            "head": h,
-            "ra_norm": n,
-            "forward_norm": float(forward[ra.layers.index(la), h]),
-        }
-        for la, h, n in ra.top_heads(args.top)
-    ]
+    report = ra.to_dict(k=args.top)
 
     first = model.tokenizer.decode([target_ids[0]])
     _say(args, f"model: {args.model}   prompt: {args.prompt!r}   target: {args.target!r}")
     _say(
         args,
-        f"metric: -log p({first!r}) = {float(ra.metric_values.sum()):.3f}"
+        f"metric: -log p({first!r}) = {report['metric']:.3f}"
         if not args.completion
-        else f"metric: mean NLL of {args.target!r} = {float(ra.metric_values.sum()):.3f}",
+        else f"metric: mean NLL of {args.target!r} = {report['metric']:.3f}",
     )
     _say(
         args,
@@ -305,13 +298,7 @@ def _run_maps(args: argparse.Namespace) -> int:
         + ", ".join(f"{p['token']!r} {p['prob']:.1%}" for p in predictions)
         + f"   (target {first!r}: {target_prob:.1%})",
     )
-    _say(args, f"\n{'rank':>4}  {'layer':>5}  {'head':>4}  {'RA norm':>10}  {'forward norm':>12}")
-    for i, row in enumerate(top, 1):
-        _say(
-            args,
-            f"{i:>4}  {row['layer']:>5}  {row['head']:>4}  {row['ra_norm']:>10.5f}  "
-            f"{row['forward_norm']:>12.4f}",
-        )
+    _say(args, "\n" + ra.table(args.top))
     _say(
         args,
         f"\nRA of {ra.norms.shape[1] * ra.norms.shape[2]} heads in "
@@ -339,13 +326,8 @@ def _run_maps(args: argparse.Namespace) -> int:
             "model": args.model,
             "prompt": args.prompt,
             "target": args.target,
-            "convention": ra.convention,
-            "metric": float(ra.metric_values.sum()),
+            **report,
             "target_prob": target_prob,
-            "top_heads": top,
-            "ra_norms": ra.head_norms().tolist(),
-            "forward_norms": forward.tolist(),
-            "layers": ra.layers,
             "predictions": predictions,
             "seconds": seconds,
             "files": [str(f) for f in files],
@@ -432,42 +414,11 @@ def _run_attribute(args: argparse.Namespace) -> int:
     )
     seconds["attention_attribution"] = time.perf_counter() - start
 
-    tokens = att.str_tokens[0] if att.str_tokens else None
+    report = att.to_dict(k=args.top)
     _say(args, f"model: {args.model}   metric: {metric_name}   {args.method}, {args.direction}")
-    runs = (
-        (att.other_metric, att.metric)
-        if args.direction == "denoise"
-        else (att.metric, att.other_metric)
-    )
-    _say(args, f"{metric_name}: clean {float(runs[0][0]):.3f}, corrupted {float(runs[1][0]):.3f}")
-    top: dict[str, list[dict[str, Any]]] = {}
-    for kind in att.nodes:
-        top[kind] = [
-            {"layer": la, "head": h, "score": v} for la, h, v in att.top(args.top, node=kind)
-        ]
-        head_word = "kv head" if kind == "key" else "head"
-        _say(args, f"\ntop {kind} nodes (sum over positions)\n{'layer':>5}  {head_word:>7}  score")
-        for row in top[kind]:
-            _say(args, f"{row['layer']:>5}  {row['head']:>7}  {row['score']:+.4g}")
-    edges = [
-        {
-            "layer": la,
-            "head": h,
-            "query": q,
-            "key": k,
-            "query_token": tokens[q] if tokens else q,
-            "key_token": tokens[k] if tokens else k,
-            "value": v,
-        }
-        for la, h, q, k, v in att.top_edges(args.top)
-    ]
-    _say(args, "\ntop edges R * (A_other - A)")
-    for e in edges:
-        _say(
-            args,
-            f"L{e['layer']}H{e['head']}  {e['query_token']!r} -> {e['key_token']!r}  "
-            f"{e['value']:+.4g}",
-        )
+    clean_value, corrupted_value = float(att.clean_metric[0]), float(att.corrupted_metric[0])
+    _say(args, f"{metric_name}: clean {clean_value:.3f}, corrupted {corrupted_value:.3f}")
+    _say(args, "\n" + att.table(args.top))
     _say(args, f"\nall heads in {seconds['attention_attribution']:.2f} s")
 
     files = []
@@ -478,7 +429,7 @@ def _run_attribute(args: argparse.Namespace) -> int:
         files = [args.out / n for n in ("attribution_heatmaps.png", "top_edges.png", "edges.html")]
         viz.attribution_heatmaps(att, save=files[0])
         viz.top_edges_on_tokens(att, k=min(8, args.top), save=files[1])
-        heads = list(dict.fromkeys((e["layer"], e["head"]) for e in edges))[:8]
+        heads = list(dict.fromkeys((e["layer"], e["head"]) for e in report["top_edges"]))[:8]
         viz.attribution_edges_page(att, heads, save=files[2])
         for f in files:
             _say(args, f"wrote {f}")
@@ -491,14 +442,10 @@ def _run_attribute(args: argparse.Namespace) -> int:
             "target": args.target,
             "wrong": args.wrong,
             "metric": metric_name,
-            "method": att.method,
-            "direction": att.direction,
-            "metric_patched_run": float(att.metric[0]),
-            "metric_other_run": float(att.other_metric[0]),
-            "scores": {kind: att.scores[kind].tolist() for kind in att.nodes},
-            "top": top,
-            "top_edges": edges,
-            "str_tokens": tokens,
+            **report,
+            # The run that was patched (denoise: the corrupted one) and the other one.
+            "metric_patched_run": corrupted_value if att.direction == "denoise" else clean_value,
+            "metric_other_run": clean_value if att.direction == "denoise" else corrupted_value,
             "seconds": seconds,
             "files": [str(f) for f in files],
         },

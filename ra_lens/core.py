@@ -47,7 +47,7 @@ def reversed_attention(
     keep: Validated[Keep] = "maps",
     convention: Validated[Convention] = "qk",
     memory: Validated[Memory] = "full",
-    rows_at: Int[Tensor, "batch"] | None = None,
+    rows_at: Validated[Int[Tensor, "batch"]] | None = None,
 ) -> ReversedAttention:
     """Reversed Attention dL/d(QK^T) of every head, for each prompt's own metric.
 
@@ -128,8 +128,11 @@ def reversed_attention(
     with capture.preserved_state(model), torch.enable_grad():
         with _collecting(model, collector), model.hooks(fwd_hooks=leaf):
             logits = model(batch.tokens)
-            values, loss = metric_loss(metric, logits, batch)
-            (leaf_grad,) = torch.autograd.grad(loss, [store["leaf"]], allow_unused=True)
+        # The hooks are off before the metric runs: a metric may run the model itself (e.g.
+        # reference logits under no_grad), and that forward must not replace the gradient leaf
+        # or the saved patterns. The backward hooks live on this forward's tensors.
+        values, loss = metric_loss(metric, logits, batch)
+        (leaf_grad,) = torch.autograd.grad(loss, [store["leaf"]], allow_unused=True)
     if leaf_grad is None:
         raise ValueError(
             "the metric does not depend on the attention of the chosen layers "
@@ -349,7 +352,13 @@ def _row_positions(rows_at: Tensor | None, batch: Batch) -> Tensor:
     """Each prompt's row position for keep="rows", checked against its real length."""
     if rows_at is None:
         return batch.lengths - 1
-    positions = torch.as_tensor(rows_at, dtype=torch.long).reshape(-1).to(batch.lengths.device)
+    given = torch.as_tensor(rows_at)
+    if given.dtype == torch.bool or given.is_floating_point() or given.is_complex():
+        raise TypeError(
+            f"rows_at must hold integer positions, got {given.dtype} {given.tolist()}: pass e.g. "
+            "torch.tensor([5, 7]) (nothing is rounded silently)"
+        )
+    positions = given.to(torch.long).reshape(-1).to(batch.lengths.device)
     if positions.shape[0] != batch.lengths.shape[0] or bool(
         ((positions < 0) | (positions >= batch.lengths)).any()
     ):

@@ -164,7 +164,8 @@ def edit_dynamics(
     mask = _real_triangle(batch)
 
     clone = _deepcopy(model)
-    clone.eval()
+    for module in capture.model_modules(clone):  # a bridge's HF modules too: no dropout
+        module.eval()
     for p in clone.parameters():
         p.requires_grad_(False)
         p.grad = None
@@ -210,7 +211,7 @@ def edit_dynamics(
     )
 
 
-def _deepcopy(model: HookedModel) -> Any:
+def _deepcopy(model: HookedModel) -> HookedModel:
     """copy.deepcopy, with activations that bridges cache on their modules (non-leaf tensors
     still tied to an autograd graph, which deepcopy refuses) copied detached."""
     memo: dict[int, Any] = {}
@@ -244,7 +245,7 @@ def _step_params(model: HookedModel, layer: int) -> list[Tensor | None]:
 
 
 def _autograd_grads(
-    clone: Any, batch: Batch, metric: MetricFn, layers: list[int]
+    clone: HookedModel, batch: Batch, metric: MetricFn, layers: list[int]
 ) -> dict[int, list[Tensor | None]]:
     """Autograd dL/d(W_q, b_q, W_k, b_k) of every chosen layer, at the unedited weights."""
     per_layer = {layer: _step_params(clone, layer) for layer in layers}
@@ -266,7 +267,7 @@ def _autograd_grads(
 
 
 def _stepped(
-    clone: Any, tokens: Tensor, layer: int, grads: list[Tensor | None], lr: float
+    clone: HookedModel, tokens: Tensor, layer: int, grads: list[Tensor | None], lr: float
 ) -> dict[str, Tensor]:
     """Activations of `layer` after W <- W - lr * grad on its q/k parameters, then undo it."""
     params = _step_params(clone, layer)

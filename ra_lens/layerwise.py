@@ -22,8 +22,10 @@ from typing import Any
 
 import torch
 from jaxtyping import Float, Int
-from torch import Tensor
+from torch import Tensor, nn
 from tqdm.auto import tqdm
+
+from ra_lens.capture import HookedModel
 
 LossFn = Callable[[Tensor], tuple[Tensor, Tensor]]
 
@@ -31,7 +33,7 @@ _UNSUPPORTED = "use memory='full' (the default) for this model"
 
 
 def layerwise_backward(
-    model: Any,
+    model: HookedModel,
     tokens: Int[Tensor, "batch pos"],
     first_layer: int,
     loss_fn: LossFn,
@@ -68,9 +70,11 @@ def layerwise_backward(
     blocks = _blocks(model)
     head = _head(model)
     calls, final = _record(model, tokens, blocks, first_layer, head[0])
-    with grad_hooks(), torch.enable_grad():
+    # The metric runs before the RA hooks are on: it may run the model itself.
+    with torch.enable_grad():
         values, grad = _head_backward(head, final, loss_fn)
-        del final
+    del final
+    with grad_hooks(), torch.enable_grad():
         for index in tqdm(
             range(len(blocks) - 1, first_layer - 1, -1), desc="layerwise", leave=False, disable=None
         ):
@@ -79,7 +83,7 @@ def layerwise_backward(
     return values
 
 
-def _blocks(model: Any) -> list[Any]:
+def _blocks(model: HookedModel) -> list[nn.Module]:
     blocks = getattr(model, "blocks", None)
     if blocks is None or len(blocks) != int(model.cfg.n_layers):
         raise RuntimeError(
@@ -89,7 +93,7 @@ def _blocks(model: Any) -> list[Any]:
     return list(blocks)
 
 
-def _head(model: Any) -> tuple[Any, Any | None]:
+def _head(model: HookedModel) -> tuple[nn.Module, nn.Module | None]:
     """(the module that receives the final residual, the unembedding or None if it is that)."""
     unembed = getattr(model, "unembed", None)
     if unembed is None:
@@ -117,7 +121,11 @@ def _first_tensor(output: Any) -> Tensor:
 
 
 def _record(
-    model: Any, tokens: Tensor, blocks: list[Any], first_layer: int, head_input: Any
+    model: HookedModel,
+    tokens: Tensor,
+    blocks: list[nn.Module],
+    first_layer: int,
+    head_input: nn.Module,
 ) -> tuple[dict[int, tuple[tuple, dict]], dict[str, Tensor]]:
     """Forward without autograd, keeping each chosen block's call and the head's input.
 
@@ -177,7 +185,9 @@ def _record(
     return calls, final
 
 
-def _head_backward(head: tuple[Any, Any | None], final: dict[str, Tensor], loss_fn: LossFn):
+def _head_backward(
+    head: tuple[nn.Module, nn.Module | None], final: dict[str, Tensor], loss_fn: LossFn
+):
     """The metric and dL/d(final residual), recomputing only the head with autograd."""
     resid = final["resid"].detach().requires_grad_(True)
     logits = head[0](resid) if head[1] is None else head[1](head[0](resid))
@@ -199,7 +209,9 @@ def _head_backward(head: tuple[Any, Any | None], final: dict[str, Tensor], loss_
     return values, grad
 
 
-def _block_backward(block: Any, index: int, args: tuple, kwargs: dict, grad: Tensor) -> Tensor:
+def _block_backward(
+    block: nn.Module, index: int, args: tuple, kwargs: dict, grad: Tensor
+) -> Tensor:
     """Call one block again with autograd and return dL/d(its residual input)."""
     x = _residual(args, kwargs).detach().requires_grad_(True)
     args, kwargs = _with_residual(args, kwargs, x)

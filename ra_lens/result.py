@@ -8,13 +8,16 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from jaxtyping import Float, Int
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 from safetensors.torch import save as save_bytes
 from torch import Tensor
 
+from ra_lens._typing import Validated
 from ra_lens.files import write_file
 
 _TENSORS = (
@@ -74,11 +77,15 @@ class ReversedAttention:
 
     def __repr__(self) -> str:
         batch, n_layers, n_heads = self.norms.shape
-        kept = "maps" if self.maps is not None else "rows" if self.rows is not None else "norms"
         return (
             f"ReversedAttention(batch={batch}, layers={n_layers}, heads={n_heads}, "
-            f"pos={self.tokens.shape[1]}, convention={self.convention!r}, keep={kept!r})"
+            f"pos={self.tokens.shape[1]}, convention={self.convention!r}, keep={self.keep!r})"
         )
+
+    @property
+    def keep(self) -> str:
+        """What was kept: "maps" (maps and patterns), "rows" or "norms" (see reversed_attention)."""
+        return "maps" if self.maps is not None else "rows" if self.rows is not None else "norms"
 
     def head_norms(self) -> Float[Tensor, "layer head"]:
         """Frobenius norm of each head's map, mean over the batch.
@@ -102,7 +109,7 @@ class ReversedAttention:
         """
         return self.pattern_norms.mean(0)
 
-    def top_heads(self, k: int = 10) -> list[tuple[int, int, float]]:
+    def top_heads(self, k: Validated[int] = 10) -> list[tuple[int, int, float]]:
         """The k heads with the largest mean norm, as (layer, head, norm), largest first.
 
         >>> from ra_lens import metrics, reversed_attention
@@ -111,6 +118,8 @@ class ReversedAttention:
         >>> norm == ra.head_norms().max().item() == ra.head_norms()[layer, head].item(), len(rest)
         (True, 2)
         """
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"k must be a positive number of heads, got {k!r}")
         norms = self.head_norms()
         values, flat = norms.flatten().topk(min(k, norms.numel()))
         n_heads = norms.shape[1]
@@ -118,6 +127,66 @@ class ReversedAttention:
             (self.layers[i // n_heads], i % n_heads, v)
             for i, v in zip(flat.tolist(), values.tolist())
         ]
+
+    def to_dict(self, k: int = 10) -> dict[str, Any]:
+        """A JSON-ready summary: settings, the metric, every head's mean RA and forward norm
+        ([layer][head] lists) and the k top heads.
+
+        `metric` is the sum over prompts (the loss that was differentiated); `metric_values` has
+        each prompt's value (one value for a scalar metric).
+
+        >>> import json
+        >>> from ra_lens import metrics, reversed_attention
+        >>> ra = reversed_attention(model, "I like Italy", metrics.target_nll([5]))
+        >>> report = ra.to_dict(k=2)
+        >>> [head["layer"] for head in report["top_heads"]] == [la for la, _, _ in ra.top_heads(2)]
+        True
+        >>> sorted(json.loads(json.dumps(report)))  # doctest: +NORMALIZE_WHITESPACE
+        ['convention', 'forward_norms', 'keep', 'layers', 'lengths', 'metric', 'metric_values',
+         'ra_norms', 'routes', 'scales', 'str_tokens', 'top_heads']
+        """
+        forward = self.forward_norms()
+        top = [
+            {
+                "layer": layer,
+                "head": head,
+                "ra_norm": norm,
+                "forward_norm": float(forward[self.layers.index(layer), head]),
+            }
+            for layer, head, norm in self.top_heads(k)
+        ]
+        return {
+            "convention": self.convention,
+            "keep": self.keep,
+            "layers": list(self.layers),
+            "scales": list(self.scales),
+            "routes": list(self.routes),
+            "lengths": self.lengths.tolist(),
+            "metric": float(self.metric_values.double().sum()),
+            "metric_values": self.metric_values.reshape(-1).tolist(),
+            "ra_norms": self.head_norms().tolist(),
+            "forward_norms": forward.tolist(),
+            "top_heads": top,
+            "str_tokens": self.str_tokens,
+        }
+
+    def table(self, k: int = 10) -> str:
+        """The k top heads as a text table: rank, layer, head, RA norm, forward norm.
+
+        >>> from ra_lens import metrics, reversed_attention
+        >>> ra = reversed_attention(model, "I like Italy", metrics.target_nll([5]))
+        >>> print(ra.table(2))  # doctest: +ELLIPSIS
+        rank  layer  head     RA norm  forward norm
+           1      ...
+           2      ...
+        """
+        lines = [f"{'rank':>4}  {'layer':>5}  {'head':>4}  {'RA norm':>10}  {'forward norm':>12}"]
+        for i, row in enumerate(self.to_dict(k)["top_heads"], 1):
+            lines.append(
+                f"{i:>4}  {row['layer']:>5}  {row['head']:>4}  {row['ra_norm']:>10.5f}  "
+                f"{row['forward_norm']:>12.4f}"
+            )
+        return "\n".join(lines)
 
     def mean_maps(self) -> Float[Tensor, "layer head query key"]:
         """Maps averaged over the batch (prompts of equal length, as the paper averages them).
@@ -210,6 +279,20 @@ class ReversedAttention:
             raise ValueError("results must share one token length to be joined")
         if any(p.layers != first.layers or p.convention != first.convention for p in parts):
             raise ValueError("results must cover the same layers in the same convention")
+        keeps = [p.keep for p in parts]
+        if len(set(keeps)) > 1:
+            raise ValueError(
+                f"results were computed with different keep= ({keeps}): joining them would drop "
+                "the maps or rows some parts lack; compute every part with the same keep"
+            )
+        model = (first.norms.shape[2], first.scales, first.routes)
+        for p in parts:
+            if (p.norms.shape[2], p.scales, p.routes) != model:
+                raise ValueError(
+                    f"results come from different models ({model[0]} heads, attention scales "
+                    f"{model[1]}, routes {model[2]} versus {p.norms.shape[2]} heads, {p.scales}, "
+                    f"{p.routes}): join results of one model"
+                )
 
         def cat(name: str) -> Tensor | None:
             values = [getattr(p, name) for p in parts]
@@ -248,11 +331,12 @@ class ReversedAttention:
             "routes": self.routes,
             "str_tokens": self.str_tokens,
         }
-        write_file(path, save_bytes(tensors, metadata={"ra_lens": json.dumps(meta)}))
+        write_safetensors(path, tensors, {_HEADER: json.dumps(meta)}, "ReversedAttention.save")
 
     @classmethod
     def load(cls, path: str | Path) -> ReversedAttention:
-        """Read a file written by `save` (an example is there); refuses other files.
+        """Read a file written by `save` (an example is there), checking that its tensors and
+        metadata agree; refuses other files and damaged ones with one ValueError naming the file.
 
         >>> import tempfile
         >>> from safetensors.torch import save_file
@@ -262,14 +346,112 @@ class ReversedAttention:
         Traceback (most recent call last):
         ValueError: .../other.safetensors was not written by ReversedAttention.save
         """
-        from safetensors import safe_open
+        meta, tensors = read_safetensors(path, _HEADER, "ReversedAttention.save")
+        fields = {"layers", "convention", "scales", "routes", "str_tokens"}
+        if not isinstance(meta, dict) or set(meta) != fields:
+            keys = sorted(meta) if isinstance(meta, dict) else type(meta).__name__
+            raise _damaged(path, f"its metadata has keys {keys}, expected {sorted(fields)}")
+        unknown = sorted(set(tensors) - set(_TENSORS))
+        if unknown or "norms" not in tensors:
+            raise _damaged(path, f"unexpected tensors {unknown} or no 'norms'")
+        try:
+            _check_parts(meta, tensors)
+        except (TypeError, ValueError) as error:
+            raise _damaged(path, str(error)) from None
+        return cls(**meta, **tensors)
 
+
+def _check_parts(meta: dict[str, Any], tensors: dict[str, Tensor]) -> None:
+    """Raise ValueError unless a file's metadata and tensors describe one ReversedAttention."""
+    from ra_lens.capture import check_layer_list
+    from ra_lens.math import CONVENTIONS
+
+    norms = tensors["norms"]
+    if norms.ndim != 3:
+        raise ValueError(f"norms have shape {tuple(norms.shape)}, not [batch layer head]")
+    batch, n_layers, n_heads = norms.shape
+    layers, scales, routes = meta["layers"], meta["scales"], meta["routes"]
+    if (
+        len(check_layer_list(layers)) != n_layers
+        or len(scales) != n_layers
+        or len(routes) != n_layers
+    ):
+        raise ValueError(
+            f"layers {layers}, scales {scales} and routes {routes} do not give one entry per "
+            f"layer of the tensors ({n_layers})"
+        )
+    if meta["convention"] not in CONVENTIONS or not set(routes) <= {"pattern", "z"}:
+        raise ValueError(f"unknown convention {meta['convention']!r} or routes {routes}")
+    tokens = tensors.get("tokens")
+    if tokens is None or tokens.ndim != 2 or tokens.shape[0] != batch:
+        shape = None if tokens is None else tuple(tokens.shape)
+        raise ValueError(f"tokens {shape} for a batch of {batch}")
+    pos = tokens.shape[1]
+    expected = {
+        "pattern_norms": (batch, n_layers, n_heads),
+        "lengths": (batch,),
+        "maps": (batch, n_layers, n_heads, pos, pos),
+        "patterns": (batch, n_layers, n_heads, pos, pos),
+        "rows": (batch, n_layers, n_heads, pos),
+        "row_positions": (batch,),
+    }
+    for name, shape in expected.items():
+        value = tensors.get(name)
+        if value is not None and tuple(value.shape) != shape:
+            raise ValueError(f"{name} have shape {tuple(value.shape)}, expected {shape}")
+    for name in ("pattern_norms", "lengths", "metric_values"):
+        if name not in tensors:
+            raise ValueError(f"the tensor {name!r} is missing")
+    if ("maps" in tensors) != ("patterns" in tensors):
+        raise ValueError("maps come without patterns (or patterns without maps)")
+    if ("rows" in tensors) != ("row_positions" in tensors):
+        raise ValueError("rows come without row_positions (or the reverse)")
+    if tensors["metric_values"].numel() not in (1, batch):
+        raise ValueError(f"{tensors['metric_values'].numel()} metric values for {batch} prompts")
+    str_tokens = meta["str_tokens"]
+    if str_tokens is not None and len(str_tokens) != batch:
+        raise ValueError(f"{len(str_tokens)} token lists for {batch} prompts")
+
+
+_HEADER = "ra_lens"
+
+
+def write_safetensors(
+    path: str | Path, tensors: dict[str, Tensor], metadata: dict[str, str], writer: str
+) -> None:
+    """Write a safetensors file with `files.write_file` (atomic, through symlinks, mode kept).
+    `writer` names the caller in errors."""
+    try:
+        write_file(path, save_bytes(tensors, metadata=metadata))
+    except ValueError as error:
+        raise ValueError(f"{error} ({writer} writes one file, e.g. ra.safetensors)") from None
+
+
+def read_safetensors(path: str | Path, header: str, writer: str) -> tuple[Any, dict[str, Tensor]]:
+    """(the JSON metadata under `header`, the tensors) of a file that `writer` wrote.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: naming the file: not written by `writer`, or damaged (truncated, empty, a
+            folder, metadata that is not JSON).
+    """
+    try:
         with safe_open(str(path), framework="pt") as handle:
-            header = handle.metadata() or {}
-        if "ra_lens" not in header:
-            raise ValueError(f"{path} was not written by ReversedAttention.save")
-        tensors = load_file(str(path))
-        return cls(**json.loads(header["ra_lens"]), **tensors)
+            found = handle.metadata() or {}
+        if header not in found:
+            raise ValueError(f"{path} was not written by {writer}")
+        return json.loads(found[header]), load_file(str(path))
+    except FileNotFoundError:
+        raise
+    except (SafetensorError, OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise _damaged(path, f"{type(error).__name__}: {error}") from None
+
+
+def _damaged(path: str | Path, reason: str) -> ValueError:
+    return ValueError(
+        f"{path} is not a readable ra-lens result file ({reason}): it is damaged, truncated or "
+        "was edited; compute the result again and save it"
+    )
 
 
 def stack_layers(per_layer: list[Tensor]) -> Tensor:

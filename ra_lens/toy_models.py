@@ -62,7 +62,15 @@ def tiny_tokenizer_dir() -> str:
     return folder
 
 
-def hf_config(arch: str, vocab: int, d_model: int, n_layers: int, n_heads: int, n_ctx: int):
+def hf_config(
+    arch: str,
+    vocab: int,
+    d_model: int,
+    n_layers: int,
+    n_heads: int,
+    n_ctx: int,
+    dropout: float = 0.0,
+):
     """The HuggingFace config `tiny_model` builds a "gpt2", "llama" or "opt" model from (e.g.
     for a plain HuggingFace copy with the same weights: seed, then `from_config`).
 
@@ -79,9 +87,9 @@ def hf_config(arch: str, vocab: int, d_model: int, n_layers: int, n_heads: int, 
             n_embd=d_model,
             n_layer=n_layers,
             n_head=n_heads,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
+            resid_pdrop=dropout,
+            embd_pdrop=dropout,
+            attn_pdrop=dropout,
             **special,
         )
     if arch == "llama":
@@ -93,6 +101,7 @@ def hf_config(arch: str, vocab: int, d_model: int, n_layers: int, n_heads: int, 
             num_attention_heads=n_heads,
             num_key_value_heads=max(1, n_heads // 2),
             max_position_embeddings=n_ctx,
+            attention_dropout=dropout,
             **special,
         )
     if arch == "opt":
@@ -104,8 +113,8 @@ def hf_config(arch: str, vocab: int, d_model: int, n_layers: int, n_heads: int, 
             num_attention_heads=n_heads,
             max_position_embeddings=n_ctx,
             word_embed_proj_dim=d_model,
-            dropout=0.0,
-            attention_dropout=0.0,
+            dropout=dropout,
+            attention_dropout=dropout,
             **special,
         )
     raise ValueError(f"unknown HF architecture {arch!r}")
@@ -121,6 +130,7 @@ def tiny_model(
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
     frozen: bool = False,
+    dropout: float = 0.0,
 ) -> HookedModel:
     """A small randomly initialised TransformerLens model, built offline.
 
@@ -129,6 +139,8 @@ def tiny_model(
             HuggingFace, so hook_pattern is not in the autograd graph), "native" (TL 4
             `boot_native`) or "hooked" (TL 2/3 `HookedTransformer`).
         frozen: set requires_grad False on every parameter, the usual interpretability set-up.
+        dropout: dropout probability of the HuggingFace architectures ("gpt2": residual,
+            embedding and attention; "llama", "opt": their dropouts), active in train mode.
 
     Returns:
         A TransformerBridge (or HookedTransformer for "hooked") in eval mode.
@@ -146,6 +158,8 @@ def tiny_model(
             names the architectures it can build); also an ImportError and a RuntimeError.
     """
     _check_arch(arch)
+    if dropout and arch not in ("gpt2", "llama", "opt"):
+        raise ValueError(f"dropout is available for 'gpt2', 'llama' and 'opt', not {arch!r}")
     torch.manual_seed(seed)
     if arch == "hooked":
         from transformer_lens import HookedTransformer, HookedTransformerConfig
@@ -187,7 +201,7 @@ def tiny_model(
         from transformer_lens.model_bridge import TransformerBridge
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        hf_cfg = hf_config(arch, 300, d_model, n_layers, n_heads, n_ctx)
+        hf_cfg = hf_config(arch, 300, d_model, n_layers, n_heads, n_ctx, dropout)
         hf_cfg._attn_implementation = "eager"
         hf_model = AutoModelForCausalLM.from_config(hf_cfg).eval()
         folder = tempfile.mkdtemp(prefix=f"ra_lens_tiny_{arch}_")

@@ -99,3 +99,30 @@ TOY_CORRUPTED = [
     "Q: the city to\nA:",
 ]
 TOY_TARGETS = [5, 6, 7]
+
+
+def dropout_model() -> Any:
+    """A tiny float64 model in train mode whose forward pass is random unless every module is in
+    eval mode: under TL 4 a GPT-2 bridge with dropout 0.3 (residual, embedding, attention; the
+    embedding dropout lives only in the HuggingFace model the bridge wraps). TransformerLens 2's
+    HookedTransformer has no dropout modules at all, so under TL 2 it is the plain tiny
+    HookedTransformer in train mode (only the mode bookkeeping is then tested)."""
+    import torch
+
+    if has_bridge():
+        model = tiny_model("gpt2", dtype=torch.float64, dropout=0.3)
+    else:
+        model = tiny_model("hooked", dtype=torch.float64)
+    return model.train()
+
+
+def module_modes(model: Any) -> list[tuple[str, bool]]:
+    """(name, training) of every module the forward pass uses, a bridge's HuggingFace modules
+    (`model.original_model`) included."""
+    import torch
+
+    modes = [(f"bridge.{n}", m.training) for n, m in model.named_modules()]
+    hf = getattr(model, "original_model", None)
+    if isinstance(hf, torch.nn.Module):
+        modes += [(f"hf.{n}", m.training) for n, m in hf.named_modules()]
+    return modes

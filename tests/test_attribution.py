@@ -172,7 +172,8 @@ def test_exact_equals_patching_on_one_layer_attention_only(kind, direction):
     )
     base, other = (corrupted, clean) if direction == "denoise" else (clean, corrupted)
     before = base_metric(model, base, metric_all)
-    assert torch.allclose(exact.metric.double(), before, atol=1e-5)
+    patched_metric = exact.corrupted_metric if direction == "denoise" else exact.clean_metric
+    assert torch.allclose(patched_metric.double(), before, atol=1e-5)
     truths, exacts, linears = [], [], []
     for node, n in (
         ("query", exact.n_heads),
@@ -259,7 +260,7 @@ def test_scores_top_and_edges_are_consistent():
     summed = att.key_by_head.reshape(2, 2, n_kv, group, -1).sum(3)
     assert torch.allclose(summed, att.by_position["key"], atol=1e-7)
     assert torch.allclose(att.edges.sum(-1), att.by_position["pattern"], atol=1e-7)
-    top = att.top(3, node="query")
+    top = att.top_heads(3, node="query")
     assert len(top) == 3 and abs(top[0][2]) >= abs(top[1][2]) >= abs(top[2][2])
     assert att.scores["query"][top[0][0], top[0][1]] == pytest.approx(top[0][2])
     layer, head, q, k, value = att.top_edges(1)[0]
@@ -338,7 +339,7 @@ def test_bad_input_raises_clearly():
         ra_lens.attention_attribution(model, CLEAN, CORRUPTED[:1], METRIC)
     att = ra_lens.attention_attribution(model, CLEAN, CORRUPTED, METRIC, nodes=("query",))
     with pytest.raises(ValueError, match="was not computed"):
-        att.top(3, node="key")
+        att.top_heads(3, node="key")
 
 
 @pytest.mark.tl4  # the OPT adapter (attention delegated to HF) exists in TL 4's bridge only
@@ -363,27 +364,6 @@ def test_unequal_string_pairs_name_the_pair():
         ra_lens.attention_attribution(
             model, ["The quick", "The quick brown fox"], ["The quick", "The dog"], METRIC
         )
-
-
-def test_model_left_as_it_was():
-    model = toy(multi_layer_archs()[-1])
-    model.train()
-    params = list(model.parameters())
-    params[0].requires_grad_(False)
-    marker = torch.ones_like(params[1])
-    params[1].grad = marker
-    flags = [p.requires_grad for p in params]
-
-    def failing(logits):
-        raise KeyError("boom")
-
-    with pytest.raises(KeyError):
-        ra_lens.attention_attribution(model, CLEAN, CORRUPTED, failing)
-    ra_lens.attention_attribution(model, CLEAN, CORRUPTED, METRIC)
-    assert model.training
-    assert [p.requires_grad for p in params] == flags
-    assert params[1].grad is marker and all(p.grad is None for p in params[2:])
-    assert all(not hp.fwd_hooks and not hp.bwd_hooks for hp in model.hook_dict.values())
 
 
 @pytest.mark.tl4  # TL 4's native rotary attention lists hook_rot_q/hook_rot_k but never fires them
@@ -447,7 +427,7 @@ def test_real_model_pairs_and_exact_key_delta(smollm2):
     assert len(ioi.usable(smollm2, ioi.capital_pairs(smollm2))) >= 30
     clean, corrupted, metric = ioi.paired_batch(smollm2, pairs[:1])
     att = ra_lens.attention_attribution(smollm2, clean, corrupted, metric, layers=[20])
-    assert float(att.other_metric[0]) > float(att.metric[0])  # clean favours " Mary"
+    assert float(att.clean_metric[0]) > float(att.corrupted_metric[0])  # clean favours " Mary"
     # the key of KV head 1 at position 2 (" Mary" vs " Alice") through the rotary hooks
     name = "blocks.20.attn.hook_rot_k"
     source = activation(smollm2, clean.tokens, name)

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 from helpers import PROMPTS as ALL_PROMPTS
-from helpers import bridge_model, snapshot
+from helpers import bridge_model
 
 import ra_lens
 from ra_lens.dynamics import EditDynamics, edit_dynamics
@@ -99,23 +99,6 @@ def test_layer_subset(llama):
     assert dyn.cosine.shape == (1, llama.cfg.n_heads)
     full = run(llama, 1e-3)
     assert torch.allclose(dyn.predicted[:, 0], full.predicted[:, 1])
-
-
-@pytest.mark.parametrize("frozen", [False, True])
-def test_model_left_untouched(frozen):
-    model = bridge("llama", frozen=frozen)
-    model.train()
-    params = dict(model.named_parameters())
-    values = {n: p.detach().clone() for n, p in params.items()}
-    flags = {n: p.requires_grad for n, p in params.items()}
-    before = snapshot(model)
-    run(model, 0.5)
-    assert model.training
-    assert snapshot(model)[3] == before[3]  # no hook left behind
-    for name, p in model.named_parameters():
-        assert torch.equal(p, values[name]), name
-        assert p.requires_grad == flags[name], name
-        assert p.grad is None, name
 
 
 def test_tokens_as_ids(llama):

@@ -7,6 +7,7 @@ import tempfile
 
 import pytest
 import torch
+from helpers import hook_count
 
 import ra_lens
 from ra_lens.capture import PATTERN
@@ -140,34 +141,6 @@ def test_rows_survive_save_load_and_concat(tmp_path):
     joined = ReversedAttention.concat([a, b])
     assert torch.equal(joined.rows, torch.cat([a.rows, b.rows]))
     assert joined.row_positions.tolist() == a.row_positions.tolist() * 2
-
-
-def hook_count(model):
-    points = sum(len(hp.fwd_hooks) + len(hp.bwd_hooks) for hp in model.hook_dict.values())
-    modules = sum(
-        len(m._forward_hooks) + len(m._backward_hooks) + len(m._forward_pre_hooks)
-        for m in model.modules()
-    )
-    return points, modules
-
-
-@pytest.mark.parametrize("frozen", [True, False])
-def test_model_left_as_it_was(frozen):
-    model = tiny_model(archs()[0], frozen=frozen)
-    model.train()
-    ra_lens.reversed_attention(model, PROMPTS[:1], target_nll([1]))  # warm the liveness cache
-    params = list(model.parameters())
-    flags, hooks = [p.requires_grad for p in params], hook_count(model)
-    ra = ra_lens.reversed_attention(model, PROMPTS[:1], target_nll([1]), memory="layerwise")
-    assert ra.norms.abs().max() > 0
-
-    def broken(logits):
-        raise RuntimeError("metric failed")
-
-    with pytest.raises(RuntimeError, match="metric failed"):
-        ra_lens.reversed_attention(model, PROMPTS[:1], broken, memory="layerwise")
-    assert model.training and [p.requires_grad for p in params] == flags
-    assert all(p.grad is None for p in params) and hook_count(model) == hooks
 
 
 def test_errors_name_the_fix():

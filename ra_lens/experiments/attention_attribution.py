@@ -33,10 +33,11 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from ra_lens import capture
-from ra_lens.attribution import attention_attribution
+from ra_lens.attribution import AttentionAttribution, attention_attribution
 from ra_lens.capture import PATTERN, Batch, HookedModel
 from ra_lens.core import reversed_attention
 from ra_lens.tasks import ioi
+from ra_lens.types import MetricFn
 
 KINDS: tuple[str, ...] = ("query", "key", "pattern")
 
@@ -72,7 +73,7 @@ def patching_effects(
     model: HookedModel,
     clean: Batch,
     corrupted: Batch,
-    metric: Any,
+    metric: MetricFn,
     jobs: Sequence[tuple[str, int, int, int | None]],
     *,
     max_rows: int = 64,
@@ -135,7 +136,7 @@ def patching_effects(
     return out
 
 
-def metric_repeated(metric: Any, logits: Tensor, lengths: Tensor, repeats: int) -> Tensor:
+def metric_repeated(metric: MetricFn, logits: Tensor, lengths: Tensor, repeats: int) -> Tensor:
     """The metric of a batch repeated `repeats` times (its per-pair targets repeated too).
 
     >>> from ra_lens.metrics import target_prob
@@ -307,8 +308,8 @@ def measure(
             "answer": pairs[0].answer,
             "wrong": pairs[0].wrong,
         },  # fmt: skip
-        metric_clean=float(exact.other_metric.mean()),
-        metric_corrupted=float(exact.metric.mean()),
+        metric_clean=float(exact.clean_metric.mean()),
+        metric_corrupted=float(exact.corrupted_metric.mean()),
         truth={k: v.float() for k, v in truth.items()},
         exact={k: exact.scores[k] for k in KINDS},
         linear={k: linear.scores[k] for k in KINDS},
@@ -325,7 +326,17 @@ def measure(
 
 
 def _per_position(
-    model, clean, corrupted, metric, exact, linear, truth, n_pairs, n_heads, max_rows, progress
+    model: HookedModel,
+    clean: Batch,
+    corrupted: Batch,
+    metric: MetricFn,
+    exact: AttentionAttribution,
+    linear: AttentionAttribution,
+    truth: dict[str, Tensor],
+    n_pairs: int,
+    n_heads: int,
+    max_rows: int,
+    progress: bool,
 ) -> dict[str, dict[str, float]]:
     """Per-position truth for the top heads of each kind on the first pairs, against the
     per-position estimates."""
@@ -364,7 +375,14 @@ def _per_position(
     return out
 
 
-def _blind_spot(exact, truth, ra_norms, clean, model, k: int = 20) -> list[dict[str, Any]]:
+def _blind_spot(
+    exact: AttentionAttribution,
+    truth: dict[str, Tensor],
+    ra_norms: Tensor,
+    clean: Batch,
+    model: HookedModel,
+    k: int = 20,
+) -> list[dict[str, Any]]:
     """Heads among the truth's and the exact estimate's top k (query nodes, and key nodes mapped
     to the query heads reading them) that the RA-norm ranking's top k misses, with the attention
     row at the last position of the first pair's corrupted prompt (the run the estimate patches

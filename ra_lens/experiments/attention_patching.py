@@ -4,6 +4,7 @@ to the forward attention of held-out prompts at a sweep of scales, against the f
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,6 +13,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from ra_lens import tasks
+from ra_lens._typing import Validated
 from ra_lens.capture import HookedModel
 from ra_lens.core import reversed_attention
 from ra_lens.experiments.timing import timed
@@ -142,11 +144,11 @@ def mean_reversed_attention(
 def attention_patching(
     model: HookedModel,
     task: str | Task,
-    shots: int = 0,
-    n_train: int = 25,
-    scales: Sequence[float] = DEFAULT_SCALES,
+    shots: Validated[int] = 0,
+    n_train: Validated[int] = 25,
+    scales: Validated[Sequence[float]] = DEFAULT_SCALES,
     *,
-    n_test: int | None = None,
+    n_test: Validated[int] | None = None,
     seed: int = 42,
     progress: bool = True,
 ) -> PatchingResult:
@@ -162,6 +164,9 @@ def attention_patching(
 
     Returns:
         PatchingResult with top-1/2/3 accuracy per scale for RA and the forward baseline.
+
+    Raises:
+        ValueError: shots < 0, n_train < 2, n_test < 1, no scales or a non-finite one.
 
     >>> import torch
     >>> from ra_lens.tasks import Task
@@ -180,10 +185,11 @@ def attention_patching(
 
     >>> result = attention_patching(ra_lens.load_model(), "antonym", shots=0)  # doctest: +SKIP
     """
+    scales = _check_counts(shots, n_train, n_test, scales)
     seconds: dict[str, float] = {}
     name = task if isinstance(task, str) else task.name
     train, test = task_prompts(model, task, shots, seed=seed)
-    train, test = train[:n_train], test[:n_test] if n_test else test
+    train, test = train[:n_train], test if n_test is None else test[:n_test]
     if len(train) < 2:
         raise ValueError(f"only {len(train)} equal-length training prompts for {name!r}")
     with timed(seconds, "reversed_attention"):
@@ -210,3 +216,30 @@ def attention_patching(
         seconds=seconds,
         ra_maps=ra,
     )
+
+
+def _is_count(value: Any, least: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+def _check_counts(shots: Any, n_train: Any, n_test: Any, scales: Any) -> list[float]:
+    """The scales as floats, after refusing counts that would silently use fewer prompts
+    (a negative slice end drops prompts from the end) and an empty or non-finite sweep."""
+    if not _is_count(shots, 0):
+        raise ValueError(f"shots must be a whole number >= 0, got {shots!r}")
+    if not _is_count(n_train, 2):
+        raise ValueError(
+            f"n_train must be a whole number >= 2 (RA is averaged over the training prompts), "
+            f"got {n_train!r}"
+        )
+    if n_test is not None and not _is_count(n_test, 1):
+        raise ValueError(f"n_test must be a whole number >= 1 or None (all), got {n_test!r}")
+    if isinstance(scales, (str, bytes)) or not isinstance(scales, Sequence):
+        raise ValueError(f"scales must be a sequence of numbers, e.g. [-4.0, 0.0], got {scales!r}")
+    bad = [s for s in scales if isinstance(s, bool) or not isinstance(s, (int, float))]
+    if not scales or bad or not all(math.isfinite(s) for s in scales):
+        raise ValueError(
+            f"scales must be a non-empty sequence of finite numbers, e.g. [-4.0, 0.0], got "
+            f"{list(scales)!r}"
+        )
+    return [float(s) for s in scales]

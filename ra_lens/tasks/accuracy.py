@@ -11,7 +11,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from ra_lens.capture import HookedModel, exclusive, to_batch
+from ra_lens.capture import HookedModel, eval_mode, to_batch
 from ra_lens.tasks.prompts import Prompt, answer_token, prompt_lengths
 
 FwdHook = tuple[str | Callable[[str], bool], Callable[..., Any]]
@@ -92,34 +92,35 @@ def evaluate(
 ) -> Accuracy:
     """Top-k accuracy of the first token of each prompt's answer at its last position.
 
-    Prompts are tokenised with BOS (`model.to_tokens`) and right-padded with the tokenizer's pad
-    id, so prompts of different lengths share a batch: causal attention keeps real positions
-    blind to the padding and the logits are read at each prompt's own last real position.
-    Hooks that line up with the last positions of a sequence (ra-lens's attention patches) would
-    hit a padded prompt at the wrong places, so with such a hook (or `by_length=True`) every
-    batch holds prompts of one token length only. The model runs under `torch.no_grad()` inside
-    `model.hooks(fwd_hooks=...)`, so hooks (e.g. head ablations or attention patches) apply to
-    every batch and are removed afterwards.
+        Prompts are tokenised with BOS (`model.to_tokens`) and right-padded with the tokenizer's pad
+        id, so prompts of different lengths share a batch: causal attention keeps real positions
+        blind to the padding and the logits are read at each prompt's own last real position.
+        Hooks that line up with the last positions of a sequence (ra-lens's attention patches) would
+        hit a padded prompt at the wrong places, so with such a hook (or `by_length=True`) every
+        batch holds prompts of one token length only. The model runs under `torch.no_grad()` inside
+        `model.hooks(fwd_hooks=...)`, so hooks (e.g. head ablations or attention patches) apply to
+        every batch and are removed afterwards. Every module runs in eval mode (dropout off, the
+    model's own modes restored afterwards), so a model held in train mode gives the same answer.
 
-    Args:
-        model: a TransformerLens model (HookedTransformer or TransformerBridge).
-        prompts: from `build_prompts`; only `.text` and `.answer` are used.
-        fwd_hooks: (hook name or name filter, hook function) pairs, as for `model.hooks`.
-        batch_size: prompts per forward pass.
-        ks: the k values reported by `Accuracy.to_dict` (top1..top3 are always there).
-        by_length: batch prompts of one token length only (no padding). Default: when a hook
-            is aligned to the end of the sequence (`attention_patch_hooks`,
-            `forward_patch_hooks`).
+        Args:
+            model: a TransformerLens model (HookedTransformer or TransformerBridge).
+            prompts: from `build_prompts`; only `.text` and `.answer` are used.
+            fwd_hooks: (hook name or name filter, hook function) pairs, as for `model.hooks`.
+            batch_size: prompts per forward pass.
+            ks: the k values reported by `Accuracy.to_dict` (top1..top3 are always there).
+            by_length: batch prompts of one token length only (no padding). Default: when a hook
+                is aligned to the end of the sequence (`attention_patch_hooks`,
+                `forward_patch_hooks`).
 
-    Returns:
-        Accuracy with `ranks: Int[Tensor, "n"]` in prompt order.
+        Returns:
+            Accuracy with `ranks: Int[Tensor, "n"]` in prompt order.
 
-    >>> from ra_lens.tasks import build_prompts
-    >>> pairs = [("b", "of"), ("c", "is"), ("d", "to"), ("l", "an")]
-    >>> prompts = build_prompts(pairs, shots=1, seed=0)
-    >>> acc = evaluate(model, prompts)
-    >>> acc.n, acc.ranks.shape, torch.equal(acc.ranks, evaluate(model, prompts, batch_size=1).ranks)
-    (4, torch.Size([4]), True)
+        >>> from ra_lens.tasks import build_prompts
+        >>> pairs = [("b", "of"), ("c", "is"), ("d", "to"), ("l", "an")]
+        >>> prompts = build_prompts(pairs, shots=1, seed=0)
+        >>> acc = evaluate(model, prompts)
+        >>> acc.n, acc.ranks.shape, torch.equal(acc.ranks, evaluate(model, prompts, batch_size=1).ranks)
+        (4, torch.Size([4]), True)
     """
     prompts = list(prompts)
     if batch_size < 1:
@@ -137,7 +138,7 @@ def evaluate(
         groups = [list(range(len(prompts)))]
     batches = [g[i : i + batch_size] for g in groups for i in range(0, len(g), batch_size)]
     ranks = torch.empty(len(prompts), dtype=torch.long)
-    with exclusive(model), torch.no_grad(), model.hooks(fwd_hooks=list(fwd_hooks)):
+    with eval_mode(model), torch.no_grad(), model.hooks(fwd_hooks=list(fwd_hooks)):
         for idx in tqdm(batches, desc="evaluate", disable=len(batches) < 4, leave=False):
             batch = to_batch(model, [prompts[i].text for i in idx])
             logits = model(batch.tokens)

@@ -95,7 +95,7 @@ def attribution_edges_page(
 
     Args:
         att: an AttentionAttribution.
-        heads: (layer, head) pairs (`att.top(k, "pattern")` triples work); default: the 8 heads
+        heads: (layer, head) pairs (`att.top_heads(k, "pattern")` triples work); default: the 8 heads
             with the largest |pattern| score.
         prompt: which pair of the batch.
         save: optional .html path.
@@ -103,12 +103,12 @@ def attribution_edges_page(
     >>> from ra_lens import attention_attribution, metrics
     >>> clean, corrupted = "The capital of France is", "The capital of Italy is"
     >>> att = attention_attribution(model, clean, corrupted, metrics.logit_diff([294], [52]))
-    >>> page = attribution_edges_page(att, att.top(2, node="pattern"))
+    >>> page = attribution_edges_page(att, att.top_heads(2, node="pattern"))
     >>> page.startswith("<!DOCTYPE html>"), "Edges R * (A_other - A)" in page
     (True, True)
     """
 
-    chosen = [(int(h[0]), int(h[1])) for h in (heads or att.top(8, node="pattern"))]
+    chosen = [(int(h[0]), int(h[1])) for h in (heads or att.top_heads(8, node="pattern"))]
     if not chosen:
         raise ValueError("no heads to show")
     n = int(att.lengths[prompt])

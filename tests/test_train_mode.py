@@ -1,0 +1,160 @@
+"""Every public function that runs a model gives one answer in train mode (the answer of eval
+mode, the same on every call) and leaves the model exactly as it found it: each module's own mode
+(a bridge's HuggingFace modules included), requires_grad, .grad, parameter values and hooks, also
+when the metric raises.
+
+The model (`helpers.dropout_model`) is a tiny float64 GPT-2 bridge with dropout 0.3 held in train
+mode, so any module left in train mode makes two calls differ. TransformerLens 2's
+HookedTransformer has no dropout, so under TL 2 only the mode bookkeeping is exercised.
+
+To cover a new function, append one (name, function(model) -> tensor) pair to `CASES`; a function
+with a `metric` parameter is also run with a metric that raises.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+
+import pytest
+import torch
+from helpers import dropout_model, has_bridge, hook_count, module_modes
+from torch import Tensor
+
+import ra_lens
+from ra_lens import tasks
+from ra_lens.capture import model_modules
+from ra_lens.experiments.attention_patching import attention_patching
+from ra_lens.metrics import logit_diff, target_nll
+
+TOKENS = torch.tensor([[0, 5, 9, 14, 20, 33, 7, 41, 12], [0, 8, 3, 14, 25, 33, 7, 40, 12]])
+CORRUPTED = torch.tensor([[0, 5, 17, 14, 20, 61, 7, 41, 12], [0, 8, 3, 19, 25, 33, 70, 40, 12]])
+NLL = target_nll([30, 31])
+DIFF = logit_diff([30, 31], [32, 33])
+TOY = tasks.Task(
+    "toy",
+    [("b", "of"), ("c", "is"), ("d", "to"), ("l", "an"), ("o", "and"), ("s", "the")]
+    + [("t", "cap"), ("F", "Par"), ("I", "Mar"), ("of", "b")],
+)
+
+
+def _ra(memory: str, keep: str) -> Callable[..., Tensor]:
+    def run(model, metric=NLL) -> Tensor:
+        ra = ra_lens.reversed_attention(model, TOKENS, metric, memory=memory, keep=keep)
+        kept = {"maps": ra.maps, "rows": ra.rows, "norms": ra.norms}[keep]
+        return torch.cat([kept.flatten(), ra.norms.flatten(), ra.metric_values.flatten()])
+
+    return run
+
+
+def _attribution(method: str) -> Callable[..., Tensor]:
+    def run(model, metric=DIFF) -> Tensor:
+        att = ra_lens.attention_attribution(model, TOKENS, CORRUPTED, metric, method=method)
+        return torch.cat([att.edges.flatten()] + [s.flatten() for s in att.by_position.values()])
+
+    return run
+
+
+def _patching(model) -> Tensor:
+    result = attention_patching(model, TOY, shots=1, n_train=2, scales=[-4.0], progress=False)
+    accs = [result.unpatched, *result.ra, *result.forward]
+    return torch.cat([result.ra_maps.maps.flatten()] + [a.ranks.double() for a in accs])
+
+
+def _dynamics(model, metric=NLL) -> Tensor:
+    dyn = ra_lens.edit_dynamics(model, TOKENS, metric, lr=1e-2)
+    return torch.cat([dyn.predicted.flatten(), dyn.actual.flatten()])
+
+
+def _evaluate(model) -> Tensor:
+    return tasks.evaluate(model, tasks.build_prompts(TOY, shots=1, seed=0)).ranks.double()
+
+
+#: (name, function(model) -> tensor): every public function that runs a model.
+CASES: list[tuple[str, Callable[..., Tensor]]] = [
+    *[(f"ra-{m}-{k}", _ra(m, k)) for m in ("full", "layerwise") for k in ("maps", "norms", "rows")],
+    ("attribution-exact", _attribution("exact")),
+    ("attribution-linear", _attribution("linear")),
+    ("attention_patching", _patching),
+    ("evaluate", _evaluate),
+]
+if has_bridge():  # edit_dynamics refuses HookedTransformer (see ra_lens.dynamics.SUPPORTED)
+    CASES.append(("edit_dynamics", _dynamics))
+
+
+@pytest.fixture(scope="module")
+def model():
+    return dropout_model()
+
+
+@pytest.mark.parametrize("run", [fn for _, fn in CASES], ids=[name for name, _ in CASES])
+def test_train_mode_gives_the_eval_answer_and_restores_modes(model, run):
+    model.train()
+    modes = module_modes(model)
+    assert all(training for _, training in modes)  # the HF modules too: dropout is live
+    first, second = run(model), run(model)
+    assert module_modes(model) == modes
+    for module in model_modules(model):
+        module.eval()
+    try:
+        reference = run(model)
+    finally:
+        model.train()
+    torch.testing.assert_close(first, reference, rtol=0, atol=1e-12)
+    torch.testing.assert_close(second, reference, rtol=0, atol=1e-12)
+
+
+def test_the_dropout_model_is_random_in_train_mode(model):
+    if not has_bridge():
+        pytest.skip("TransformerLens 2's HookedTransformer has no dropout")
+    model.train()
+    with torch.no_grad():
+        assert not torch.equal(model(TOKENS), model(TOKENS))
+
+
+def _state(model) -> tuple:
+    """Everything a call must leave as it was: module modes, requires_grad, .grad (the same
+    tensor, with the same values), parameter values and the hooks on every hook point and module."""
+    params = list(model.parameters())
+    return (
+        module_modes(model),
+        [p.requires_grad for p in params],
+        [None if p.grad is None else (id(p.grad), p.grad.clone()) for p in params],
+        [p.detach().clone() for p in params],
+        hook_count(model),
+    )
+
+
+@pytest.fixture
+def mixed_model():
+    """The dropout model in a state worth restoring: train mode with one module in eval mode,
+    half the parameters frozen, one with a .grad already."""
+    model = dropout_model()
+    modules = model_modules(model)
+    modules[len(modules) // 2].eval()
+    params = list(model.parameters())
+    for p in params[::2]:
+        p.requires_grad_(False)
+    params[1].grad = torch.full_like(params[1], 7.0)
+    return model
+
+
+def _raises(logits):
+    raise KeyError("metric failed")
+
+
+@pytest.mark.parametrize("run", [fn for _, fn in CASES], ids=[name for name, _ in CASES])
+def test_leaves_the_model_exactly_as_found(mixed_model, run):
+    run(mixed_model)  # a bridge adds its own hooks on its first forward pass
+    before = _state(mixed_model)
+    run(mixed_model)
+    if "metric" in inspect.signature(run).parameters:
+        with pytest.raises(KeyError, match="metric failed"):
+            run(mixed_model, metric=_raises)
+    after = _state(mixed_model)
+    assert after[0] == before[0] and after[1] == before[1] and after[4] == before[4]
+    for found, kept in zip(after[2], before[2]):
+        assert (found is None) == (kept is None)
+        if found is not None:
+            assert found[0] == kept[0] and torch.equal(found[1], kept[1])
+    assert all(torch.equal(a, b) for a, b in zip(after[3], before[3]))

@@ -459,7 +459,7 @@ def test_shuffled_label_prompts_keep_queries_and_move_every_label(llama):
         assert sorted(y for _, y in bad.demos) == sorted(y for _, y in clean.demos)
         assert all(a != b for (_, a), (_, b) in zip(bad.demos, clean.demos, strict=True))
         assert bad.text == tasks.format_prompt(bad.demos, bad.query)
-    assert tasks.prompt_lengths(corrupted, llama) == tasks.prompt_lengths(train, llama)
+    assert tasks.prompt_lengths(llama, corrupted) == tasks.prompt_lengths(llama, train)
     one_shot = tasks.build_prompts(TOY, shots=1)
     moved = shuffled_label_prompts(one_shot)
     assert all(a.demos[0][1] != b.demos[0][1] for a, b in zip(moved, one_shot, strict=True))
@@ -532,7 +532,7 @@ def test_head_ranking_zero_shot_skips_patching_and_mean_ablates(llama):
     _, test = task_prompts(llama, TOY, shots=0)
     means = rk.last_token_means(llama, [p.text for p in train])
     hooks = rk.ablation_hooks(rk.head_order(torch.zeros(2, llama.cfg.n_heads)), means=means)
-    lengths = tasks.prompt_lengths(test, llama)
+    lengths = tasks.prompt_lengths(llama, test)
     for i, prompt in enumerate(test):  # one prompt at a time: no padding to misalign the means
         alone = tasks.evaluate(llama, [prompt], fwd_hooks=hooks)
         assert res.curves["ra"].accuracies[0].ranks[i] == alone.ranks[0], lengths[i]

@@ -892,3 +892,102 @@ def test_rank_command_takes_several_tasks_and_rankings(capsys):
     assert "unknown ranking 'nope'" in err and "indirect_effect" in err
     with pytest.raises(SystemExit):
         main(["rank", "--task", "antonym", "--ablation", "resample"])
+
+
+# --- one target check, one set of counts, heads checked where they enter -------------------
+
+#: Every ranking that reads targets, called on two prompts with the given targets.
+TARGETED = {
+    "ra_ranking": lambda m, t: rk.ra_ranking(m, CLEAN[:2], t),
+    "temperature_ranking": lambda m, t: rk.temperature_ranking(m, CLEAN[:2], t),
+    "forward_ranking": lambda m, t: rk.forward_ranking(m, CLEAN[:2], t),
+    "causal_mediation": lambda m, t: rk.causal_mediation(m, CLEAN[:2], t),
+    "first_order_mediation": lambda m, t: rk.first_order_mediation(m, CLEAN[:2], t),
+    "indirect_effect": lambda m, t: rk.indirect_effect(m, CLEAN[:2], CORRUPTED[:2], t),
+    "activation_patching": lambda m, t: rk.activation_patching(m, CLEAN[:2], CORRUPTED[:2], t),
+    "attribution_patching": lambda m, t: rk.attribution_patching(m, CLEAN[:2], CORRUPTED[:2], t),
+    "exact_qk_attribution": lambda m, t: rk.exact_qk_attribution(m, CLEAN[:2], CORRUPTED[:2], t),
+}
+
+
+@pytest.mark.parametrize("name", list(TARGETED))
+@pytest.mark.parametrize(
+    "targets, error, message",
+    [
+        ([5, -1], ValueError, "negative id is not counted from the end"),
+        ([5, 300], ValueError, r"must lie in 0\.\.299"),
+        ([5, 100000], ValueError, r"must lie in 0\.\.299"),
+        (torch.tensor([5.0, 6.7]), TypeError, "integer token ids, got a torch.float32"),
+        ([5.0, 6.7], TypeError, "integer token ids, got 5.0"),
+        ([5], ValueError, "1 targets for 2 prompts"),
+    ],
+)
+def test_every_ranking_refuses_bad_targets_before_running(llama, name, targets, error, message):
+    with pytest.raises(error, match=message):
+        TARGETED[name](llama, targets)
+
+
+def test_rankings_accept_integer_targets_of_any_kind(llama):
+    expected = rk.causal_mediation(llama, CLEAN[:2], [5, 6])
+    for targets in (torch.tensor([5, 6]), torch.tensor([5, 6], dtype=torch.int32), [5, 6]):
+        torch.testing.assert_close(rk.causal_mediation(llama, CLEAN[:2], targets), expected)
+
+
+@pytest.mark.parametrize("batch_size", [0, -1])
+def test_rankings_refuse_bad_batch_sizes(llama, batch_size):
+    with pytest.raises(ValueError, match="batch_size must be an int >= 1"):
+        rk.ra_ranking(llama, CLEAN, TARGETS, batch_size=batch_size)
+    with pytest.raises(ValueError, match="batch_size must be an int >= 1"):
+        rk.last_token_means(llama, CLEAN, batch_size=batch_size)
+
+
+@pytest.mark.parametrize(
+    "setting, message",
+    [
+        ({"n_test": -1}, "n_test must be an int >= 1, got -1"),
+        ({"n_test": 0}, "n_test must be an int >= 1, got 0"),
+        ({"n_prompts": -2}, "n_prompts must be an int >= 1"),
+        ({"n_boot": 0}, "n_boot must be an int >= 1"),
+        ({"n_means": -5}, "n_means must be an int >= 1"),
+        ({"eval_batch_size": 0}, "eval_batch_size must be an int >= 1"),
+        ({"shots": -1}, "shots must be an int >= 0"),
+    ],
+)
+def test_head_ranking_refuses_negative_counts(llama, setting, message):
+    with pytest.raises(ValueError, match=message):
+        head_ranking(llama, TOY, **{"shots": 1, "n_prompts": 4, **setting}, progress=False)
+
+
+@pytest.mark.parametrize(
+    "heads, message",
+    [([(1, 4)], r"head \(1, 4\) does not exist"), ([(0, -1)], r"head \(0, -1\) does not exist")],
+)
+def test_ablation_evaluation_checks_heads_against_the_model(llama, heads, message):
+    test = task_prompts(llama, TOY, shots=1)[1]
+    with pytest.raises(ValueError, match=message):
+        rk.evaluate_ablated(llama, test, heads)
+
+
+def test_the_registry_lists_functions_and_refuses_duplicates():
+    from ra_lens.experiments.head_ranking import RankingSpec, register
+
+    assert all(spec.function.__name__ != "<lambda>" for spec in RANKINGS.values())
+    assert all(spec.name == name for name, spec in RANKINGS.items())
+    registry = dict(RANKINGS)
+    with pytest.raises(ValueError, match="'ra' is already registered"):
+        register(registry, RankingSpec("ra", rk.ra_ranking, "again"))
+
+
+def test_activation_patching_per_prompt_averages_to_its_mean(model):
+    per_prompt = rk.activation_patching(model, CLEAN, CORRUPTED, TARGETS, per_prompt=True)
+    mean = rk.activation_patching(model, CLEAN, CORRUPTED, TARGETS, batch_size=2)
+    assert per_prompt.shape == (3, 2, model.cfg.n_heads)
+    torch.testing.assert_close(per_prompt.double().mean(0).float(), mean, atol=1e-7, rtol=1e-5)
+    one = rk.activation_patching(model, CLEAN[2:], CORRUPTED[2:], TARGETS[2:])
+    torch.testing.assert_close(per_prompt[2], one, atol=1e-7, rtol=1e-5)
+
+
+def test_exact_qk_attribution_per_prompt_averages_to_its_mean(llama):
+    per_prompt = rk.exact_qk_attribution(llama, CLEAN, CORRUPTED, TARGETS, per_prompt=True)
+    mean = rk.exact_qk_attribution(llama, CLEAN, CORRUPTED, TARGETS, batch_size=2)
+    torch.testing.assert_close(per_prompt.double().mean(0).float(), mean, atol=1e-7, rtol=1e-5)

@@ -991,3 +991,40 @@ def test_exact_qk_attribution_per_prompt_averages_to_its_mean(llama):
     per_prompt = rk.exact_qk_attribution(llama, CLEAN, CORRUPTED, TARGETS, per_prompt=True)
     mean = rk.exact_qk_attribution(llama, CLEAN, CORRUPTED, TARGETS, batch_size=2)
     torch.testing.assert_close(per_prompt.double().mean(0).float(), mean, atol=1e-7, rtol=1e-5)
+
+
+def test_the_public_list_holds_public_names_and_the_old_names_still_import():
+    public = set(rk.__all__)
+    assert not public & {"check_scores", "bootstrap_indices", "check_fractions", "target_probs"}
+    assert {"ra_ranking", "spearman", "pearson", "top_recall", "ablation_curve"} <= public
+    old = [
+        "ablation_hooks", "bootstrap_indices", "check_fractions", "check_scores",
+        "last_token_means", "target_probs", "HeadMeans", "PerPrompt",
+    ]  # fmt: skip
+    assert all(hasattr(rk, name) for name in [*public, *old])
+
+
+def test_the_progress_bar_moves_inside_a_part_and_ends_full(llama, monkeypatch):
+    import ra_lens.ranking.engine as engine
+
+    seen = []
+
+    class Bar:  # records where the engine's bar stands after each update
+        def __init__(self, total, **kwargs):
+            self.n, self.total = 0.0, total
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def update(self, step):
+            self.n += step
+            seen.append(round(self.n, 6))
+
+    monkeypatch.setattr(engine, "tqdm", Bar)
+    rk.causal_mediation(llama, CLEAN, TARGETS, batch_size=2, progress=True)
+    n_heads = 2 * llama.cfg.n_heads  # one step per head in each part, then the part's end
+    assert len(seen) == 2 * (n_heads + 1) and seen == sorted(seen) and seen[-1] == 3
+    assert seen[n_heads - 1] == 2 and seen[0] == pytest.approx(2 / n_heads, abs=1e-6)

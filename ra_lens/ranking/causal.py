@@ -90,11 +90,12 @@ def causal_mediation(
         drops = torch.zeros(part.size, shape.n_layers, shape.n_heads, dtype=torch.float64)
         with torch.no_grad():
             before = target_probs(model(tokens), lengths, part.targets).double()
-            for layer, head in heads:
+            for i, (layer, head) in enumerate(heads):
                 hooks = ablation_hooks([(layer, head)], means=means, lengths=lengths)
                 with model.hooks(fwd_hooks=hooks):
                     after = target_probs(model(tokens), lengths, part.targets).double()
                 drops[:, layer, head] = (before - after).cpu()
+                part.done((i + 1) / len(heads))
         return drops
 
     return rank(
@@ -182,11 +183,12 @@ def indirect_effect(
         gains = torch.zeros(part.size, shape.n_layers, shape.n_heads, dtype=torch.float64)
         with torch.no_grad():
             base = target_probs(model(tokens), lengths, part.targets).double()
-            for layer, head in heads:
+            for i, (layer, head) in enumerate(heads):
                 hook = patch(head, mean_last[layer, head], lengths - 1)
                 with model.hooks(fwd_hooks=[(Z.format(layer), hook)]):
                     after = target_probs(model(tokens), lengths, part.targets).double()
                 gains[:, layer, head] = (after - base).cpu()
+                part.done((i + 1) / len(heads))
         return gains
 
     return rank(

@@ -11,7 +11,7 @@ head"], the part's mean). `rank` does everything else, once for every ranking:
 - the model in eval mode with every module's mode, requires_grad and .grad restored afterwards,
   claimed for this thread (`capture.preserved_state`): a ranking never depends on the mode the
   caller left the model in (dropout would make it random);
-- a progress bar over prompts;
+- a progress bar over prompts (`Part.done` moves it inside a part);
 - the mean over prompts, or each prompt's scores (`per_prompt=True`, for bootstrap intervals).
 
     >>> def last_logit_norm(model, part):  # a toy scorer: one value per prompt, every head
@@ -39,6 +39,9 @@ from ra_lens.capture import Batch, HookedModel
 from ra_lens.math import upcast
 from ra_lens.types import Scores, Targets, Tokens
 
+#: The progress bar counts prompts, in fractions while a part is under way: shown in percent.
+_BAR = "{desc}: {percentage:3.0f}%|{bar}| {elapsed}<{remaining}"
+
 #: Each prompt's score of each head.
 PerPrompt = Float[Tensor, "batch layer head"]
 
@@ -54,6 +57,8 @@ class Part:
         corrupted: the paired corrupted prompts (same token lengths), for patching rankings.
         per_prompt: whether the caller wants each prompt's scores (a scorer that can only give
             the part's mean must refuse).
+        done: a scorer with a long loop (one pass per head) reports the fraction of the part it
+            has done, for the progress bar.
     """
 
     rows: slice
@@ -61,6 +66,7 @@ class Part:
     targets: Tensor
     corrupted: Batch | None = None
     per_prompt: bool = False
+    done: Callable[[float], None] = lambda fraction: None
 
     @property
     def size(self) -> int:
@@ -216,25 +222,30 @@ def rank(
     total: Tensor | None = None
     with (
         capture.preserved_state(model),
-        tqdm(total=n, desc=desc, disable=not progress, unit="prompt") as bar,
+        tqdm(total=n, desc=desc, disable=not progress, bar_format=_BAR) as bar,
     ):
         for rows in chunks(n, batch_size):
+
+            def done(fraction: float, rows: slice = rows) -> None:
+                bar.update(rows.start + fraction * (rows.stop - rows.start) - bar.n)
+
             part = Part(
                 rows,
                 part_of(batch, rows),
                 ids[rows],
                 None if other is None else part_of(other, rows),
                 per_prompt,
+                done,
             )
             values = scorer(model, part).detach().double().cpu()
             if values.ndim == 3:
                 per.append(values)
-            elif per_prompt:  # pragma: no cover - scorers check part.per_prompt themselves
+            elif per_prompt:  # a scorer that can only average must refuse per_prompt itself
                 raise ValueError(f"{desc} gives only the mean over prompts, not per prompt")
             else:
                 weighted = values * part.size
                 total = weighted if total is None else total + weighted
-            bar.update(part.size)
+            done(1.0)
     if per:
         values = torch.cat(per)
         return values.float() if per_prompt else values.mean(0).float()

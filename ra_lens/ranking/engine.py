@@ -240,7 +240,7 @@ def rank(
             values = scorer(model, part).detach().double().cpu()
             if values.ndim == 3:
                 per.append(values)
-            elif per_prompt:  # a scorer that can only average must refuse per_prompt itself
+            elif per_prompt:  # a mean came back although each prompt's scores were asked for
                 raise ValueError(f"{desc} gives only the mean over prompts, not per prompt")
             else:
                 weighted = values * part.size

@@ -40,6 +40,7 @@ from torch import Tensor
 
 from ra_lens import capture, reversed_attention
 from ra_lens.capture import RESID_PRE
+from ra_lens.experiments.timing import timed
 from ra_lens.metrics import target_nll
 
 MIB = 2**20
@@ -51,35 +52,21 @@ _FILLER = (
 
 @contextlib.contextmanager
 def peak_memory(device: str, out: dict[str, float]) -> Iterator[None]:
-    """out["peak_mb"]: peak extra memory of the block; out["seconds"]: its time."""
+    """out["peak_mb"]: peak extra memory of the block; out["seconds"]: its time (wall on CUDA,
+    process CPU time on the CPU)."""
     gc.collect()
     if device.startswith("cuda"):
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        start = time.perf_counter()
-        yield
-        torch.cuda.synchronize()
-        out["seconds"] = time.perf_counter() - start
+        with timed(out, "seconds"):
+            yield
         out["peak_mb"] = (torch.cuda.max_memory_allocated() - base) / MIB
         return
     tracker = LiveTensorBytes()
-    start = time.process_time()
-    with tracker:
+    with timed(out, "seconds", clock=time.process_time), tracker:
         yield
-    out["seconds"] = time.process_time() - start
     out["peak_mb"] = tracker.peak / MIB
-
-
-def clock(device: str) -> Callable[[], float]:
-    if device.startswith("cuda"):
-
-        def wall() -> float:
-            torch.cuda.synchronize()
-            return time.perf_counter()
-
-        return wall
-    return time.process_time
 
 
 def long_tokens(model: Any, n_tokens: int) -> Tensor:
@@ -140,12 +127,13 @@ def compare(model: Any, n_tokens: int, repeats: int, device: str) -> dict[str, A
         print(f"{name} at {n_tokens}: peak {out['peak_mb']:.0f} MiB", flush=True)
     full_peaks[n_tokens] = memory["full_norms"]
     times: dict[str, list[float]] = {name: [] for name in run}
-    now = clock(device)
+    now = time.perf_counter if device.startswith("cuda") else time.process_time
     for _ in range(repeats):
         for name, fn in run.items():  # interleaved: a load change hits every route alike
-            start = now()
-            fn()
-            times[name].append(now() - start)
+            span: dict[str, float] = {}
+            with timed(span, name, clock=now):
+                fn()
+            times[name].append(span[name])
     seconds = {name: statistics.median(values) for name, values in times.items()}
     print({name: round(s, 2) for name, s in seconds.items()}, flush=True)
     coeffs = _fit_quadratic(full_peaks)

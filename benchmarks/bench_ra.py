@@ -36,12 +36,11 @@ from harness import (
     choose_clock,
     make_tokens,
     run_group,
-    sync,
-    timed,
 )
 from torch import Tensor
 
 from ra_lens import capture, ranking, reversed_attention
+from ra_lens.experiments.timing import sync, timed
 from ra_lens.metrics import target_nll
 
 # ---------------------------------------------------------------------------------------------
@@ -259,7 +258,10 @@ def measure_causal_mediation(
     tokens = make_tokens(vocab, batch, length, 1, device)
     targets = make_tokens(vocab, 1, batch, 2, device)[0]
     gc.collect()
-    scores, seconds = timed(lambda: ranking.causal_mediation(model, tokens, targets), clock, device)
+    spans: dict[str, float] = {}
+    with timed(spans, "causal_mediation", clock=clock.read):
+        scores = ranking.causal_mediation(model, tokens, targets)
+    seconds = spans["causal_mediation"]
     n_heads = scores.numel()
     log(f"    causal_mediation    all {n_heads} heads in {seconds:.1f} s ({clock.name})")
     return {"median_s": seconds, "reps": 1, "heads": n_heads}
@@ -269,7 +271,10 @@ def measure_model(
     mp: ModelPlan, plan: Plan, device: str, clock: Clock, memory: PeakMemory, log: Log
 ) -> dict[str, Any]:
     max_len = max(n for _, n in mp.settings + mp.norms_only)
-    model, load_s = timed(lambda: load(mp.key, device, max_len), WALL_CLOCK, device)
+    spans: dict[str, float] = {}
+    with timed(spans, "load", clock=WALL_CLOCK.read):
+        model = load(mp.key, device, max_len)
+    load_s = spans["load"]
     shape = capture.model_shape(model)
     log(f"  loaded in {load_s:.1f} s: {mp.label}")
     out: dict[str, Any] = {
@@ -562,7 +567,7 @@ def profile(
         start = clock.read()
         with torch_profile(activities=activities) as prof:
             fn()
-            sync(device)
+            sync()
         totals[name] = clock.read() - start
         tables[name] = {e.key: e.self_cpu_time_total / 1e6 for e in prof.key_averages()}
         log(f"\n--- {name}: {totals[name]:.3f} s under the profiler; top ops by self CPU time")

@@ -1,4 +1,5 @@
-"""Benchmark harness: clocks, peak-memory meters and run groups. No ra_lens code here.
+"""Benchmark harness: clocks, peak-memory meters and run groups. The timer is the library's one
+`ra_lens.experiments.timing.timed` (CUDA synchronised at both ends); nothing else of ra_lens here.
 
 The method (what is timed and how, why the CPU clock, how memory is counted) is described once, in
 benchmarks/README.md.
@@ -20,6 +21,8 @@ import torch
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+from ra_lens.experiments.timing import timed
 
 MIB = 2**20
 Log = Callable[[str], None]
@@ -49,21 +52,6 @@ def choose_clock(device: str, threads: int, wall: bool = False) -> Clock:
     adds up over threads, and on CUDA the host waits on the device: there only wall time means
     anything. `wall=True` forces wall time."""
     return CPU_CLOCK if device == "cpu" and threads == 1 and not wall else WALL_CLOCK
-
-
-def sync(device: str) -> None:
-    """Wait for queued CUDA work, so that a timer stops when the work is done."""
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-def timed(fn: Callable[[], Any], clock: Clock, device: str) -> tuple[Any, float]:
-    """(fn(), seconds on `clock`), the device synchronised before the clock stops."""
-    sync(device)
-    start = clock.read()
-    result = fn()
-    sync(device)
-    return result, clock.read() - start
 
 
 def make_tokens(vocab: int, batch: int, length: int, seed: int, device: str) -> Tensor:
@@ -231,7 +219,10 @@ def run_group(
             continue
         out: dict[str, float] = {}
         with memory.measure(out):
-            result, elapsed = timed(c.fn, clock, device)
+            spans: dict[str, float] = {}
+            with timed(spans, c.name, clock=clock.read):
+                result = c.fn()
+            elapsed = spans[c.name]
             del result
         results[c.name].update(out)
         results[c.name]["memory_run_s"] = elapsed
@@ -246,9 +237,11 @@ def run_group(
                 continue
             gc.collect()
             wall_start = WALL_CLOCK.read()
-            result, elapsed = timed(c.fn, clock, device)
+            spans = {}
+            with timed(spans, c.name, clock=clock.read):
+                result = c.fn()
             results[c.name]["wall_times_s"].append(WALL_CLOCK.read() - wall_start)
-            results[c.name]["times_s"].append(elapsed)
+            results[c.name]["times_s"].append(spans[c.name])
             del result
     for c in configs:
         r = results[c.name]

@@ -22,11 +22,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from harness import choose_clock, timed
+from harness import choose_clock
 
 from ra_lens import ranking as rk
 from ra_lens import tasks
 from ra_lens.experiments.ranking_study import SPEED_GOAL
+from ra_lens.experiments.timing import timed
 from ra_lens.models import hub_offline, load_model, smollm2_hf_dir
 from ra_lens.tasks import task_prompts
 
@@ -76,15 +77,16 @@ def main(argv: list[str] | None = None) -> int:
     seconds: dict[str, float] = {}
     for name, fn in cheap.items():
         fn()  # warm-up: the first backward on a GPU also loads its kernels
-        seconds[name] = statistics.median(
-            timed(fn, clock, args.device)[1] for _ in range(args.reps)
-        )
+        runs: list[float] = []
+        for _ in range(args.reps):
+            span: dict[str, float] = {}
+            with timed(span, name, clock=clock.read):
+                fn()
+            runs.append(span[name])
+        seconds[name] = statistics.median(runs)
         print(f"{name:>16}: {seconds[name]:.3f} s (median of {args.reps})", flush=True)
-    _, seconds["causal_mediation"] = timed(
-        lambda: rk.causal_mediation(model, texts, targets, batch_size=n, progress=True),
-        clock,
-        args.device,
-    )
+    with timed(seconds, "causal_mediation", clock=clock.read):
+        rk.causal_mediation(model, texts, targets, batch_size=n, progress=True)
     ratio = seconds["causal_mediation"] / seconds["ra"]
     print(f"causal_mediation: {seconds['causal_mediation']:.3f} s (one run)")
     print(f"causal mediation / RA: {ratio:.0f}x (goal >= {SPEED_GOAL:.0f}x: {ratio >= SPEED_GOAL})")

@@ -45,7 +45,7 @@ import torch
 import ra_lens
 from ra_lens import tasks
 from ra_lens.experiments import attention_patching
-from ra_lens.tasks import evaluate_by_length, task_prompts
+from ra_lens.tasks import evaluate, task_prompts
 
 # tqdm warns once when ipywidgets is missing; progress bars still work as plain text
 warnings.filterwarnings("ignore", message="IProgress not found")
@@ -223,7 +223,7 @@ def random_heads(k, seed):
 
 def patched_top3(heads):
     hooks = ra_lens.attention_patch_hooks(ra, best_scale, heads=heads)
-    return evaluate_by_length(model, test, hooks).top3
+    return evaluate(model, test, fwd_hooks=hooks, batch_size=32, by_length=True).top3
 
 
 print(f"patching all {n_layers * n_heads} heads: top-3 {best_top3:.0%}")
@@ -254,7 +254,8 @@ for k in (20, 40):
 
 # %%
 def ablated_top3(heads):
-    return evaluate_by_length(model, test, patch + ra_lens.head_ablation_hooks(heads)).top3
+    hooks = patch + ra_lens.head_ablation_hooks(heads)
+    return evaluate(model, test, fwd_hooks=hooks, batch_size=32, by_length=True).top3
 
 
 silenced_top = ablated_top3(by_norm[:20])

@@ -80,8 +80,8 @@ N_TEST = 12  # held-out prompts for the ablation curves
 train, test = task_prompts(model, TASK, shots=SHOTS)
 test = test[:N_TEST]
 corrupted = shuffled_label_prompts(train, seed=0)
-lengths = tasks.prompt_lengths(train, model)
-same = [i for i, n in enumerate(tasks.prompt_lengths(corrupted, model)) if n == lengths[i]]
+lengths = tasks.prompt_lengths(model, train)
+same = [i for i, n in enumerate(tasks.prompt_lengths(model, corrupted)) if n == lengths[i]]
 
 candidates = same[:12]  # enough to find N_PAIRS that the model gets right
 clean_ranks = tasks.evaluate(model, [train[i] for i in candidates]).ranks

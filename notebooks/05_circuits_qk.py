@@ -45,7 +45,8 @@ from IPython.display import HTML
 
 import ra_lens
 from ra_lens import viz
-from ra_lens.experiments.attention_attribution import patching_effects, pearson, top_recall
+from ra_lens.experiments.attention_attribution import patching_effects
+from ra_lens.ranking import pearson, top_recall
 from ra_lens.tasks import ioi
 
 # tqdm warns once when ipywidgets is missing; progress bars still work as plain text

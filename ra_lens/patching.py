@@ -1,4 +1,5 @@
-"""TransformerLens hook functions: attention patching with RA, its forward baseline, head ablation.
+"""TransformerLens hook functions: attention patching with RA, its forward baseline, head ablation
+(zero, or mean: `mean_head_outputs`, or Todd et al.'s `last_token_means` aligned at the last token).
 
 Every function returns a plain list of `(hook_name, hook_fn)` pairs, so it composes with
 `model.hooks(fwd_hooks=...)`, `model.run_with_hooks(...)`, `transformer_lens.patching` and other
@@ -17,17 +18,21 @@ from collections.abc import Iterable, Sequence
 from typing import Any, Literal
 
 import torch
-from jaxtyping import Bool, Float
+from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from ra_lens import capture
 from ra_lens._typing import Validated
 from ra_lens.capture import PATTERN, HookedModel, Z
+from ra_lens.math import upcast
 from ra_lens.result import ReversedAttention
-from ra_lens.types import Hook
+from ra_lens.types import Hook, Tokens
 
 Align = Literal["right", "strict"]
 Heads = Validated[Iterable[tuple[int, int]] | Bool[Tensor, "layer head"]]
+#: Mean head outputs for mean ablation: one vector per head (`mean_head_outputs`, used at every
+#: position) or one per position counted back from the last token (`last_token_means`).
+HeadMeans = Validated[Float[Tensor, "layer head d_head"] | Float[Tensor, "layer head pos d_head"]]
 
 
 def attention_patch_hooks(
@@ -140,14 +145,25 @@ def head_ablation_hooks(
     heads: Heads,
     *,
     mode: Validated[Literal["zero", "mean"]] = "zero",
-    means: Float[Tensor, "layer head d_head"] | None = None,
+    means: HeadMeans | None = None,
+    lengths: Int[Tensor, "batch"] | None = None,
+    model: HookedModel | None = None,
 ) -> list[Hook]:
     """Hooks that replace chosen heads' outputs at `blocks.{l}.attn.hook_z`.
 
     Args:
         heads: (layer, head) pairs or a Bool[Tensor, "layer head"] mask of heads to ablate.
-        mode: "zero" sets the head output to zero; "mean" replaces it by `means[l, h]`
-            (see `mean_head_outputs`).
+        mode: "zero" sets the head output to zero; "mean" replaces it by `means`.
+        means: Float[Tensor, "layer head d_head"] (`mean_head_outputs`: one vector per head, at
+            every position) or Float[Tensor, "layer head pos d_head"] (`last_token_means`:
+            position by position, lined up with each prompt's last real token).
+        lengths: real length of each row of the batch the hooks will see (right padding);
+            default: every row is unpadded. Position-aligned means need it for padded batches.
+        model: if given, heads and layers are checked against it here rather than in the
+            forward pass (they are always checked against `means`, and negative ones refused).
+
+    Raises:
+        ValueError: a negative head or layer, or one outside the model (or the means).
 
     >>> name = Z.format(1)
     >>> with model.hooks(fwd_hooks=head_ablation_hooks([(1, 2)])):
@@ -160,29 +176,103 @@ def head_ablation_hooks(
         raise ValueError(f"unknown mode {mode!r}: choose 'zero' or 'mean'")
     if mode == "mean" and means is None:
         raise ValueError("mode='mean' needs means: pass means=mean_head_outputs(model, tokens)")
-    pairs = _pairs(heads)
+    chosen = means if mode == "mean" else None
+    n_layers = n_heads = None
+    if model is not None:
+        shape = capture.model_shape(model)
+        n_layers, n_heads = shape.n_layers, shape.n_heads
+        check_means(chosen, n_layers, n_heads)
+    elif chosen is not None:
+        check_means(chosen, None, None)
+        n_layers, n_heads = int(chosen.shape[0]), int(chosen.shape[1])
     by_layer: dict[int, list[int]] = {}
-    for layer, head in pairs:
+    for layer, head in _checked_heads(_pairs(heads), n_layers, n_heads):
         by_layer.setdefault(layer, []).append(head)
 
-    def ablate(layer: int, chosen: list[int]):
-        index = torch.tensor(chosen)
+    def ablate(layer: int, picked: list[int]):
+        index = torch.tensor(picked)
 
         def hook(z: Tensor, hook: Any) -> Tensor:
+            if max(picked) >= z.shape[2]:
+                raise ValueError(
+                    f"head {max(picked)} of layer {layer} does not exist: the layer has "
+                    f"{z.shape[2]} heads (0..{z.shape[2] - 1})"
+                )
             z = z.clone()
-            if mode == "zero":
+            if chosen is None:
                 z[:, :, index] = 0.0
             else:
-                assert means is not None
-                z[:, :, index] = means[layer, index].to(z.device, z.dtype)
+                rows = (
+                    torch.full((z.shape[0],), z.shape[1], dtype=torch.long)
+                    if lengths is None
+                    else lengths
+                )
+                value = ablation_values(chosen[layer, index], rows, z.shape[1])
+                z[:, :, index] = value.to(z.device, z.dtype)
             return z
 
         return hook
 
-    return [(Z.format(layer), ablate(layer, chosen)) for layer, chosen in sorted(by_layer.items())]
+    return [(Z.format(layer), ablate(layer, picked)) for layer, picked in sorted(by_layer.items())]
 
 
-def mean_head_outputs(model: HookedModel, tokens: Any) -> Float[Tensor, "layer head d_head"]:
+def ablation_hooks(
+    heads: Heads,
+    *,
+    means: HeadMeans | None = None,
+    lengths: Int[Tensor, "batch"] | None = None,
+    model: HookedModel | None = None,
+) -> list[Hook]:
+    """`head_ablation_hooks` with the mode read from `means`: zero ablation without them, mean
+    ablation with them.
+
+    >>> [name for name, _ in ablation_hooks([(1, 2), (0, 1), (1, 0)])]
+    ['blocks.0.attn.hook_z', 'blocks.1.attn.hook_z']
+    >>> with torch.no_grad(), model.hooks(fwd_hooks=ablation_hooks([(1, 2)])):
+    ...     with capture.recorded(model, [Z.format(1)]) as z:
+    ...         _ = model(model.to_tokens("I like Italy"))
+    >>> bool((z[Z.format(1)][:, :, 2] == 0).all()), bool((z[Z.format(1)][:, :, 1] != 0).any())
+    (True, True)
+    """
+    mode = "zero" if means is None else "mean"
+    return head_ablation_hooks(heads, mode=mode, means=means, lengths=lengths, model=model)
+
+
+def check_means(means: HeadMeans | None, n_layers: int | None, n_heads: int | None) -> None:
+    """Means of the right rank (and, given a shape, the model's layers and heads), or an error."""
+    if means is None:
+        return
+    if not isinstance(means, Tensor) or means.ndim not in (3, 4):
+        raise ValueError(
+            "means must be Float[Tensor, 'layer head d_head'] (patching.mean_head_outputs) or "
+            "Float[Tensor, 'layer head pos d_head'] (patching.last_token_means)"
+        )
+    if n_layers is not None and (means.shape[0] != n_layers or means.shape[1] != n_heads):
+        raise ValueError(
+            f"means of shape {tuple(means.shape)} do not fit a model of {n_layers} layers x "
+            f"{n_heads} heads: compute them on this model"
+        )
+
+
+def ablation_values(
+    means: Float[Tensor, "head d_head"] | Float[Tensor, "head mean_pos d_head"],
+    lengths: Int[Tensor, "batch"],
+    n_pos: int,
+) -> Float[Tensor, "batch pos head d_head"]:
+    """The value each ablated position takes: one vector per head, or the position-aligned mean
+    counted back from each row's last real token. Positions further back than the means reach
+    take the mean over the positions they cover; padding after the last token (which no real
+    position can see) takes the last token's mean."""
+    if means.ndim == 2:
+        return means[None, None].expand(lengths.shape[0], n_pos, *means.shape)
+    m = means.shape[1]
+    table = torch.cat([means.flip(1), means.mean(1, keepdim=True)], dim=1)  # [head m+1 d]
+    offset = lengths.cpu()[:, None] - 1 - torch.arange(n_pos)[None, :]
+    index = offset.clamp(0, m)  # m = "further back than the means reach"
+    return table[:, index].permute(1, 2, 0, 3)
+
+
+def mean_head_outputs(model: HookedModel, tokens: Tokens) -> Float[Tensor, "layer head d_head"]:
     """Each head's output at hook_z, averaged over prompts and real positions (for mean ablation).
 
     >>> means = mean_head_outputs(model, "Q: hot")
@@ -195,10 +285,63 @@ def mean_head_outputs(model: HookedModel, tokens: Any) -> Float[Tensor, "layer h
     batch = capture.to_batch(model, tokens)
     real = batch.real_mask()[:, :, None, None]
     names = [Z.format(layer) for layer in range(shape.n_layers)]
-    with capture.exclusive(model), torch.no_grad(), capture.recorded(model, names) as z:
+    with capture.preserved_state(model), torch.no_grad(), capture.recorded(model, names) as z:
         model(batch.tokens)
     means = [(z[name].float() * real).sum((0, 1)) / real.sum() for name in names]
     return torch.stack(means).cpu()
+
+
+def last_token_means(
+    model: HookedModel, tokens: Tokens, *, batch_size: int = 16
+) -> Float[Tensor, "layer head pos d_head"]:
+    """Each head's hook_z output averaged over prompts position by position, counted back from
+    each prompt's last real token (Todd et al.'s alignment for function vectors).
+
+    means[l, h, -1] is the mean output at the last token, means[l, h, -2] one token earlier, and
+    so on; entry -1 - j averages the prompts that are longer than j tokens. Use it with
+    `ablation_hooks` (mean ablation) on held-out prompts of the same task; `mean_head_outputs`
+    (one mean over all real positions) is the position-free alternative.
+
+    Returns:
+        Float[Tensor, "layer head pos d_head"] on the CPU, pos = the longest prompt's length.
+
+    >>> prompts = ["I like Italy and France", "Q: hot"]
+    >>> [model.to_tokens(p).shape[1] for p in prompts]
+    [11, 7]
+    >>> means = last_token_means(model, prompts)  # [layer head pos d_head]
+    >>> means.shape
+    torch.Size([2, 4, 11, 8])
+    >>> with torch.no_grad(), capture.recorded(model, [Z.format(0)]) as z:
+    ...     _ = model(model.to_tokens(prompts[0]))
+    >>> torch.allclose(means[0, :, 0], z[Z.format(0)][0, 0])  # only prompt 0 reaches back 11
+    True
+    """
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    shape = capture.model_shape(model)
+    batch = capture.to_batch(model, tokens)
+    m = int(batch.lengths.max())
+    sums = torch.zeros(shape.n_layers, shape.n_heads, m, shape.d_head, dtype=torch.float64)
+    counts = torch.zeros(m, dtype=torch.float64)
+    names = [Z.format(la) for la in range(shape.n_layers)]
+    with capture.preserved_state(model):
+        for start in range(0, batch.tokens.shape[0], batch_size):
+            lengths = batch.lengths[start : start + batch_size]
+            tokens_part = batch.tokens[start : start + batch_size, : int(lengths.max())]
+            # offset[i, p] = how many tokens position p lies before prompt i's last token
+            offset = lengths.cpu()[:, None] - 1 - torch.arange(tokens_part.shape[1])[None, :]
+            real = offset >= 0
+            slot = (m - 1 - offset).clamp(0, m - 1)  # where position p lands on the aligned axis
+            with torch.no_grad(), capture.recorded(model, names) as acts:
+                model(tokens_part)
+            for layer, name in enumerate(names):
+                values = upcast(acts.pop(name)).double().cpu() * real[:, :, None, None]
+                flat = values.permute(1, 0, 2, 3).reshape(-1, shape.n_heads, shape.d_head)
+                aligned = torch.zeros(m, shape.n_heads, shape.d_head, dtype=torch.float64)
+                aligned.index_add_(0, slot.T.reshape(-1), flat)  # [m head d], summed over prompts
+                sums[layer] += aligned.permute(1, 0, 2)
+            counts.index_add_(0, slot[real], torch.ones(int(real.sum()), dtype=torch.float64))
+    return (sums / counts[None, None, :, None]).float()
 
 
 def _maps_by_layer(maps: Validated[Tensor | ReversedAttention]) -> dict[int, Tensor]:
@@ -258,6 +401,27 @@ def _pairs(heads: Heads) -> list[tuple[int, int]]:
             "heads=[(layer, head)], or pass a Bool[Tensor, 'layer head'] mask"
         )
     return [(int(la), int(h)) for la, h in pairs]
+
+
+def _checked_heads(
+    pairs: list[tuple[int, int]], n_layers: int | None, n_heads: int | None
+) -> list[tuple[int, int]]:
+    """Pairs with no negative index and, given the shape, none outside it."""
+    for layer, head in pairs:
+        negative = layer < 0 or head < 0
+        outside = (
+            n_layers is not None
+            and n_heads is not None
+            and not (layer < n_layers and head < n_heads)
+        )
+        if negative or outside:
+            where = (
+                f"the model has layers 0..{n_layers - 1} of heads 0..{n_heads - 1}"
+                if n_layers is not None and n_heads is not None
+                else "indices count from 0 (a negative one does not count from the end)"
+            )
+            raise ValueError(f"head ({layer}, {head}) does not exist: {where}")
+    return pairs
 
 
 def _check_shapes(model: HookedModel, by_layer: dict[int, Tensor]) -> None:

@@ -225,3 +225,28 @@ def test_mean_ablation(model):
     torch.testing.assert_close(seen["z"][:, :, 1], means[2, 1].expand_as(seen["z"][:, :, 1]))
     with pytest.raises(ValueError, match="needs means"):
         head_ablation_hooks([(0, 0)], mode="mean")
+
+
+@pytest.mark.parametrize(
+    "heads, message",
+    [([(1, 4)], r"head \(1, 4\) does not exist: the model has layers 0\.\.2 of heads 0\.\.3"),
+     ([(1, -1)], r"head \(1, -1\) does not exist"),
+     ([(3, 0)], r"head \(3, 0\) does not exist"),
+     ([(-1, 0)], r"head \(-1, 0\) does not exist")],
+)  # fmt: skip
+def test_head_ablation_checks_heads_where_they_enter(model, heads, message):
+    with pytest.raises(ValueError, match=message):
+        head_ablation_hooks(heads, model=model)
+    if heads[0][0] < 0 or heads[0][1] < 0:  # negative: refused even without the model
+        with pytest.raises(ValueError, match="a negative one does not count from the end"):
+            head_ablation_hooks(heads)
+
+
+def test_head_ablation_without_the_model_names_the_missing_head_in_the_forward(model):
+    tokens = model.to_tokens(FLORENCE)
+    with pytest.raises(ValueError, match="head 4 of layer 1 does not exist: the layer has 4"):
+        with torch.no_grad(), model.hooks(fwd_hooks=head_ablation_hooks([(1, 4)])):
+            model(tokens)
+    means = torch.zeros(3, 4, model.cfg.d_head)
+    with pytest.raises(ValueError, match=r"head \(1, 4\) does not exist"):
+        head_ablation_hooks([(1, 4)], mode="mean", means=means)

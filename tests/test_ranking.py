@@ -459,7 +459,7 @@ def test_shuffled_label_prompts_keep_queries_and_move_every_label(llama):
         assert sorted(y for _, y in bad.demos) == sorted(y for _, y in clean.demos)
         assert all(a != b for (_, a), (_, b) in zip(bad.demos, clean.demos, strict=True))
         assert bad.text == tasks.format_prompt(bad.demos, bad.query)
-    assert tasks.prompt_lengths(corrupted, llama) == tasks.prompt_lengths(train, llama)
+    assert tasks.prompt_lengths(llama, corrupted) == tasks.prompt_lengths(llama, train)
     one_shot = tasks.build_prompts(TOY, shots=1)
     moved = shuffled_label_prompts(one_shot)
     assert all(a.demos[0][1] != b.demos[0][1] for a, b in zip(moved, one_shot, strict=True))
@@ -532,7 +532,7 @@ def test_head_ranking_zero_shot_skips_patching_and_mean_ablates(llama):
     _, test = task_prompts(llama, TOY, shots=0)
     means = rk.last_token_means(llama, [p.text for p in train])
     hooks = rk.ablation_hooks(rk.head_order(torch.zeros(2, llama.cfg.n_heads)), means=means)
-    lengths = tasks.prompt_lengths(test, llama)
+    lengths = tasks.prompt_lengths(llama, test)
     for i, prompt in enumerate(test):  # one prompt at a time: no padding to misalign the means
         alone = tasks.evaluate(llama, [prompt], fwd_hooks=hooks)
         assert res.curves["ra"].accuracies[0].ranks[i] == alone.ranks[0], lengths[i]
@@ -892,3 +892,139 @@ def test_rank_command_takes_several_tasks_and_rankings(capsys):
     assert "unknown ranking 'nope'" in err and "indirect_effect" in err
     with pytest.raises(SystemExit):
         main(["rank", "--task", "antonym", "--ablation", "resample"])
+
+
+# --- one target check, one set of counts, heads checked where they enter -------------------
+
+#: Every ranking that reads targets, called on two prompts with the given targets.
+TARGETED = {
+    "ra_ranking": lambda m, t: rk.ra_ranking(m, CLEAN[:2], t),
+    "temperature_ranking": lambda m, t: rk.temperature_ranking(m, CLEAN[:2], t),
+    "forward_ranking": lambda m, t: rk.forward_ranking(m, CLEAN[:2], t),
+    "causal_mediation": lambda m, t: rk.causal_mediation(m, CLEAN[:2], t),
+    "first_order_mediation": lambda m, t: rk.first_order_mediation(m, CLEAN[:2], t),
+    "indirect_effect": lambda m, t: rk.indirect_effect(m, CLEAN[:2], CORRUPTED[:2], t),
+    "activation_patching": lambda m, t: rk.activation_patching(m, CLEAN[:2], CORRUPTED[:2], t),
+    "attribution_patching": lambda m, t: rk.attribution_patching(m, CLEAN[:2], CORRUPTED[:2], t),
+    "exact_qk_attribution": lambda m, t: rk.exact_qk_attribution(m, CLEAN[:2], CORRUPTED[:2], t),
+}
+
+
+@pytest.mark.parametrize("name", list(TARGETED))
+@pytest.mark.parametrize(
+    "targets, error, message",
+    [
+        ([5, -1], ValueError, "negative id is not counted from the end"),
+        ([5, 300], ValueError, r"must lie in 0\.\.299"),
+        ([5, 100000], ValueError, r"must lie in 0\.\.299"),
+        (torch.tensor([5.0, 6.7]), TypeError, "integer token ids, got a torch.float32"),
+        ([5.0, 6.7], TypeError, "integer token ids, got 5.0"),
+        ([5], ValueError, "1 targets for 2 prompts"),
+    ],
+)
+def test_every_ranking_refuses_bad_targets_before_running(llama, name, targets, error, message):
+    with pytest.raises(error, match=message):
+        TARGETED[name](llama, targets)
+
+
+def test_rankings_accept_integer_targets_of_any_kind(llama):
+    expected = rk.causal_mediation(llama, CLEAN[:2], [5, 6])
+    for targets in (torch.tensor([5, 6]), torch.tensor([5, 6], dtype=torch.int32), [5, 6]):
+        torch.testing.assert_close(rk.causal_mediation(llama, CLEAN[:2], targets), expected)
+
+
+@pytest.mark.parametrize("batch_size", [0, -1])
+def test_rankings_refuse_bad_batch_sizes(llama, batch_size):
+    with pytest.raises(ValueError, match="batch_size must be an int >= 1"):
+        rk.ra_ranking(llama, CLEAN, TARGETS, batch_size=batch_size)
+    with pytest.raises(ValueError, match="batch_size must be an int >= 1"):
+        rk.last_token_means(llama, CLEAN, batch_size=batch_size)
+
+
+@pytest.mark.parametrize(
+    "setting, message",
+    [
+        ({"n_test": -1}, "n_test must be an int >= 1, got -1"),
+        ({"n_test": 0}, "n_test must be an int >= 1, got 0"),
+        ({"n_prompts": -2}, "n_prompts must be an int >= 1"),
+        ({"n_boot": 0}, "n_boot must be an int >= 1"),
+        ({"n_means": -5}, "n_means must be an int >= 1"),
+        ({"eval_batch_size": 0}, "eval_batch_size must be an int >= 1"),
+        ({"shots": -1}, "shots must be an int >= 0"),
+    ],
+)
+def test_head_ranking_refuses_negative_counts(llama, setting, message):
+    with pytest.raises(ValueError, match=message):
+        head_ranking(llama, TOY, **{"shots": 1, "n_prompts": 4, **setting}, progress=False)
+
+
+@pytest.mark.parametrize(
+    "heads, message",
+    [([(1, 4)], r"head \(1, 4\) does not exist"), ([(0, -1)], r"head \(0, -1\) does not exist")],
+)
+def test_ablation_evaluation_checks_heads_against_the_model(llama, heads, message):
+    test = task_prompts(llama, TOY, shots=1)[1]
+    with pytest.raises(ValueError, match=message):
+        rk.evaluate_ablated(llama, test, heads)
+
+
+def test_the_registry_lists_functions_and_refuses_duplicates():
+    from ra_lens.experiments.head_ranking import RankingSpec, register
+
+    assert all(spec.function.__name__ != "<lambda>" for spec in RANKINGS.values())
+    assert all(spec.name == name for name, spec in RANKINGS.items())
+    registry = dict(RANKINGS)
+    with pytest.raises(ValueError, match="'ra' is already registered"):
+        register(registry, RankingSpec("ra", rk.ra_ranking, "again"))
+
+
+def test_activation_patching_per_prompt_averages_to_its_mean(model):
+    per_prompt = rk.activation_patching(model, CLEAN, CORRUPTED, TARGETS, per_prompt=True)
+    mean = rk.activation_patching(model, CLEAN, CORRUPTED, TARGETS, batch_size=2)
+    assert per_prompt.shape == (3, 2, model.cfg.n_heads)
+    torch.testing.assert_close(per_prompt.double().mean(0).float(), mean, atol=1e-7, rtol=1e-5)
+    one = rk.activation_patching(model, CLEAN[2:], CORRUPTED[2:], TARGETS[2:])
+    torch.testing.assert_close(per_prompt[2], one, atol=1e-7, rtol=1e-5)
+
+
+def test_exact_qk_attribution_per_prompt_averages_to_its_mean(llama):
+    per_prompt = rk.exact_qk_attribution(llama, CLEAN, CORRUPTED, TARGETS, per_prompt=True)
+    mean = rk.exact_qk_attribution(llama, CLEAN, CORRUPTED, TARGETS, batch_size=2)
+    torch.testing.assert_close(per_prompt.double().mean(0).float(), mean, atol=1e-7, rtol=1e-5)
+
+
+def test_the_public_list_holds_public_names_and_the_old_names_still_import():
+    public = set(rk.__all__)
+    assert not public & {"check_scores", "bootstrap_indices", "check_fractions", "target_probs"}
+    assert {"ra_ranking", "spearman", "pearson", "top_recall", "ablation_curve"} <= public
+    old = [
+        "ablation_hooks", "bootstrap_indices", "check_fractions", "check_scores",
+        "last_token_means", "target_probs", "HeadMeans", "PerPrompt",
+    ]  # fmt: skip
+    assert all(hasattr(rk, name) for name in [*public, *old])
+
+
+def test_the_progress_bar_moves_inside_a_part_and_ends_full(llama, monkeypatch):
+    import ra_lens.ranking.engine as engine
+
+    seen = []
+
+    class Bar:  # records where the engine's bar stands after each update
+        def __init__(self, total, **kwargs):
+            self.n, self.total = 0.0, total
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def update(self, step):
+            self.n += step
+            seen.append(round(self.n, 6))
+
+    monkeypatch.setattr(engine, "tqdm", Bar)
+    rk.causal_mediation(llama, CLEAN, TARGETS, batch_size=2, progress=True)
+    n_heads = 2 * llama.cfg.n_heads  # one step per head in each part, then the part's end
+    assert len(seen) == 2 * (n_heads + 1) and seen == sorted(seen) and seen[-1] == 3
+    assert seen[n_heads - 1] == 2 and seen[0] == pytest.approx(2 / n_heads, abs=1e-6)

@@ -142,8 +142,8 @@ def test_evaluate_with_patch_on_mixed_lengths_equals_one_prompt_at_a_time(tiny):
     task = tasks.load("antonym")
     prompts = tasks.build_prompts(task, task.pairs[:12], shots=0)
     prompts += tasks.build_prompts(task, task.pairs[12:20], shots=1, demos_from=task.pairs[30:])
-    assert len(set(tasks.prompt_lengths(prompts, tiny))) > 1
-    n = tasks.prompt_lengths(prompts[:1], tiny)[0]
+    assert len(set(tasks.prompt_lengths(tiny, prompts))) > 1
+    n = tasks.prompt_lengths(tiny, prompts[:1])[0]
     maps = torch.randn(tiny.cfg.n_layers, tiny.cfg.n_heads, n, n) * 0.05
     hooks = ra_lens.attention_patch_hooks(maps, -5.0)
     together = tasks.evaluate(tiny, prompts, fwd_hooks=hooks, batch_size=16)

@@ -188,31 +188,31 @@ def test_single_token_pairs(model):
     # The tiny BPE has " the" and " of" as single tokens; " cold" and " Florence" are split.
     assert model.to_tokens(" cold", prepend_bos=False).shape[1] > 1
     pairs = [("a", "the"), ("b", "cold"), ("c", "of"), ("d", "Florence")]
-    assert tasks.single_token_pairs(pairs, model) == [("a", "the"), ("c", "of")]
+    assert tasks.single_token_pairs(model, pairs) == [("a", "the"), ("c", "of")]
     assert tasks.answer_token(model, " the") == model.to_tokens(" the", prepend_bos=False)[0, 0]
     task = Task("t", pairs)
-    assert tasks.single_token_pairs(task, model) == [("a", "the"), ("c", "of")]
+    assert tasks.single_token_pairs(model, task) == [("a", "the"), ("c", "of")]
 
 
 def test_same_length(model):
     words = ["the", "of", "is", "and", "to", "quick brown", "Italy", "France", "a", "hot"]
     prompts = tasks.build_prompts([(w, "the") for w in words], shots=0)
-    lengths = tasks.prompt_lengths(prompts, model)
+    lengths = tasks.prompt_lengths(model, prompts)
     assert lengths == [model.to_tokens(p.text).shape[1] for p in prompts]
     counts = Counter(lengths)
     assert len(counts) > 1
     mode = min(counts, key=lambda n: (-counts[n], n))  # most common, ties to the shorter
-    kept = tasks.same_length(prompts, model)
+    kept = tasks.same_length(model, prompts)
     assert kept == [p for p, n in zip(prompts, lengths, strict=True) if n == mode]
     assert len({model.to_tokens(p.text).shape[1] for p in kept}) == 1
     longest = max(lengths)
-    assert tasks.same_length(prompts, model, length=longest) == [
+    assert tasks.same_length(model, prompts, length=longest) == [
         p for p, n in zip(prompts, lengths, strict=True) if n == longest
     ]
-    assert tasks.same_length([], model) == []
+    assert tasks.same_length(model, []) == []
     tie = tasks.build_prompts([(w, "the") for w in ["Italy", "the", "France", "of"]], shots=0)
-    assert tasks.prompt_lengths(tie, model) == [8, 7, 8, 7]
-    assert [p.query for p in tasks.same_length(tie, model)] == ["the", "of"]
+    assert tasks.prompt_lengths(model, tie) == [8, 7, 8, 7]
+    assert [p.query for p in tasks.same_length(model, tie)] == ["the", "of"]
 
 
 # --- evaluation -------------------------------------------------------------------------------
@@ -237,7 +237,7 @@ def test_evaluate_known_logits_via_hook(model):
         return pattern.expand_as(logits).to(logits)
 
     prompts = _mixed_prompts()
-    lengths = tasks.prompt_lengths(prompts, model)
+    lengths = tasks.prompt_lengths(model, prompts)
     assert len(set(lengths)) > 1
     expected = torch.tensor(
         [
@@ -260,7 +260,7 @@ def test_evaluate_topk_fractions(model):
     prompts = _mixed_prompts()[:4]
     wanted = [0, 1, 2, 5]
     answers = [tasks.answer_token(model, p.answer) for p in prompts]
-    lengths = tasks.prompt_lengths(prompts, model)
+    lengths = tasks.prompt_lengths(model, prompts)
 
     def rigged(logits, hook):
         out = torch.zeros_like(logits)
@@ -293,7 +293,7 @@ def _brute_force_ranks(model, prompts: list[Prompt]) -> list[int]:
 
 def test_evaluate_matches_brute_force_and_padding(model):
     prompts = _mixed_prompts(n_shots=2)
-    assert len(set(tasks.prompt_lengths(prompts, model))) > 1
+    assert len(set(tasks.prompt_lengths(model, prompts))) > 1
     brute = _brute_force_ranks(model, prompts)
     padded = tasks.evaluate(model, prompts, batch_size=5)
     single = tasks.evaluate(model, prompts, batch_size=1)

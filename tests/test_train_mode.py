@@ -22,14 +22,18 @@ from helpers import dropout_model, has_bridge, hook_count, module_modes
 from torch import Tensor
 
 import ra_lens
+from ra_lens import ranking as rk
 from ra_lens import tasks
 from ra_lens.capture import model_modules
 from ra_lens.experiments.attention_patching import attention_patching
+from ra_lens.experiments.head_ranking import head_ranking
 from ra_lens.metrics import logit_diff, target_nll
+from ra_lens.patching import last_token_means, mean_head_outputs
 
 TOKENS = torch.tensor([[0, 5, 9, 14, 20, 33, 7, 41, 12], [0, 8, 3, 14, 25, 33, 7, 40, 12]])
 CORRUPTED = torch.tensor([[0, 5, 17, 14, 20, 61, 7, 41, 12], [0, 8, 3, 19, 25, 33, 70, 40, 12]])
-NLL = target_nll([30, 31])
+TARGETS = [30, 31]
+NLL = target_nll(TARGETS)
 DIFF = logit_diff([30, 31], [32, 33])
 TOY = tasks.Task(
     "toy",
@@ -70,6 +74,26 @@ def _evaluate(model) -> Tensor:
     return tasks.evaluate(model, tasks.build_prompts(TOY, shots=1, seed=0)).ranks.double()
 
 
+def _ablation_curve(model) -> Tensor:
+    scores = rk.layer_ranking(model.cfg.n_layers, model.cfg.n_heads)
+    curve = rk.ablation_curve(model, tasks.build_prompts(TOY, shots=1, seed=0), scores, (0, 0.5, 1))
+    return torch.cat([a.ranks.double() for a in curve.accuracies])
+
+
+def _mean_ablation(model) -> Tensor:
+    prompts = tasks.build_prompts(TOY, shots=1, seed=0)
+    means = last_token_means(model, TOKENS)
+    return rk.evaluate_ablated(model, prompts, [(0, 1), (1, 2)], means=means).ranks.double()
+
+
+def _head_ranking(model) -> Tensor:
+    result = head_ranking(
+        model, TOY, shots=1, n_prompts=2, rankings=["forward"], fractions=[0.0, 1.0], n_boot=5,
+        progress=False,
+    )  # fmt: skip
+    return torch.cat([s.flatten().double() for s in result.scores.values()])
+
+
 #: (name, function(model) -> tensor): every public function that runs a model.
 CASES: list[tuple[str, Callable[..., Tensor]]] = [
     *[(f"ra-{m}-{k}", _ra(m, k)) for m in ("full", "layerwise") for k in ("maps", "norms", "rows")],
@@ -77,6 +101,21 @@ CASES: list[tuple[str, Callable[..., Tensor]]] = [
     ("attribution-linear", _attribution("linear")),
     ("attention_patching", _patching),
     ("evaluate", _evaluate),
+    ("ra_ranking", lambda m: rk.ra_ranking(m, TOKENS, TARGETS, per_prompt=True)),
+    ("ra_ranking-loss_row", lambda m: rk.ra_ranking(m, TOKENS, TARGETS, loss_row=True)),
+    ("temperature_ranking", lambda m: rk.temperature_ranking(m, TOKENS, TARGETS)),
+    ("forward_ranking", lambda m: rk.forward_ranking(m, TOKENS, per_prompt=True)),
+    ("causal_mediation", lambda m: rk.causal_mediation(m, TOKENS, TARGETS, per_prompt=True)),
+    ("first_order_mediation", lambda m: rk.first_order_mediation(m, TOKENS, TARGETS)),
+    ("indirect_effect", lambda m: rk.indirect_effect(m, TOKENS, CORRUPTED, TARGETS)),
+    ("activation_patching", lambda m: rk.activation_patching(m, TOKENS, CORRUPTED, TARGETS)),
+    ("attribution_patching", lambda m: rk.attribution_patching(m, TOKENS, CORRUPTED, TARGETS)),
+    ("exact_qk_attribution", lambda m: rk.exact_qk_attribution(m, TOKENS, CORRUPTED, TARGETS)),
+    ("last_token_means", lambda m: last_token_means(m, TOKENS)),
+    ("mean_head_outputs", lambda m: mean_head_outputs(m, TOKENS)),
+    ("ablation_curve", _ablation_curve),
+    ("evaluate_ablated-mean", _mean_ablation),
+    ("head_ranking", _head_ranking),
 ]
 if has_bridge():  # edit_dynamics refuses HookedTransformer (see ra_lens.dynamics.SUPPORTED)
     CASES.append(("edit_dynamics", _dynamics))

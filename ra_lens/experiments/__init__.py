@@ -13,7 +13,7 @@ from ra_lens.experiments.attention_patching import (
     attention_patching,
 )
 from ra_lens.experiments.head_ranking import HeadRankingResult, head_ranking
-from ra_lens.tasks import evaluate_by_length, shuffled_label_prompts, task_prompts
+from ra_lens.tasks import shuffled_label_prompts, task_prompts
 
 __all__ = [
     "DEFAULT_SCALES",
@@ -21,7 +21,6 @@ __all__ = [
     "HeadRankingResult",
     "PatchingResult",
     "attention_patching",
-    "evaluate_by_length",
     "head_ranking",
     "shuffled_label_prompts",
     "task_prompts",

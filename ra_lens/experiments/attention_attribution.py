@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +35,8 @@ from ra_lens import capture
 from ra_lens.attribution import AttentionAttribution, attention_attribution
 from ra_lens.capture import PATTERN, Batch, HookedModel
 from ra_lens.core import reversed_attention
+from ra_lens.experiments import timing
+from ra_lens.ranking.statistics import pearson, spearman, top_recall
 from ra_lens.tasks import ioi
 from ra_lens.types import MetricFn
 
@@ -154,42 +155,6 @@ def metric_repeated(metric: MetricFn, logits: Tensor, lengths: Tensor, repeats: 
     )
 
 
-def pearson(a: Tensor, b: Tensor) -> float:
-    """Pearson correlation of two tensors' entries, in float64.
-
-    >>> pearson(torch.tensor([1.0, 2.0, 3.0]), torch.tensor([2.0, 4.0, 6.5]))  # doctest: +ELLIPSIS
-    0.99...
-    """
-    a, b = a.double().flatten(), b.double().flatten()
-    a, b = a - a.mean(), b - b.mean()
-    return float((a * b).sum() / (a.norm() * b.norm()).clamp_min(1e-300))
-
-
-def spearman(a: Tensor, b: Tensor) -> float:
-    """Spearman correlation of two tensors' entries (ties broken by position).
-
-    >>> round(spearman(torch.tensor([1.0, 2.0, 3.0]), torch.tensor([1.0, 8.0, 27.0])), 12)
-    1.0
-    """
-
-    def ranks(x: Tensor) -> Tensor:
-        return x.double().flatten().argsort().argsort().double()
-
-    return pearson(ranks(a), ranks(b))
-
-
-def top_recall(estimate: Tensor, truth: Tensor, k: int = 20) -> float:
-    """Share of the truth's k largest |values| among the estimate's k largest |values|.
-
-    >>> top_recall(torch.tensor([3.0, -2.0, 0.1]), torch.tensor([-5.0, 0.2, 4.0]), k=2)
-    0.5
-    """
-    k = min(k, truth.numel())
-    top_truth = set(truth.flatten().abs().argsort(descending=True)[:k].tolist())
-    top_est = set(estimate.flatten().abs().argsort(descending=True)[:k].tolist())
-    return len(top_truth & top_est) / k
-
-
 @dataclass
 class TaskMeasurement:
     """Everything measured on one task; `to_dict` is the JSON."""
@@ -269,10 +234,8 @@ def measure(
     seconds: dict[str, float] = {}
 
     def timed(name: str, fn: Any) -> Any:
-        start = time.perf_counter()
-        value = fn()
-        seconds[name] = time.perf_counter() - start
-        return value
+        with timing.timed(seconds, name):
+            return fn()
 
     exact = timed("exact", lambda: attention_attribution(model, clean, corrupted, metric))
     linear = timed(

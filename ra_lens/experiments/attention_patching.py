@@ -21,7 +21,7 @@ from ra_lens.files import write_file
 from ra_lens.metrics import target_nll
 from ra_lens.patching import attention_patch_hooks, forward_patch_hooks
 from ra_lens.result import ReversedAttention
-from ra_lens.tasks import Accuracy, Prompt, Task, evaluate_by_length, task_prompts
+from ra_lens.tasks import Accuracy, Prompt, Task, evaluate, task_prompts
 
 # The paper's grid, extended to stronger negative values (SmolLM2 peaks between -16 and -32).
 PAPER_SCALES: tuple[float, ...] = (
@@ -199,11 +199,14 @@ def attention_patching(
         "forward": lambda s: forward_patch_hooks(ra, s, model=model),
     }
     with timed(seconds, "evaluate"):
-        unpatched = evaluate_by_length(model, test)
+        unpatched = evaluate(model, test, batch_size=32, by_length=True)
         results: dict[str, list[Accuracy]] = {"ra": [], "forward": []}
         for scale in tqdm(list(scales), desc=f"{name} scales", disable=not progress):
             for method, make in hooks_for.items():
-                results[method].append(evaluate_by_length(model, test, make(float(scale))))
+                hooks = make(float(scale))
+                results[method].append(
+                    evaluate(model, test, fwd_hooks=hooks, batch_size=32, by_length=True)
+                )
     return PatchingResult(
         task=name,
         shots=shots,

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -31,8 +31,11 @@ from ra_lens._typing import Validated
 from ra_lens.capture import HookedModel
 from ra_lens.experiments.timing import timed
 from ra_lens.files import write_file
-from ra_lens.ranking import AblationCurve, HeadMeans, Interval, Scores
+from ra_lens.patching import HeadMeans, last_token_means
+from ra_lens.ranking import AblationCurve, Interval
+from ra_lens.ranking.engine import check_count
 from ra_lens.tasks import Accuracy, Prompt, Task, shuffled_label_prompts, task_prompts
+from ra_lens.types import Scores
 
 
 @dataclass
@@ -53,124 +56,128 @@ class RankingInputs:
     shuffled: list[str] | None = None
 
 
+#: What a ranking reads: the ranking prompts; them and their shuffled-label twins; the clean /
+#: shuffled pairs of equal token length; the model's shape; the shape and the seed.
+Inputs = Literal["prompts", "shuffled", "pairs", "shape", "seeded"]
+
+
 @dataclass(frozen=True)
 class RankingSpec:
-    """One ranking in the registry.
+    """One ranking in the registry: a library function and how head_ranking calls it.
 
     Attributes:
-        compute: inputs -> Float[Tensor, "batch layer head"] (per prompt, so intervals can
-            resample prompts) or Float[Tensor, "layer head"] (fixed: random, layer index, or
-            TransformerLens's activation patching, which only returns the mean).
+        name: the registry key.
+        function: a `ra_lens.ranking` function. "prompts": `f(model, texts, targets, *,
+            batch_size, progress, per_prompt, **options)`; "shuffled" and "pairs":
+            `f(model, clean, corrupted, targets, ...)`; "shape": `f(n_layers, n_heads)`;
+            "seeded": `f(n_layers, n_heads, seed)`.
         description: one line for tables and help.
-        needs_labels: needs demonstrations to shuffle (skipped zero-shot).
-        paired: needs clean/shuffled-label prompt pairs of equal token length (implies
-            needs_labels).
-        protocol: depends on the ablation protocol (causal mediation ablates the way the curves do).
+        inputs: what it reads (see `Inputs`).
+        options: fixed keyword arguments (e.g. loss_row=True).
+        protocol: takes the ablation protocol's `means` (causal mediation ablates the way the
+            curves do).
+        per_prompt: asked for each prompt's scores, so that its Spearman interval resamples
+            its prompts; False keeps the ranking fixed in the interval.
     """
 
-    compute: Callable[[RankingInputs], Tensor]
+    name: str
+    function: Callable[..., Tensor]
     description: str
-    needs_labels: bool = False
+    inputs: Inputs = "prompts"
+    options: Mapping[str, Any] = field(default_factory=dict)
     protocol: bool = False
-    paired: bool = False
+    per_prompt: bool = True
+
+    @property
+    def needs_labels(self) -> bool:
+        """Needs demonstrations to shuffle (skipped zero-shot)."""
+        return self.inputs in ("shuffled", "pairs")
+
+    @property
+    def paired(self) -> bool:
+        """Needs clean/shuffled-label prompt pairs of equal token length."""
+        return self.inputs == "pairs"
+
+    def compute(self, inputs: RankingInputs) -> Tensor:
+        """Float[Tensor, "batch layer head"] (per prompt) or Float[Tensor, "layer head"]."""
+        if self.inputs in ("shape", "seeded"):
+            shape = capture.model_shape(inputs.model)
+            seed = (inputs.seed,) if self.inputs == "seeded" else ()
+            return self.function(shape.n_layers, shape.n_heads, *seed, **self.options)
+        if self.inputs == "prompts":
+            data: tuple[Any, ...] = (inputs.texts, inputs.targets)
+        elif self.inputs == "shuffled":
+            data = (inputs.texts, inputs.shuffled, inputs.targets)
+        else:
+            assert inputs.pairs is not None, "a paired ranking ran without shuffled-label pairs"
+            data = inputs.pairs
+        options = dict(self.options, means=inputs.means) if self.protocol else self.options
+        return self.function(
+            inputs.model,
+            *data,
+            batch_size=inputs.batch_size,
+            progress=inputs.progress,
+            per_prompt=self.per_prompt,
+            **options,
+        )
 
 
-def _pairs(inputs: RankingInputs) -> tuple[list[str], list[str], list[int]]:
-    assert inputs.pairs is not None, "a paired ranking ran without shuffled-label pairs"
-    return inputs.pairs
+def register(registry: dict[str, RankingSpec], spec: RankingSpec) -> None:
+    """Add a ranking to a registry; a name already there is refused.
 
-
-def _shape(inputs: RankingInputs) -> capture.ModelShape:
-    return capture.model_shape(inputs.model)
+    >>> registry = {}
+    >>> register(registry, RankingSpec("layer", rk.layer_ranking, "layer index", "shape"))
+    >>> register(registry, RankingSpec("layer", rk.layer_ranking, "again", "shape"))
+    Traceback (most recent call last):
+    ValueError: a ranking named 'layer' is already registered: choose another name
+    """
+    if spec.name in registry:
+        raise ValueError(
+            f"a ranking named {spec.name!r} is already registered: choose another name"
+        )
+    registry[spec.name] = spec
 
 
 #: Every ranking head_ranking knows, in the order it computes them ("ra" is the reference).
-RANKINGS: dict[str, RankingSpec] = {
-    "ra": RankingSpec(
-        lambda i: rk.ra_ranking(
-            i.model, i.texts, i.targets, batch_size=i.batch_size, per_prompt=True
-        ),
-        "RA, mean Frobenius norm",
-    ),
-    "ra_loss_row": RankingSpec(
-        lambda i: rk.ra_ranking(
-            i.model, i.texts, i.targets, loss_row=True, batch_size=i.batch_size, per_prompt=True
-        ),
-        "RA, loss row only",
-    ),
-    "ra_temperature": RankingSpec(
-        lambda i: rk.temperature_ranking(
-            i.model, i.texts, i.targets, batch_size=i.batch_size, per_prompt=True
-        ),
-        "RA x QK^T (|dL/d inverse temperature|)",
-    ),
-    "forward": RankingSpec(
-        lambda i: rk.forward_ranking(i.model, i.texts, batch_size=i.batch_size, per_prompt=True),
-        "forward-pattern norm",
-    ),
-    "random": RankingSpec(
-        lambda i: rk.random_ranking(_shape(i).n_layers, _shape(i).n_heads, seed=i.seed),
-        "random (seeded)",
-    ),
-    "layer": RankingSpec(
-        lambda i: rk.layer_ranking(_shape(i).n_layers, _shape(i).n_heads), "layer index"
-    ),
-    "causal_mediation": RankingSpec(
-        lambda i: rk.causal_mediation(
-            i.model,
-            i.texts,
-            i.targets,
-            means=i.means,
-            batch_size=i.batch_size,
-            progress=i.progress,
-            per_prompt=True,
-        ),
+RANKINGS: dict[str, RankingSpec] = {}
+for _spec in (
+    RankingSpec("ra", rk.ra_ranking, "RA, mean Frobenius norm"),
+    RankingSpec("ra_loss_row", rk.ra_ranking, "RA, loss row only", options={"loss_row": True}),
+    RankingSpec("ra_temperature", rk.temperature_ranking, "RA x QK^T (|dL/d inverse temperature|)"),
+    RankingSpec("forward", rk.forward_ranking, "forward-pattern norm"),
+    RankingSpec("random", rk.random_ranking, "random (seeded)", "seeded"),
+    RankingSpec("layer", rk.layer_ranking, "layer index", "shape"),
+    RankingSpec(
+        "causal_mediation",
+        rk.causal_mediation,
         "causal mediation (ablate one head, p drop)",
         protocol=True,
     ),
-    "cm_first_order": RankingSpec(
-        lambda i: rk.first_order_mediation(
-            i.model, i.texts, i.targets, means=i.means, batch_size=i.batch_size, per_prompt=True
-        ),
+    RankingSpec(
+        "cm_first_order",
+        rk.first_order_mediation,
         "causal mediation, first order (grad x (z - ablated))",
         protocol=True,
     ),
-    "indirect_effect": RankingSpec(
-        lambda i: rk.indirect_effect(
-            i.model,
-            i.texts,
-            i.shuffled or [],
-            i.targets,
-            batch_size=i.batch_size,
-            progress=i.progress,
-            per_prompt=True,
-        ),
-        "indirect effect (Todd et al.)",
-        needs_labels=True,
-    ),
-    "activation_patching": RankingSpec(
-        lambda i: rk.activation_patching(
-            i.model, *_pairs(i), batch_size=i.batch_size, progress=i.progress
-        ),
+    RankingSpec("indirect_effect", rk.indirect_effect, "indirect effect (Todd et al.)", "shuffled"),
+    # The two below stay fixed in their Spearman intervals, as in the published study.
+    RankingSpec(
+        "activation_patching",
+        rk.activation_patching,
         "activation patching (transformer_lens.patching)",
-        needs_labels=True,
-        paired=True,
+        "pairs",
+        per_prompt=False,
     ),
-    "attribution_patching": RankingSpec(
-        lambda i: rk.attribution_patching(
-            i.model, *_pairs(i), batch_size=i.batch_size, per_prompt=True
-        ),
-        "attribution patching",
-        needs_labels=True,
-        paired=True,
-    ),
-    "exact_qk_attribution": RankingSpec(
-        lambda i: rk.exact_qk_attribution(i.model, *_pairs(i), batch_size=i.batch_size),
+    RankingSpec("attribution_patching", rk.attribution_patching, "attribution patching", "pairs"),
+    RankingSpec(
+        "exact_qk_attribution",
+        rk.exact_qk_attribution,
         "exact query/key attribution (AtP* QK fix)",
-        needs_labels=True,
-        paired=True,
+        "pairs",
+        per_prompt=False,
     ),
-}
+):
+    register(RANKINGS, _spec)
 #: Rankings that need clean/corrupted prompt pairs of equal token length.
 PAIRED: frozenset[str] = frozenset(name for name, spec in RANKINGS.items() if spec.paired)
 
@@ -374,18 +381,18 @@ def check_rankings(names: Sequence[str]) -> list[str]:
 def head_ranking(
     model: HookedModel,
     task: str | Task,
-    shots: int = 5,
-    n_prompts: int = 25,
+    shots: Validated[int] = 5,
+    n_prompts: Validated[int] = 25,
     *,
     fractions: Sequence[float] = rk.DEFAULT_FRACTIONS,
     rankings: Sequence[str] = tuple(RANKINGS),
-    n_test: int | None = None,
+    n_test: Validated[int] | None = None,
     seed: int = 42,
-    batch_size: int = 8,
-    eval_batch_size: int = 16,
+    batch_size: Validated[int] = 8,
+    eval_batch_size: Validated[int] = 16,
     ablation: Validated[Literal["zero", "mean"]] = "zero",
-    n_means: int = 100,
-    n_boot: int = 1000,
+    n_means: Validated[int] = 100,
+    n_boot: Validated[int] = 1000,
     reuse: HeadRankingResult | None = None,
     progress: bool = True,
 ) -> HeadRankingResult:
@@ -437,14 +444,19 @@ def head_ranking(
     """
     names = check_rankings(rankings)
     fractions = rk.check_fractions(fractions)
-    if n_prompts < 1:
-        raise ValueError(f"n_prompts must be >= 1, got {n_prompts}")
+    for value, what in ((n_prompts, "n_prompts"), (n_means, "n_means"), (n_boot, "n_boot")):
+        check_count(value, what)
+    check_count(batch_size, "batch_size")
+    check_count(eval_batch_size, "eval_batch_size")
+    check_count(shots, "shots", minimum=0)
+    if n_test is not None:
+        check_count(n_test, "n_test")
     if ablation not in ("zero", "mean"):
         raise ValueError(f"unknown ablation {ablation!r}: choose 'zero' or 'mean'")
     shape = capture.model_shape(model)
     task = tasks.load(task) if isinstance(task, str) else task
     train_all, test = task_prompts(model, task, shots, seed=seed)
-    train, test = train_all[:n_prompts], test[:n_test] if n_test else test
+    train, test = train_all[:n_prompts], test if n_test is None else test[:n_test]
     if reuse is not None and (reuse.task, reuse.shots, reuse.n_prompts) != (
         task.name,
         shots,
@@ -484,7 +496,7 @@ def head_ranking(
         else []
     )
     if ablation == "mean":
-        inputs.means = rk.last_token_means(model, [p.text for p in means_from])
+        inputs.means = last_token_means(model, [p.text for p in means_from])
     memo: dict[tuple[tuple[int, int], ...], Accuracy] = {}
 
     def evaluate(ablated: list[tuple[int, int]]) -> Accuracy:
@@ -589,8 +601,8 @@ def _patching_pairs(
     """(clean texts, corrupted texts, targets) for the prompts whose shuffled-label twin has the
     same token length."""
     corrupted = shuffled_label_prompts(prompts, seed=seed)
-    clean_lengths = tasks.prompt_lengths(prompts, model)
-    corrupted_lengths = tasks.prompt_lengths(corrupted, model)
+    clean_lengths = tasks.prompt_lengths(model, prompts)
+    corrupted_lengths = tasks.prompt_lengths(model, corrupted)
     keep = [
         i for i, (a, b) in enumerate(zip(clean_lengths, corrupted_lengths, strict=True)) if a == b
     ]

@@ -26,6 +26,8 @@ from tqdm.auto import tqdm
 
 from ra_lens import ranking as rk
 from ra_lens import tasks
+from ra_lens._typing import Validated
+from ra_lens.capture import HookedModel
 from ra_lens.experiments.head_ranking import (
     RANKINGS,
     HeadRankingResult,
@@ -33,6 +35,7 @@ from ra_lens.experiments.head_ranking import (
     head_ranking,
 )
 from ra_lens.files import write_file
+from ra_lens.ranking.engine import check_count
 from ra_lens.tasks import Task
 
 #: The study's tasks and shot counts (issue 14).
@@ -215,6 +218,12 @@ def merge_saved(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
             diff = sorted(k for k in base.keys() | other.keys() if base.get(k) != other.get(k))
             raise ValueError(f"saved studies ran with different settings ({', '.join(diff)})")
     cells = [cell for part in parts for cell in part["cells"]]
+    labels = [_label(c["task"], c["shots"], c["ablation"]) for c in cells]
+    repeated = sorted({label for label in labels if labels.count(label) > 1})
+    if repeated:
+        raise ValueError(
+            f"saved studies repeat the cells {', '.join(repeated)}: merge each cell once"
+        )
     ratios = {
         _label(c["task"], c["shots"], c["ablation"]): c["seconds"]["causal_mediation"]
         / max(c["seconds"]["ra"], 1e-12)
@@ -263,18 +272,18 @@ def _label(task: str, shots: int, ablation: str) -> str:
 
 
 def ranking_study(
-    model: Any,
+    model: HookedModel,
     *,
     cells: Sequence[tuple[str | Task, int]] | None = None,
     ablations: Sequence[str] = ABLATIONS,
     rankings: Sequence[str] = tuple(RANKINGS),
-    n_prompts: int = 25,
-    n_test: int | None = None,
+    n_prompts: Validated[int] = 25,
+    n_test: Validated[int] | None = None,
     fractions: Sequence[float] = rk.DENSE_FRACTIONS,
-    n_boot: int = 1000,
-    batch_size: int = 8,
-    eval_batch_size: int = 16,
-    n_means: int = 100,
+    n_boot: Validated[int] = 1000,
+    batch_size: Validated[int] = 8,
+    eval_batch_size: Validated[int] = 16,
+    n_means: Validated[int] = 100,
     seed: int = 42,
     progress: bool = True,
     on_cell: Callable[[StudyResult], None] | None = None,
@@ -294,6 +303,16 @@ def ranking_study(
         StudyResult (`.to_dict()`, `.save_json(path)`, `.table()`, `.plot(out_dir)`).
     """
     names = check_rankings(rankings)
+    for value, what in (
+        (n_prompts, "n_prompts"),
+        (n_boot, "n_boot"),
+        (batch_size, "batch_size"),
+        (eval_batch_size, "eval_batch_size"),
+        (n_means, "n_means"),
+    ):
+        check_count(value, what)
+    if n_test is not None:
+        check_count(n_test, "n_test")
     bad = [a for a in ablations if a not in ABLATIONS]
     if bad or not ablations:
         raise ValueError(f"unknown ablation {bad[0] if bad else None!r}: choose from {ABLATIONS}")
@@ -355,24 +374,67 @@ def _device_name(device: str) -> str:
     return device
 
 
-def _cells(text: str) -> list[tuple[str, int]]:
-    out = []
+def _cells(text: str, quick: bool = False) -> list[tuple[str | Task, int]]:
+    """TASK:SHOTS,... as (task, shots); under --quick the toy task is called "toy"."""
+    known = {name: name for name in tasks.available()}
+    if quick:
+        known = {QUICK_TASK.name: QUICK_TASK, **known}
+    out: list[tuple[str | Task, int]] = []
     for part in text.split(","):
         name, _, shots = part.strip().partition(":")
-        if name not in tasks.available() or not shots.strip().isdigit():
+        if name not in known or not shots.strip().isdigit():
             raise ValueError(
                 f"bad cell {part!r}: write TASK:SHOTS, e.g. antonym:5, with TASK one of "
-                f"{', '.join(tasks.available())}"
+                f"{', '.join(known)}"
             )
-        out.append((name, int(shots)))
+        out.append((known[name], int(shots)))
     return out
+
+
+def _load_saved(path: Path) -> dict[str, Any]:
+    """A saved study, or a ValueError naming the file and what is wrong with it."""
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise ValueError(f"{path} is a folder, not a saved study (JSON)") from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise ValueError(f"{path}: cannot read it ({error})") from None
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path} is not valid JSON ({error}): pass a file --json wrote") from None
+    needed = ("config", "runtime_seconds", "skipped", "summary", "cells")
+    missing = [key for key in needed if not isinstance(data, dict) or key not in data]
+    if missing:
+        raise ValueError(
+            f"{path} is not a saved ranking study (no {', '.join(missing)}): pass a file "
+            "ranking_study --json wrote"
+        )
+    return data
+
+
+def _check_device(device: str) -> None:
+    """A device torch knows, and CUDA only where it is available."""
+    import torch
+
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, ValueError):
+        raise ValueError(f"unknown device {device!r}: use cpu, cuda or cuda:N") from None
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: CUDA is not available here, use --device cpu")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="ranking_study", description=__doc__.split("\n\n")[0] if __doc__ else None
     )
-    parser.add_argument("--quick", action="store_true", help="tiny model and toy task: seconds")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="tiny model and toy task (cell toy:SHOTS), few prompts and resamples: seconds; "
+        "flags given explicitly win over its settings",
+    )
     parser.add_argument("--model", default="smollm2-135m", help="model for load_model")
     parser.add_argument(
         "--cells",
@@ -381,15 +443,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--ablations", default="zero,mean", help="zero,mean (both)")
     parser.add_argument("--rankings", default=",".join(RANKINGS), help="comma-separated names")
-    parser.add_argument("--n-prompts", type=int, default=25, help="ranking prompts per cell (25)")
+    parser.add_argument("--n-prompts", type=int, default=None, help="ranking prompts per cell (25)")
     parser.add_argument("--n-test", type=int, default=None, help="cap on test prompts (all)")
-    parser.add_argument("--n-boot", type=int, default=1000, help="bootstrap resamples (1000)")
+    parser.add_argument("--n-boot", type=int, default=None, help="bootstrap resamples (1000)")
     parser.add_argument("--batch-size", type=int, default=8, help="prompts per ranking pass (8)")
     parser.add_argument(
         "--eval-batch-size", type=int, default=16, help="test prompts per forward pass (16)"
     )
     parser.add_argument(
-        "--n-means", type=int, default=100, help="held-out prompts for mean ablation (100)"
+        "--n-means", type=int, default=None, help="held-out prompts for mean ablation (100)"
     )
     parser.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:1, ...")
     parser.add_argument("--json", default=None, metavar="FILE", help="write the results here")
@@ -406,51 +468,13 @@ def main(argv: list[str] | None = None) -> int:
         help="merge saved studies (run side by side) into --json",
     )
     args = parser.parse_args(argv)
-    if args.markdown is not None:
-        print(markdown_summary(json.loads(args.markdown.read_text())))
-        return 0
-    if args.merge is not None:
-        if not args.json:
-            parser.error("--merge needs --json FILE for the merged study")
-        merged = merge_saved([json.loads(path.read_text()) for path in args.merge])
-        Path(args.json).write_text(json.dumps(merged, indent=1, allow_nan=False))
-        print(markdown_summary(merged))
-        return 0
     try:
-        rankings = [n.strip() for n in args.rankings.split(",") if n.strip()]
-        ablations = [a.strip() for a in args.ablations.split(",") if a.strip()]
-        if args.quick:
-            from ra_lens.toy_models import tiny_model
-
-            arch = "llama" if find_spec("transformer_lens.model_bridge") else "hooked"  # TL 2.x
-            model, model_name = tiny_model(arch, n_layers=2), f"tiny-{arch} (random weights)"
-            model = model.to(args.device)
-            cells: list[tuple[str | Task, int]] = list(QUICK_CELLS)
-            extra = dict(QUICK_SETTINGS)
-        else:
-            from ra_lens.models import load_model
-
-            model, model_name = load_model(args.model, device=args.device), args.model
-            cells = list(_cells(args.cells)) if args.cells else []
-            extra = {"n_prompts": args.n_prompts, "n_boot": args.n_boot, "n_means": args.n_means}
-
-        def save(partial: StudyResult) -> None:
-            partial.config["model"] = model_name
-            partial.config["device"] = _device_name(args.device)
-            if args.json:
-                partial.save_json(args.json)
-
-        result = ranking_study(
-            model,
-            cells=cells or None,
-            ablations=ablations,
-            rankings=rankings,
-            n_test=args.n_test,
-            batch_size=args.batch_size,
-            eval_batch_size=args.eval_batch_size,
-            on_cell=save,
-            **extra,  # type: ignore[arg-type]
-        )
+        if args.markdown is not None:
+            print(_markdown(_load_saved(args.markdown), args.markdown))
+            return 0
+        if args.merge is not None:
+            return _merge(args.merge, args.json)
+        result, save = _run(args)
     except (ValueError, RuntimeError, OSError) as error:
         print(f"ranking_study: error: {error}", file=sys.stderr)
         return 2
@@ -459,7 +483,85 @@ def main(argv: list[str] | None = None) -> int:
     if args.plots is not None:
         for path in result.plot(args.plots):
             print(f"wrote {path}")
+    if not result.cells:
+        print(f"ranking_study: error: no cell ran ({len(result.skipped)} failed)", file=sys.stderr)
+        return 1
     return 0
+
+
+def _markdown(data: dict[str, Any], path: Path) -> str:
+    try:
+        return markdown_summary(data)
+    except (KeyError, TypeError) as error:
+        raise ValueError(f"{path}: a summary row lacks {error}: not a ranking study") from None
+
+
+def _merge(paths: list[Path], json_path: str | None) -> int:
+    if not json_path:
+        raise ValueError("--merge needs --json FILE for the merged study")
+    if Path(json_path).is_dir():
+        raise ValueError(f"--json {json_path} is a folder: give the merged study's file name")
+    resolved = [path.resolve() for path in paths]
+    repeated = sorted({str(p) for p in paths if resolved.count(p.resolve()) > 1})
+    if repeated:
+        raise ValueError(f"--merge lists {', '.join(repeated)} more than once: give each once")
+    merged = merge_saved([_load_saved(path) for path in paths])
+    text = _markdown(merged, Path(json_path))
+    Path(json_path).write_text(json.dumps(merged, indent=1, allow_nan=False))
+    print(text)
+    return 0
+
+
+def _run(args: argparse.Namespace) -> tuple[StudyResult, Callable[[StudyResult], None]]:
+    """The study the flags ask for; explicit flags win over --quick's settings."""
+    _check_device(args.device)
+    rankings = [n.strip() for n in args.rankings.split(",") if n.strip()]
+    ablations = [a.strip() for a in args.ablations.split(",") if a.strip()]
+    settings: dict[str, Any] = dict(QUICK_SETTINGS) if args.quick else {}
+    given = {"n_prompts": args.n_prompts, "n_boot": args.n_boot, "n_means": args.n_means}
+    settings.update({key: value for key, value in given.items() if value is not None})
+    # Refuse bad settings before loading the model (minutes for the real one), not after.
+    for key in ("n_prompts", "n_boot", "n_means"):
+        if key in settings:
+            check_count(settings[key], key)
+    check_count(args.batch_size, "batch_size")
+    check_count(args.eval_batch_size, "eval_batch_size")
+    if args.n_test is not None:
+        check_count(args.n_test, "n_test")
+    check_rankings(rankings)
+    cells: list[tuple[str | Task, int]] | None = (
+        _cells(args.cells, args.quick) if args.cells else None
+    )
+    if args.quick:
+        from ra_lens.toy_models import tiny_model
+
+        arch = "llama" if find_spec("transformer_lens.model_bridge") else "hooked"  # TL 2.x
+        model, model_name = tiny_model(arch, n_layers=2), f"tiny-{arch} (random weights)"
+        model = model.to(args.device)
+        cells = cells or list(QUICK_CELLS)
+    else:
+        from ra_lens.models import load_model
+
+        model, model_name = load_model(args.model, device=args.device), args.model
+
+    def save(partial: StudyResult) -> None:
+        partial.config["model"] = model_name
+        partial.config["device"] = _device_name(args.device)
+        if args.json:
+            partial.save_json(args.json)
+
+    result = ranking_study(
+        model,
+        cells=cells,
+        ablations=ablations,
+        rankings=rankings,
+        n_test=args.n_test,
+        batch_size=args.batch_size,
+        eval_batch_size=args.eval_batch_size,
+        on_cell=save,
+        **settings,
+    )
+    return result, save
 
 
 if __name__ == "__main__":

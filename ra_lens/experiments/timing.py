@@ -1,23 +1,28 @@
-"""Wall-clock spans for experiment reports (never used for assertions in tests)."""
+"""The one timer of the experiments and benchmarks: wall-clock (or any clock's) spans with the
+device's queued work finished at both ends (never used for assertions in tests)."""
 
 from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
 
-def _sync() -> None:
-    # CUDA runs asynchronously: without this a span would end before its kernels do.
+def sync() -> None:
+    """Wait for queued CUDA work (a no-op without CUDA): without it a span would end before its
+    kernels do."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
 
 
 @contextlib.contextmanager
-def timed(seconds: dict[str, float], name: str) -> Iterator[None]:
-    """Add the time spent in the block to seconds[name] (CUDA work finished at both ends).
+def timed(
+    seconds: dict[str, float], name: str, *, clock: Callable[[], float] = time.perf_counter
+) -> Iterator[None]:
+    """Add the time spent in the block to seconds[name], read on `clock` (default: wall time;
+    the benchmarks pass process CPU time), CUDA work finished at both ends.
 
     >>> seconds = {}
     >>> with timed(seconds, "work"):
@@ -27,10 +32,10 @@ def timed(seconds: dict[str, float], name: str) -> Iterator[None]:
     >>> list(seconds), seconds["work"] > 0
     (['work'], True)
     """
-    _sync()
-    start = time.perf_counter()
+    sync()
+    start = clock()
     try:
         yield
     finally:
-        _sync()
-        seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - start
+        sync()
+        seconds[name] = seconds.get(name, 0.0) + clock() - start

@@ -12,7 +12,7 @@
 """
 
 from ra_lens.tasks._task import SPLIT_FRACTIONS, Pair, Splits, Task, available, load
-from ra_lens.tasks.accuracy import Accuracy, answer_ranks, evaluate, evaluate_by_length
+from ra_lens.tasks.accuracy import Accuracy, answer_ranks, evaluate
 from ra_lens.tasks.prompts import (
     DEMO_TEMPLATE,
     QUERY_TEMPLATE,
@@ -41,7 +41,6 @@ __all__ = [
     "available",
     "build_prompts",
     "evaluate",
-    "evaluate_by_length",
     "format_prompt",
     "load",
     "prompt_lengths",

@@ -92,15 +92,15 @@ def evaluate(
 ) -> Accuracy:
     """Top-k accuracy of the first token of each prompt's answer at its last position.
 
-        Prompts are tokenised with BOS (`model.to_tokens`) and right-padded with the tokenizer's pad
-        id, so prompts of different lengths share a batch: causal attention keeps real positions
-        blind to the padding and the logits are read at each prompt's own last real position.
-        Hooks that line up with the last positions of a sequence (ra-lens's attention patches) would
-        hit a padded prompt at the wrong places, so with such a hook (or `by_length=True`) every
-        batch holds prompts of one token length only. The model runs under `torch.no_grad()` inside
-        `model.hooks(fwd_hooks=...)`, so hooks (e.g. head ablations or attention patches) apply to
-        every batch and are removed afterwards. Every module runs in eval mode (dropout off, the
-    model's own modes restored afterwards), so a model held in train mode gives the same answer.
+    Prompts are tokenised with BOS (`model.to_tokens`) and right-padded with the tokenizer's pad
+    id, so prompts of different lengths share a batch: causal attention keeps real positions
+    blind to the padding and the logits are read at each prompt's own last real position.
+    Hooks that line up with the last positions of a sequence (ra-lens's attention patches) would
+    hit a padded prompt at the wrong places, so with such a hook (or `by_length=True`) every
+    batch holds prompts of one token length only. The model runs in eval mode (every module's mode
+    restored afterwards: dropout would make the accuracy random) under `torch.no_grad()` inside
+    `model.hooks(fwd_hooks=...)`, so hooks (e.g. head ablations or attention patches) apply to
+    every batch and are removed afterwards.
 
         Args:
             model: a TransformerLens model (HookedTransformer or TransformerBridge).
@@ -132,7 +132,7 @@ def evaluate(
     if by_length is None:
         by_length = any(getattr(fn, "aligned_to_end", False) for _, fn in fwd_hooks)
     if by_length:
-        lengths = prompt_lengths(prompts, model)
+        lengths = prompt_lengths(model, prompts)
         groups = [[i for i, n in enumerate(lengths) if n == m] for m in sorted(set(lengths))]
     else:
         groups = [list(range(len(prompts)))]
@@ -145,23 +145,3 @@ def evaluate(
             target = torch.tensor([answers[i] for i in idx], dtype=torch.long)
             ranks[idx] = answer_ranks(logits, batch.lengths, target).cpu()
     return Accuracy.from_ranks(ranks, ks)
-
-
-def evaluate_by_length(
-    model: HookedModel,
-    prompts: Sequence[Prompt],
-    hooks: Sequence[FwdHook] = (),
-    *,
-    batch_size: int = 32,
-) -> Accuracy:
-    """`evaluate` with batches of one token length each, hooks or not: position-aligned hooks
-    (patching) then see every prompt unpadded, and the unpatched baseline runs the same batches.
-
-    >>> from ra_lens.tasks import build_prompts
-    >>> pairs = [("b", "of"), ("c", "is"), ("d", "to"), ("of", "b")]
-    >>> prompts = build_prompts(pairs, shots=1, seed=0)
-    >>> acc = evaluate_by_length(model, prompts)
-    >>> torch.equal(acc.ranks, evaluate(model, prompts, batch_size=1).ranks)
-    True
-    """
-    return evaluate(model, prompts, fwd_hooks=hooks, batch_size=batch_size, by_length=True)

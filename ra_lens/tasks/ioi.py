@@ -22,11 +22,10 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from ra_lens.capture import Batch, to_batch
+from ra_lens.capture import Batch, HookedModel, to_batch
 from ra_lens.metrics import LogitDiff, logit_diff
 from ra_lens.tasks._task import load
 
@@ -96,7 +95,7 @@ def _abc(template: str, io: str, s: str, c: str, d: str) -> str:
 
 
 def capital_pairs(
-    model: Any | None = None, n: int | None = None, *, seed: int = 0
+    model: HookedModel | None = None, n: int | None = None, *, seed: int = 0
 ) -> list[PromptPair]:
     """Country-capital pairs from the project's country-capital task, in a seeded shuffle.
 
@@ -134,7 +133,7 @@ def capital_pairs(
     return pairs if n is None else pairs[:n]
 
 
-def usable(model: Any, pairs: Sequence[PromptPair]) -> list[PromptPair]:
+def usable(model: HookedModel, pairs: Sequence[PromptPair]) -> list[PromptPair]:
     """The pairs whose answers are one token each and whose prompts have equal token lengths
     under the model's tokenizer.
 
@@ -154,7 +153,7 @@ def usable(model: Any, pairs: Sequence[PromptPair]) -> list[PromptPair]:
     ]
 
 
-def paired_batch(model: Any, pairs: Sequence[PromptPair]) -> tuple[Batch, Batch, LogitDiff]:
+def paired_batch(model: HookedModel, pairs: Sequence[PromptPair]) -> tuple[Batch, Batch, LogitDiff]:
     """(clean batch, corrupted batch, logit_diff(answer, wrong)) for `attention_attribution`.
 
     Raises:

@@ -10,6 +10,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from ra_lens._typing import Validated
 from ra_lens.capture import HookedModel
 from ra_lens.tasks._task import Pair, Task, load, normalise_pairs
 
@@ -113,27 +114,38 @@ def answer_token(model: HookedModel, answer: str) -> int:
     return int(model.to_tokens(answer, prepend_bos=False)[0, 0])
 
 
-def single_token_pairs(pairs: Task | Sequence[Pair], model: HookedModel) -> list[Pair]:
+def _check_model(model: Validated[HookedModel], call: str) -> None:
+    """Model first: the old (prompts, model) order gets a clear error, not an AttributeError."""
+    if not isinstance(model, HookedModel):
+        raise TypeError(
+            f"{call}: the first argument must be the TransformerLens model, got "
+            f"{type(model).__name__}: pass the model first, e.g. {call.split('(')[0]}(model, ...)"
+        )
+
+
+def single_token_pairs(model: Validated[HookedModel], pairs: Task | Sequence[Pair]) -> list[Pair]:
     """Keep the pairs whose answer `" " + y` is exactly one token for `model`'s tokenizer.
 
-    >>> single_token_pairs([("b", "of"), ("c", "Florence and Paris")], model)  # tiny tokenizer
+    >>> single_token_pairs(model, [("b", "of"), ("c", "Florence and Paris")])  # tiny tokenizer
     [('b', 'of')]
     """
+    _check_model(model, "single_token_pairs(model, pairs)")
     pairs = pairs.pairs if isinstance(pairs, Task) else normalise_pairs(pairs)
     return [(x, y) for x, y in pairs if model.to_tokens(" " + y, prepend_bos=False).shape[1] == 1]
 
 
-def prompt_lengths(prompts: Sequence[Prompt], model: HookedModel) -> list[int]:
+def prompt_lengths(model: Validated[HookedModel], prompts: Sequence[Prompt]) -> list[int]:
     """Token length of each prompt text as the model sees it (`model.to_tokens`, with BOS).
 
-    >>> prompt_lengths(build_prompts([("b", "of"), ("quick", "fox")], shots=0), model)
+    >>> prompt_lengths(model, build_prompts([("b", "of"), ("quick", "fox")], shots=0))
     [7, 12]
     """
+    _check_model(model, "prompt_lengths(model, prompts)")
     return [int(model.to_tokens(p.text).shape[1]) for p in prompts]
 
 
 def same_length(
-    prompts: Sequence[Prompt], model: HookedModel, *, length: int | None = None
+    model: Validated[HookedModel], prompts: Sequence[Prompt], *, length: int | None = None
 ) -> list[Prompt]:
     """The prompts whose token length is `length`; default: the most common length.
 
@@ -141,13 +153,14 @@ def same_length(
     paper's "constant-length" subset, needed to average RA maps position by position.
 
     >>> prompts = build_prompts([("b", "of"), ("c", "is"), ("quick", "fox")], shots=0)
-    >>> prompt_lengths(prompts, model), [p.query for p in same_length(prompts, model)]
+    >>> prompt_lengths(model, prompts), [p.query for p in same_length(model, prompts)]
     ([7, 7, 12], ['b', 'c'])
     """
+    _check_model(model, "same_length(model, prompts)")
     prompts = list(prompts)
     if not prompts:
         return []
-    lengths = prompt_lengths(prompts, model)
+    lengths = prompt_lengths(model, prompts)
     if length is None:
         counts = Counter(lengths)
         length = min(counts, key=lambda n: (-counts[n], n))
@@ -178,7 +191,7 @@ def task_prompts(
     >>> toy = Task("toy", [("b", "of"), ("c", "is"), ("d", "to"), ("l", "an"), ("o", "and"),
     ...                    ("s", "the"), ("t", "cap"), ("F", "Par"), ("I", "Mar"), ("of", "b")])
     >>> train, test = task_prompts(model, toy, shots=1)
-    >>> len(train), len(test), len(set(prompt_lengths(train, model)))
+    >>> len(train), len(test), len(set(prompt_lengths(model, train)))
     (7, 2, 1)
     >>> print(test[0].text + test[0].answer)
     Q: F
@@ -189,7 +202,7 @@ def task_prompts(
     """
     task = load(task) if isinstance(task, str) else task
     splits = task.split(seed)
-    usable = set(single_token_pairs(task, model))
+    usable = set(single_token_pairs(model, task))
     train_pairs = [p for p in splits.train if p in usable]
     test_pairs = [p for p in splits.test if p in usable]
     if len(train_pairs) < max(shots + 1, 2) or not test_pairs:
@@ -199,7 +212,7 @@ def task_prompts(
         )
     train = build_prompts(task, train_pairs, shots=shots, demos_from=train_pairs, seed=seed)
     test = build_prompts(task, test_pairs, shots=shots, demos_from=train_pairs, seed=seed + 1)
-    return same_length(train, model) if equal_length else train, test
+    return same_length(model, train) if equal_length else train, test
 
 
 def shuffled_label_prompts(prompts: Sequence[Prompt], *, seed: int = 0) -> list[Prompt]:

@@ -7,11 +7,11 @@ Imported as `from helpers import ...` (pytest puts tests/ on sys.path: it has no
 
 from __future__ import annotations
 
-import importlib.util
 from typing import Any
 
 import pytest
 
+from ra_lens.models import bridge_available
 from ra_lens.tasks import Task
 from ra_lens.toy_models import ARCHITECTURES, tiny_model
 
@@ -26,7 +26,7 @@ LIVE = ("gpt2", "llama", "hooked")
 
 def has_bridge() -> bool:
     """TransformerLens >= 3 (TransformerBridge) is installed."""
-    return importlib.util.find_spec("transformer_lens.model_bridge") is not None
+    return bridge_available()
 
 
 def all_archs() -> list[str]:

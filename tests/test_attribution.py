@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from helpers import has_bridge
 
 import ra_lens
 from ra_lens import capture
@@ -22,15 +23,6 @@ METRIC = logit_diff([30, 31], [32, 33])
 def metric_all(logits):
     """Linear in the logits of every position, so every query row matters."""
     return (logits[..., 30] - logits[..., 32]).sum(-1)
-
-
-def has_bridge() -> bool:
-    try:
-        import transformer_lens.model_bridge  # noqa: F401
-
-        return True
-    except ImportError:
-        return False
 
 
 def one_layer(kind: str, q_gain: float = 1.0):

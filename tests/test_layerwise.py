@@ -7,7 +7,7 @@ import tempfile
 
 import pytest
 import torch
-from helpers import hook_count
+from helpers import has_bridge, hook_count
 
 import ra_lens
 from ra_lens.capture import PATTERN
@@ -20,12 +20,7 @@ PROMPTS = ["I like Italy and France. I visited the city of", "The quick brown fo
 
 def archs() -> list[str]:
     """Architectures of the installed TransformerLens (OPT: the hook_z route)."""
-    try:
-        import transformer_lens.model_bridge  # noqa: F401
-
-        return ["gpt2", "llama", "opt", "native"]
-    except ImportError:
-        return ["hooked"]
+    return ["gpt2", "llama", "opt", "native"] if has_bridge() else ["hooked"]
 
 
 @pytest.fixture(scope="module", params=archs())

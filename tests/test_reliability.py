@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import has_bridge
 
 import ra_lens
 from ra_lens import capture, cli, metrics, tasks
@@ -25,12 +26,7 @@ PROMPT = "I like Italy and France. I visited the city of"
 
 
 def live_archs() -> list[str]:
-    try:
-        import transformer_lens.model_bridge  # noqa: F401
-
-        return ["gpt2", "llama"]
-    except ImportError:
-        return ["hooked"]
+    return ["gpt2", "llama"] if has_bridge() else ["hooked"]
 
 
 @pytest.fixture(scope="module", params=live_archs())

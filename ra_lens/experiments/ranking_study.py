@@ -18,7 +18,6 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
@@ -533,9 +532,10 @@ def _run(args: argparse.Namespace) -> tuple[StudyResult, Callable[[StudyResult],
         _cells(args.cells, args.quick) if args.cells else None
     )
     if args.quick:
+        from ra_lens.models import bridge_available
         from ra_lens.toy_models import tiny_model
 
-        arch = "llama" if find_spec("transformer_lens.model_bridge") else "hooked"  # TL 2.x
+        arch = "llama" if bridge_available() else "hooked"  # TL 2.x
         model, model_name = tiny_model(arch, n_layers=2), f"tiny-{arch} (random weights)"
         model = model.to(args.device)
         cells = cells or list(QUICK_CELLS)

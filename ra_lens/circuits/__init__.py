@@ -2,6 +2,14 @@
 faithfulness, in files EAP-IG and MIB read."""
 
 from ra_lens.circuits.circuit import Circuit, EdgeScores
+from ra_lens.circuits.curve import MIB_FRACTIONS, FaithfulnessCurve, faithfulness_curve
 from ra_lens.circuits.graph import Graph
 
-__all__ = ["Circuit", "EdgeScores", "Graph"]
+__all__ = [
+    "MIB_FRACTIONS",
+    "Circuit",
+    "EdgeScores",
+    "FaithfulnessCurve",
+    "Graph",
+    "faithfulness_curve",
+]

@@ -27,6 +27,7 @@ key/value head (shared by the query heads of a group on a grouped-query model). 
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -89,7 +90,7 @@ class EdgeScores:
             self.graph, edges, scores=self.scores.detach().cpu(), node_scores=self.node_scores
         ).prune()
 
-    def _check_count(self, n: int) -> None:
+    def _check_count(self, n: Validated[int]) -> None:
         if not isinstance(n, int) or isinstance(n, bool):
             raise TypeError(f"n={n!r}: pass a whole number of edges (int)")
         if not 0 <= n <= self.graph.n_edges:
@@ -242,9 +243,7 @@ class Circuit:
         keep = self.edges & (reached > 0)[:, None] & (leads > 0)[None, :]
         return Circuit(g, keep, scores=self.scores, node_scores=self.node_scores)
 
-    def _combine(self, other: Circuit, edges: Bool[Tensor, "writer reader"]) -> Circuit:
-        if not isinstance(other, Circuit):
-            return NotImplemented
+    def _combine(self, other: Circuit, op: Callable[[Tensor, Tensor], Tensor]) -> Circuit:
         if other.graph != self.graph:
             raise ValueError(
                 f"the circuits belong to different graphs: {self.graph} and {other.graph}"
@@ -255,19 +254,19 @@ class Circuit:
 
         return Circuit(
             self.graph,
-            edges,
+            op(self.edges, other.edges),
             scores=same(self.scores, other.scores),
             node_scores=same(self.node_scores, other.node_scores),
         )
 
     def __or__(self, other: Circuit) -> Circuit:
-        return self._combine(other, self.edges | other.edges)
+        return self._combine(other, lambda a, b: a | b)
 
     def __and__(self, other: Circuit) -> Circuit:
-        return self._combine(other, self.edges & other.edges)
+        return self._combine(other, lambda a, b: a & b)
 
     def __sub__(self, other: Circuit) -> Circuit:
-        return self._combine(other, self.edges & ~other.edges)
+        return self._combine(other, lambda a, b: a & ~b)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Circuit):

@@ -410,3 +410,19 @@ def test_faithfulness_curve_measures_each_distinct_circuit_once() -> None:
     other = EdgeScores(Graph(1, 4, 4, 32), torch.zeros(6, 14), method="eap", direction="noise")
     with pytest.raises(ValueError, match="the scores are for"):
         faithfulness_curve(model, other, "a", "b", len, evaluate=share_of_edges)
+
+
+def test_faithfulness_curve_with_edge_patching_ends_at_exactly_0_and_1() -> None:
+    from ra_lens.metrics import logit_diff
+
+    model = tiny_model(arch_or_hooked("llama"), dtype=torch.float64)  # GQA on TL 4
+    g = Graph.from_model(model)
+    torch.manual_seed(0)
+    scores = EdgeScores(g, torch.randn(g.real.shape) * g.real, method="eap", direction="denoise")
+    clean, corrupted = "The capital of France is", "The capital of Italy is"
+    curve = faithfulness_curve(
+        model, scores, clean, corrupted, logit_diff([294], [52]), sizes=[0.001, 1.0]
+    )
+    assert curve.n_edges == [0, g.n_edges]
+    assert curve.values == pytest.approx([0.0, 1.0], abs=1e-10)
+    assert curve.cpr == pytest.approx(0.999 / 2, abs=1e-10)

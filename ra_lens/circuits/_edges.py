@@ -153,6 +153,7 @@ class EdgeRun:
     leaf: dict[int, Tensor] = field(default_factory=dict)
     resid: dict[int, Tensor] = field(default_factory=dict)
     _deltas: dict[int, dict[int, Tensor]] = field(default_factory=dict)
+    attn_only: bool = False
 
     # ---- writers
 
@@ -201,6 +202,8 @@ class EdgeRun:
 
     def hooks(self, model: HookedModel) -> list[tuple[str, Any]]:
         g = self.graph
+        # Attention-only models have no MLPs: their m{l} writers output zero (z hook below).
+        self.attn_only = bool(getattr(model.cfg, "attn_only", False))
         hooks: list[tuple[str, Any]] = [(RESID_PRE.format(0), self._input_hook)]
         for layer in range(g.n_layers):
             hooks += [
@@ -209,9 +212,12 @@ class EdgeRun:
                 (capture.K.format(layer), self._qkv_hook(layer, "k")),
                 (capture.V.format(layer), self._qkv_hook(layer, "v")),
                 (capture.Z.format(layer), self._z_hook(layer)),
-                (mlp_in_hook(model, layer), self._subtract_hook(layer, "mlp")),
-                (MLP_OUT.format(layer), self._mlp_out_hook),
             ]
+            if not self.attn_only:
+                hooks += [
+                    (mlp_in_hook(model, layer), self._subtract_hook(layer, "mlp")),
+                    (MLP_OUT.format(layer), self._mlp_out_hook),
+                ]
         hooks.append((RESID_POST.format(g.n_layers - 1), self._subtract_hook(g.n_layers, "logits")))
         return hooks
 
@@ -259,6 +265,10 @@ class EdgeRun:
         def hook(value: Tensor, hook: Any) -> None:
             W_O = self.weights[layer].W_O.to(value.dtype)
             self._add_writers(torch.einsum("bphe,hed->hbpd", value, W_O))
+            if self.attn_only:
+                self._add_writers(
+                    torch.zeros_like(value[None, :, :, 0, :1]).expand(1, -1, -1, W_O.shape[-1])
+                )
 
         return hook
 

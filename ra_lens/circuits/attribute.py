@@ -224,6 +224,14 @@ class _Step:
     def _exact_layer(self, layer: int, diffs: Tensor, real: Tensor, out: Tensor) -> None:
         g, model, w = self.graph, self.model, self.weights[layer]
         acts = self.acts
+        names = [capture.query_hook_name(model, layer), capture.key_hook_name(model, layer)]
+        silent = [name for name in names if name not in acts]
+        if silent:
+            raise RuntimeError(
+                f"hook {silent[0]!r} never fired: this adapter does not expose the (rotated) "
+                "queries and keys its attention uses, so the exact methods cannot redo its "
+                "softmax; use method='eap' or 'eap-ig'"
+            )
         q = acts[capture.query_hook_name(model, layer)].double()
         k = acts[capture.key_hook_name(model, layer)].double()
         pattern = acts[PATTERN.format(layer)].double()

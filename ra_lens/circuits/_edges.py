@@ -108,17 +108,23 @@ def check_supported(model: HookedModel) -> None:
         )
 
 
-def mlp_in_hook(model: HookedModel, layer: int) -> str:
-    """The hook point that sees the MLP's input before its norm, and feeds nothing else."""
+def mlp_in_hook(model: HookedModel, layer: int, points: Any = None) -> str:
+    """The hook point that sees the MLP's input before its norm, and feeds nothing else
+    (`points`: model.hook_dict, which a bridge rebuilds on every access, read once)."""
     bridge = BRIDGE_MLP_IN.format(layer)
-    return bridge if bridge in model.hook_dict else HOOKED_MLP_IN.format(layer)
+    points = model.hook_dict if points is None else points
+    return bridge if bridge in points else HOOKED_MLP_IN.format(layer)
 
 
 @contextlib.contextmanager
 def mlp_in_enabled(model: HookedModel) -> Iterator[None]:
     """HookedTransformer fires `hook_mlp_in` only with cfg.use_hook_mlp_in; switch it on for
     the block and restore the flag (TransformerBridge uses ln2.hook_in and needs nothing)."""
-    if BRIDGE_MLP_IN.format(0) in model.hook_dict or not hasattr(model, "set_use_hook_mlp_in"):
+    if (
+        BRIDGE_MLP_IN.format(0) in model.hook_dict
+        or not hasattr(model, "set_use_hook_mlp_in")
+        or getattr(model.cfg, "attn_only", False)
+    ):
         yield
         return
     before = bool(getattr(model.cfg, "use_hook_mlp_in", False))
@@ -204,6 +210,7 @@ class EdgeRun:
         g = self.graph
         # Attention-only models have no MLPs: their m{l} writers output zero (z hook below).
         self.attn_only = bool(getattr(model.cfg, "attn_only", False))
+        points = model.hook_dict
         hooks: list[tuple[str, Any]] = [(RESID_PRE.format(0), self._input_hook)]
         for layer in range(g.n_layers):
             hooks += [
@@ -215,7 +222,7 @@ class EdgeRun:
             ]
             if not self.attn_only:
                 hooks += [
-                    (mlp_in_hook(model, layer), self._subtract_hook(layer, "mlp")),
+                    (mlp_in_hook(model, layer, points), self._subtract_hook(layer, "mlp")),
                     (MLP_OUT.format(layer), self._mlp_out_hook),
                 ]
         hooks.append((RESID_POST.format(g.n_layers - 1), self._subtract_hook(g.n_layers, "logits")))

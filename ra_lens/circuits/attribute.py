@@ -111,7 +111,7 @@ def attribute(
     >>> clean, corrupted = "The capital of France is", "The capital of Italy is"
     >>> scores = attribute(model, clean, corrupted, logit_diff([294], [52]), method="eap")
     >>> scores.scores.shape, bool(scores.scores[~scores.graph.real].eq(0).all())
-    (torch.Size([11, 35]), True)
+    (torch.Size([11, 27]), True)
     """
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}: choose one of {METHODS}")

@@ -103,8 +103,9 @@ def faithfulness(
     >>> round(result.value, 6), result.n_edges == graph.n_edges
     (1.0, True)
     >>> empty = Circuit(graph, torch.zeros_like(graph.real))
-    >>> round(faithfulness(model, empty, clean, corrupted, logit_diff([294], [52])).value, 6)
-    0.0
+    >>> value = faithfulness(model, empty, clean, corrupted, logit_diff([294], [52])).value
+    >>> abs(value) < 1e-4  # 0 up to float32 rounding (exactly 0 in float64)
+    True
     """
     if ablation not in ABLATIONS:
         raise ValueError(f"unknown ablation {ablation!r}: choose one of {ABLATIONS}")

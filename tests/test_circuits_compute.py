@@ -274,9 +274,11 @@ def test_eap_ig_one_step_is_eap_and_converges(model, batches):
     eap = attribute(model, clean, corrupted, METRIC, method="eap").scores
     one = attribute(model, clean, corrupted, METRIC, method="eap-ig", steps=1).scores
     assert torch.equal(one, eap)
-    ig = {s: attribute(model, clean, corrupted, METRIC, method="eap-ig", steps=s).scores
-          for s in (2, 4, 16, 32)}  # fmt: skip
-    assert (ig[16] - ig[32]).abs().max() < 0.25 * (ig[2] - ig[4]).abs().max()
+    ig = {
+        s: attribute(model, clean, corrupted, METRIC, method="eap-ig", steps=s).scores
+        for s in (2, 8, 16)
+    }
+    assert (ig[8] - ig[16]).abs().max() < 0.25 * (eap - ig[2]).abs().max()
     exact_one = attribute(model, clean, corrupted, METRIC, method="exact-ig", steps=1).scores
     assert torch.equal(exact_one, attribute(model, clean, corrupted, METRIC, method="exact").scores)
 

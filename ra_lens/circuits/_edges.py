@@ -39,7 +39,7 @@ BRIDGE_MLP_IN = "blocks.{}.ln2.hook_in"
 HOOKED_MLP_IN = "blocks.{}.hook_mlp_in"
 
 
-@dataclass
+@dataclass(repr=False)
 class LayerWeights:
     """The attention weights of one layer in TransformerLens's per-head layout (k/v per key/value
     head), detached, and the layer's first norm (a callable module)."""
@@ -135,7 +135,9 @@ def mlp_in_enabled(model: HookedModel) -> Iterator[None]:
         model.set_use_hook_mlp_in(before)
 
 
-@dataclass
+# repr=False: TransformerLens formats a hook's repr when adding it, and a repr of the
+# tensors held here costs seconds.
+@dataclass(repr=False)
 class EdgeRun:
     """Hooks for one forward pass of a batch (see the module docstring).
 

@@ -5,12 +5,14 @@ ra-lens patch --task antonym --shots 0
 ra-lens rank --task antonym --shots 5
 ra-lens attribute --clean "When Mary and John went to the store, John gave a drink to" \
     --corrupted "When Alice and Bob went to the store, John gave a drink to" --target " Mary" --wrong " John"
+ra-lens circuit --task ioi --method exact --sizes 0.01,0.05,0.2,1 --out circuit/
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import tempfile
@@ -148,6 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     attribute.add_argument("--top", type=int, default=10, metavar="K", help="rows per table (10)")
     _common(attribute)
     attribute.set_defaults(run=_run_attribute)
+    _add_circuit_command(sub)
     return parser
 
 
@@ -505,6 +508,229 @@ def _run_attribute(args: argparse.Namespace) -> int:
             "top": top,
             "top_edges": edges,
             "str_tokens": tokens,
+            "seconds": seconds,
+            "files": [str(f) for f in files],
+        },
+    )
+    return 0
+
+
+CIRCUIT_TASKS = ("ioi", "country-capital")
+PAIR_KEYS = ("clean", "corrupted", "answer", "wrong")
+
+
+def _add_circuit_command(sub: Any) -> None:
+    circuit = sub.add_parser(
+        "circuit",
+        help="edge scores over the component graph, a circuit and its faithfulness curve",
+        description="Score every edge writer -> reader (input, head outputs, MLPs -> queries, "
+        "keys, values, MLPs, logits) for logit(answer) - logit(wrong) over many clean/corrupted "
+        "pairs, measure the faithfulness of circuits of increasing size by edge patching (with "
+        "MIB's CPR and CMD), and write the curve, a picture and the EAP-IG/MIB JSON file of one "
+        "circuit.",
+    )
+    source = circuit.add_mutually_exclusive_group(required=True)
+    source.add_argument("--task", choices=CIRCUIT_TASKS, help="built-in paired prompts")
+    source.add_argument(
+        "--pairs",
+        type=Path,
+        metavar="FILE.jsonl",
+        help='one pair a line: {"clean": ..., "corrupted": ..., "answer": ..., "wrong": ...} '
+        "(answers one token; clean and corrupted the same token length)",
+    )
+    circuit.add_argument(
+        "--n-pairs", type=_positive_int, default=16, metavar="N", help="pairs used (16)"
+    )
+    circuit.add_argument(
+        "--method", default="exact", choices=["eap", "eap-ig", "exact", "exact-ig"]
+    )
+    circuit.add_argument("--direction", default="denoise", choices=["denoise", "noise"])
+    circuit.add_argument(
+        "--steps", type=_positive_int, default=5, help="IG steps (eap-ig, exact-ig; 5)"
+    )
+    circuit.add_argument(
+        "--sizes",
+        default=None,
+        help="comma-separated fractions of the graph's edges, increasing (default MIB's "
+        "0.001,0.002,0.005,0.01,0.02,0.05,0.1,0.2,0.5,1)",
+    )
+    circuit.add_argument("--selection", default="top", choices=["top", "greedy"])
+    circuit.add_argument("--ablation", default="patching", choices=["patching", "mean", "zero"])
+    circuit.add_argument(
+        "--edges",
+        type=_positive_int,
+        default=40,
+        metavar="N",
+        help="edges asked for in the circuit that is drawn and saved (40; fewer after pruning)",
+    )
+    circuit.add_argument("--batch-size", type=_positive_int, default=8, help="pairs per pass (8)")
+    _common(circuit)
+    circuit.set_defaults(run=_run_circuit)
+
+
+def _read_pairs(path: Path) -> list[Any]:
+    """PromptPairs from a JSONL file, one {"clean", "corrupted", "answer", "wrong"} a line."""
+    from ra_lens.tasks.ioi import PromptPair
+
+    try:
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        raise ValueError(f"--pairs {path}: no such file") from None
+    pairs = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"--pairs {path}, line {number}: not JSON ({err.msg})") from None
+        if not isinstance(row, dict) or set(row) != set(PAIR_KEYS):
+            got = sorted(row) if isinstance(row, dict) else type(row).__name__
+            raise ValueError(
+                f"--pairs {path}, line {number}: expected an object with exactly the keys "
+                f"{list(PAIR_KEYS)}, got {got}"
+            )
+        if not all(isinstance(row[key], str) and row[key] for key in PAIR_KEYS):
+            raise ValueError(f"--pairs {path}, line {number}: every value must be non-empty text")
+        pairs.append(PromptPair(*(row[key] for key in PAIR_KEYS)))
+    if not pairs:
+        raise ValueError(f"--pairs {path}: no pairs in the file")
+    return pairs
+
+
+def _circuit_pairs(args: argparse.Namespace, model: Any, file_pairs: list[Any]) -> list[Any]:
+    """The pairs to use: the first --n-pairs of the file (each must suit the tokenizer) or of
+    the task's pairs that suit it."""
+    from ra_lens.tasks import ioi
+
+    if args.pairs is not None:
+        pairs = file_pairs[: args.n_pairs]
+        for number, pair in enumerate(pairs, 1):
+            if not ioi.usable(model, [pair]):
+                raise ValueError(
+                    f"--pairs {args.pairs}, pair {number}: answer and wrong must be one token "
+                    "each and clean/corrupted the same number of tokens for this model"
+                )
+        return pairs
+    if args.task == "ioi":
+        pairs = ioi.usable(model, ioi.ioi_pairs(max(40, 4 * args.n_pairs)))
+    else:
+        pairs = ioi.capital_pairs(model)
+    if not pairs:
+        raise ValueError(
+            f"--task {args.task}: no pair suits this model's tokenizer (one-token answers, "
+            "equal token lengths); write your own with --pairs FILE.jsonl"
+        )
+    return pairs[: args.n_pairs]
+
+
+def _run_circuit(args: argparse.Namespace) -> int:
+    from matplotlib.figure import Figure
+
+    from ra_lens import circuits
+    from ra_lens.tasks import ioi
+
+    sizes = None if args.sizes is None else _floats(args.sizes)
+    file_pairs = [] if args.pairs is None else _read_pairs(args.pairs)  # before the model loads
+    seconds: dict[str, float] = {}
+    start = time.perf_counter()
+    model = _load(args.model, args.backend)
+    seconds["load_model"] = time.perf_counter() - start
+    pairs = _circuit_pairs(args, model, file_pairs)
+    clean, corrupted, metric = ioi.paired_batch(model, pairs)
+    progress = sys.stderr.isatty()
+
+    start = time.perf_counter()
+    scores = circuits.attribute(
+        model,
+        clean,
+        corrupted,
+        metric,
+        method=args.method,
+        direction=args.direction,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        progress=progress,
+    )
+    seconds["attribute"] = time.perf_counter() - start
+    assert isinstance(scores, circuits.EdgeScores)
+    start = time.perf_counter()
+    curve = circuits.faithfulness_curve(
+        model,
+        scores,
+        clean,
+        corrupted,
+        metric,
+        sizes=sizes,
+        ablation=args.ablation,
+        selection=args.selection,
+        progress=progress,
+    )
+    seconds["faithfulness_curve"] = time.perf_counter() - start
+    n_edges = min(args.edges, scores.graph.n_edges)
+    circuit = scores.top(n_edges) if args.selection == "top" else scores.greedy(n_edges)
+    kept = circuits.faithfulness(
+        model, circuit, clean, corrupted, metric, ablation=args.ablation, batch_size=32
+    )
+
+    source = f"--task {args.task}" if args.pairs is None else f"--pairs {args.pairs}"
+    _say(
+        args,
+        f"model: {args.model}   {source}: {len(pairs)} pairs   metric: logit(answer) - "
+        f"logit(wrong)   clean {kept.clean_metric:.3f}, corrupted {kept.corrupted_metric:.3f}",
+    )
+    _say(
+        args,
+        f"scores: {args.method} ({args.direction}) over {scores.graph.n_edges} edges in "
+        f"{seconds['attribute']:.1f} s\n",
+    )
+    _say(args, curve.table())
+    _say(
+        args,
+        f"\ncircuit ({args.selection} {n_edges}, pruned): {circuit.n_edges} edges, "
+        f"{len(circuit.nodes)} nodes, faithfulness {kept.value:.4f}",
+    )
+
+    files = []
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        files = [args.out / n for n in ("faithfulness_curve.png", "circuit.png", "circuit.json")]
+        ax = Figure(figsize=(5.5, 3.8), layout="constrained").add_subplot()
+        curve.plot(ax)
+        ax.set_title(f"{args.method} circuits, {len(pairs)} pairs")
+        ax.figure.savefig(files[0], dpi=120)
+        circuit.draw(
+            files[1],
+            title=f"{args.method}: {circuit.n_edges} edges, faithfulness {kept.value:.3f}",
+        )
+        circuit.to_json(files[2])
+        for f in files:
+            _say(args, f"wrote {f}")
+    _emit_json(
+        args.json,
+        {
+            "model": args.model,
+            "task": args.task,
+            "pairs_file": None if args.pairs is None else str(args.pairs),
+            "pairs": [{key: getattr(p, key) for key in PAIR_KEYS} for p in pairs],
+            "method": args.method,
+            "direction": args.direction,
+            "steps": args.steps if args.method.endswith("-ig") else None,
+            "metric": "logit(answer) - logit(wrong)",
+            "clean_metric": kept.clean_metric,
+            "corrupted_metric": kept.corrupted_metric,
+            "n_edges_total": scores.graph.n_edges,
+            "curve": curve.to_dict(),
+            "circuit": {
+                "edges_asked": n_edges,
+                "n_edges": circuit.n_edges,
+                "nodes": circuit.nodes,
+                "faithfulness": kept.value,
+                # nan (a pair whose clean and corrupted metrics are equal) is not JSON: null
+                "faithfulness_per_pair": [
+                    None if math.isnan(v) else v for v in kept.per_pair.tolist()
+                ],
+            },
             "seconds": seconds,
             "files": [str(f) for f in files],
         },

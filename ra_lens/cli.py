@@ -137,11 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
         "the clean prompt into the corrupted one does to logit(target) - logit(wrong) (or to "
         "p(target) without --wrong), with an exact softmax for queries and keys (AtP*'s fix).",
     )
-    attribute.add_argument("--clean", required=True, help="the clean prompt")
-    attribute.add_argument(
-        "--corrupted", required=True, help="the corrupted prompt (same token length)"
-    )
-    attribute.add_argument("--target", required=True, help="the clean answer, e.g. ' Mary'")
+    attribute.add_argument("--clean", help="the clean prompt (or --task / --pairs)")
+    attribute.add_argument("--corrupted", help="the corrupted prompt (same token length)")
+    attribute.add_argument("--target", help="the clean answer, e.g. ' Mary'")
+    _pair_source_args(attribute, required=False)
     attribute.add_argument(
         "--wrong", default=None, help="a wrong answer: metric = logit(target) - logit(wrong)"
     )
@@ -422,24 +421,20 @@ def _first_token(model: Any, text: str, flag: str) -> int:
 
 
 def _run_attribute(args: argparse.Namespace) -> int:
-    from ra_lens import attention_attribution, metrics
+    from ra_lens import attention_attribution
 
+    file_pairs = _attribute_source(args)
     seconds: dict[str, float] = {}
     start = time.perf_counter()
     model = _load(args.model, args.backend)
     seconds["load_model"] = time.perf_counter() - start
-    target = _first_token(model, args.target, "--target")
-    if args.wrong is None:
-        metric, metric_name = metrics.target_prob([target]), f"p({args.target!r})"
-    else:
-        wrong = _first_token(model, args.wrong, "--wrong")
-        metric = metrics.logit_diff([target], [wrong])
-        metric_name = f"logit({args.target!r}) - logit({args.wrong!r})"
+    clean, corrupted, metric, metric_name = _attribute_inputs(args, model, file_pairs)
     start = time.perf_counter()
     att = attention_attribution(
-        model, args.clean, args.corrupted, metric, method=args.method, direction=args.direction
+        model, clean, corrupted, metric, method=args.method, direction=args.direction
     )
     seconds["attention_attribution"] = time.perf_counter() - start
+    att = _with_clean_labels(att, model, clean)
 
     tokens = att.str_tokens[0] if att.str_tokens else None
     _say(args, f"model: {args.model}   metric: {metric_name}   {args.method}, {args.direction}")
@@ -448,7 +443,11 @@ def _run_attribute(args: argparse.Namespace) -> int:
         if args.direction == "denoise"
         else (att.metric, att.other_metric)
     )
-    _say(args, f"{metric_name}: clean {float(runs[0][0]):.3f}, corrupted {float(runs[1][0]):.3f}")
+    _say(
+        args,
+        f"{metric_name}: clean {float(runs[0].mean()):.3f}, corrupted {float(runs[1].mean()):.3f}"
+        + (f" (mean of {len(runs[0])} pairs)" if len(runs[0]) > 1 else ""),
+    )
     top: dict[str, list[dict[str, Any]]] = {}
     for kind in att.nodes:
         top[kind] = [
@@ -470,11 +469,13 @@ def _run_attribute(args: argparse.Namespace) -> int:
         }
         for la, h, q, k, v in att.top_edges(args.top)
     ]
-    _say(args, "\ntop edges R * (A_other - A)")
+    # As the pictures draw them: the query reads from the key (query <- key), clean tokens.
+    pair_word = " of pair 0 (the clean prompt's tokens)" if len(att.metric) > 1 else ""
+    _say(args, f"\ntop edges R * (A_other - A){pair_word}: query <- key")
     for e in edges:
         _say(
             args,
-            f"L{e['layer']}H{e['head']}  {e['query_token']!r} -> {e['key_token']!r}  "
+            f"L{e['layer']}H{e['head']}  {e['query_token']!r} <- {e['key_token']!r}  "
             f"{e['value']:+.4g}",
         )
     _say(args, f"\nall heads in {seconds['attention_attribution']:.2f} s")
@@ -499,11 +500,14 @@ def _run_attribute(args: argparse.Namespace) -> int:
             "corrupted": args.corrupted,
             "target": args.target,
             "wrong": args.wrong,
+            "task": args.task,
+            "pairs_file": None if args.pairs is None else str(args.pairs),
+            "n_pairs": len(att.metric),
             "metric": metric_name,
             "method": att.method,
             "direction": att.direction,
-            "metric_patched_run": float(att.metric[0]),
-            "metric_other_run": float(att.other_metric[0]),
+            "metric_patched_run": float(att.metric.mean()),  # means over the pairs
+            "metric_other_run": float(att.other_metric.mean()),
             "scores": {kind: att.scores[kind].tolist() for kind in att.nodes},
             "top": top,
             "top_edges": edges,
@@ -529,18 +533,7 @@ def _add_circuit_command(sub: Any) -> None:
         "MIB's CPR and CMD), and write the curve, a picture and the EAP-IG/MIB JSON file of one "
         "circuit.",
     )
-    source = circuit.add_mutually_exclusive_group(required=True)
-    source.add_argument("--task", choices=CIRCUIT_TASKS, help="built-in paired prompts")
-    source.add_argument(
-        "--pairs",
-        type=Path,
-        metavar="FILE.jsonl",
-        help='one pair a line: {"clean": ..., "corrupted": ..., "answer": ..., "wrong": ...} '
-        "(answers one token; clean and corrupted the same token length)",
-    )
-    circuit.add_argument(
-        "--n-pairs", type=_positive_int, default=16, metavar="N", help="pairs used (16)"
-    )
+    _pair_source_args(circuit, required=True)
     circuit.add_argument(
         "--method", default="exact", choices=["eap", "eap-ig", "exact", "exact-ig"]
     )
@@ -566,6 +559,73 @@ def _add_circuit_command(sub: Any) -> None:
     circuit.add_argument("--batch-size", type=_positive_int, default=8, help="pairs per pass (8)")
     _common(circuit)
     circuit.set_defaults(run=_run_circuit)
+
+
+def _pair_source_args(parser: argparse.ArgumentParser, *, required: bool) -> None:
+    source = parser.add_mutually_exclusive_group(required=required)
+    source.add_argument("--task", choices=CIRCUIT_TASKS, help="built-in paired prompts")
+    source.add_argument(
+        "--pairs",
+        type=Path,
+        metavar="FILE.jsonl",
+        help='one pair a line: {"clean": ..., "corrupted": ..., "answer": ..., "wrong": ...} '
+        "(answers one token; clean and corrupted the same token length)",
+    )
+    parser.add_argument(
+        "--n-pairs", type=_positive_int, default=16, metavar="N", help="pairs used (16)"
+    )
+
+
+def _attribute_source(args: argparse.Namespace) -> list[Any]:
+    """Check that `attribute` got one pair (--clean/--corrupted/--target) or many (--task or
+    --pairs), not both; returns the pairs of --pairs (read before the model loads)."""
+    one = [flag for flag in ("clean", "corrupted", "target", "wrong") if getattr(args, flag)]
+    if args.task is not None or args.pairs is not None:
+        if one:
+            raise ValueError(
+                f"--{one[0]} with --task/--pairs: give one pair (--clean, --corrupted, --target) "
+                "or many (--task or --pairs), not both"
+            )
+        return [] if args.pairs is None else _read_pairs(args.pairs)
+    missing = [f"--{flag}" for flag in ("clean", "corrupted", "target") if not getattr(args, flag)]
+    if missing:
+        raise ValueError(
+            f"missing {', '.join(missing)}: give --clean, --corrupted and --target (one pair), "
+            "or --task / --pairs FILE.jsonl (many pairs)"
+        )
+    return []
+
+
+def _attribute_inputs(
+    args: argparse.Namespace, model: Any, file_pairs: list[Any]
+) -> tuple[Any, Any, Any, str]:
+    """(clean, corrupted, metric, metric name) for `attribute`: one pair from the flags, or the
+    pairs of --task / --pairs with logit(answer) - logit(wrong) per pair."""
+    from ra_lens import metrics, to_batch
+    from ra_lens.tasks import ioi
+
+    if args.clean is None:
+        clean, corrupted, metric = ioi.paired_batch(model, _circuit_pairs(args, model, file_pairs))
+        return clean, corrupted, metric, "logit(answer) - logit(wrong)"
+    target = _first_token(model, args.target, "--target")
+    if args.wrong is None:
+        metric, metric_name = metrics.target_prob([target]), f"p({args.target!r})"
+    else:
+        wrong = _first_token(model, args.wrong, "--wrong")
+        metric = metrics.logit_diff([target], [wrong])
+        metric_name = f"logit({args.target!r}) - logit({args.wrong!r})"
+    return to_batch(model, args.clean), to_batch(model, args.corrupted), metric, metric_name
+
+
+def _with_clean_labels(att: Any, model: Any, clean: Any) -> Any:
+    """The attribution with the CLEAN prompts' tokens as labels: under "denoise" the patched run
+    is the corrupted one, whose tokens (" Bob" where the clean prompt has " John") would name
+    the edges of an analysis of the clean behaviour."""
+    import dataclasses
+
+    from ra_lens import capture
+
+    return dataclasses.replace(att, str_tokens=capture.str_tokens(model, clean))
 
 
 def _read_pairs(path: Path) -> list[Any]:

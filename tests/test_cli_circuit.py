@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from ra_lens import circuits
 from ra_lens.cli import main
@@ -116,3 +117,49 @@ def test_other_user_errors_are_one_line_and_exit_2(
         code = main(["circuit", *extra, "--model", f"tiny-{ARCH}"])
         assert code == 2, extra
         _assert_one_line(capsys.readouterr().err, message)
+
+
+def test_attribute_over_many_pairs_matches_the_api_with_clean_labels(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """`attribute --pairs`: scores averaged over the pairs as attention_attribution gives them;
+    the edges are named by the CLEAN prompt's tokens (the patched run under denoise is the
+    corrupted one) and printed as the pictures draw them, query <- key."""
+    from ra_lens import attention_attribution, capture
+
+    pairs = _write_pairs(tmp_path / "pairs.jsonl", PAIRS)
+    code = main(
+        ["attribute", "--pairs", str(pairs), "--model", f"tiny-{ARCH}", "--top", "6",
+         "--json", str(tmp_path / "a.json")]
+    )  # fmt: skip
+    assert code == 0
+    printed = capsys.readouterr().out
+    report = json.loads((tmp_path / "a.json").read_text())
+    model = tiny_model(ARCH)
+    clean, corrupted, metric = paired_batch(model, PAIRS)
+    att = attention_attribution(model, clean, corrupted, metric)
+    for kind in att.nodes:
+        got = torch.tensor(report["scores"][kind], dtype=att.scores[kind].dtype)
+        torch.testing.assert_close(got, att.scores[kind], rtol=1e-5, atol=1e-9)
+        assert got.abs().max() > 0
+    assert report["n_pairs"] == 3
+    assert report["metric_other_run"] == pytest.approx(float(att.other_metric.mean()), abs=1e-6)
+    clean_tokens = capture.str_tokens(model, clean)[0]
+    corrupted_tokens = capture.str_tokens(model, corrupted)[0]
+    assert report["str_tokens"] == clean_tokens != corrupted_tokens
+    for edge in report["top_edges"]:
+        assert edge["query_token"] == clean_tokens[edge["query"]]
+        assert edge["key_token"] == clean_tokens[edge["key"]]
+        line = f"{edge['query_token']!r} <- {edge['key_token']!r}"
+        assert line in printed
+
+
+def test_attribute_needs_one_pair_or_many(capsys: pytest.CaptureFixture) -> None:
+    cases = [
+        (["--task", "ioi", "--clean", "I like Italy"], "--clean with --task/--pairs"),
+        (["--clean", "I like Italy", "--corrupted", "I like Paris"], "missing --target"),
+    ]
+    for extra, message in cases:
+        assert main(["attribute", *extra, "--model", f"tiny-{ARCH}"]) == 2, extra
+        last = capsys.readouterr().err.rstrip("\n").splitlines()[-1]
+        assert last.startswith("ra-lens attribute: error: ") and message in last, last

@@ -49,7 +49,13 @@ def _marked(path: Path):
 
 def test_notebooks_are_present() -> None:
     names = {path.stem for path in NOTEBOOKS}
-    for expected in ("01_quickstart", "02_attention_patching", "03_circuits", "04_edit_dynamics"):
+    for expected in (
+        "01_quickstart",
+        "02_attention_patching",
+        "03_circuits",
+        "04_edit_dynamics",
+        "06_circuit_discovery",
+    ):
         assert expected in names, f"notebooks/{expected}.ipynb is missing"
 
 

@@ -34,8 +34,9 @@
 # Four pairs and four circuit sizes keep it short; `ra-lens circuit --task ioi` runs the same
 # pipeline on more pairs and MIB's ten sizes.
 #
-# **Runtime:** about 6.5 minutes on a 2-core CPU shared with other jobs (scoring 70,651 edges
-# three times: eap 33 s, eap-ig 72 s, exact 91 s; then 13 edge-patched evaluations).
+# **Runtime:** 6.5 minutes (TransformerLens 4) to 14 minutes (TransformerLens 2, load average
+# ~10) on a 2-core CPU shared with other jobs: scoring 70,651 edges three times (eap 29-33 s,
+# eap-ig 58-72 s, exact 62-91 s), then 13 edge-patched evaluations.
 
 # %%
 # %matplotlib inline

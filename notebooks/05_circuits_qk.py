@@ -79,14 +79,22 @@ began = time.perf_counter()
 linear = ra_lens.attention_attribution(model, clean, corrupted, metric, method="linear")
 seconds["linear"] = time.perf_counter() - began
 ra = ra_lens.reversed_attention(model, clean, metric)  # RA of the same metric, clean prompt
-print(f"metric: clean {float(exact.clean_metric[0]):.2f}, corrupted {float(exact.corrupted_metric[0]):.2f}")
+print(
+    f"metric: clean {float(exact.clean_metric[0]):.2f}, corrupted {float(exact.corrupted_metric[0]):.2f}"
+)
 print(
     f"exact estimate of all {3 * n_layers * n_heads} q/k/pattern nodes x positions: "
     f"{seconds['exact']:.1f} s; linear: {seconds['linear']:.1f} s"
 )
-assert float(exact.clean_metric[0]) > float(exact.corrupted_metric[0]) + 1, "clean should favour the answer"
-print("top query heads (exact):", [(la, h, round(v, 3)) for la, h, v in exact.top_heads(5, "query")])
-print("top KV heads by key (exact):", [(la, h, round(v, 3)) for la, h, v in exact.top_heads(5, "key")])
+assert float(exact.clean_metric[0]) > float(exact.corrupted_metric[0]) + 1, (
+    "clean should favour the answer"
+)
+print(
+    "top query heads (exact):", [(la, h, round(v, 3)) for la, h, v in exact.top_heads(5, "query")]
+)
+print(
+    "top KV heads by key (exact):", [(la, h, round(v, 3)) for la, h, v in exact.top_heads(5, "key")]
+)
 
 # %% [markdown]
 # ## The truth: activation patching of every head's queries and keys

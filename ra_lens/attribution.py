@@ -405,9 +405,10 @@ class AttentionAttribution:
                 for row in report["top"][kind]
             ]
             lines.append("")
-        lines.append("top edges R * (A_other - A)")
+        # As the pictures draw them: the query reads from the key.
+        lines.append(f"top edges R * (A_other - A) of pair {pair}: query <- key")
         lines += [
-            f"L{e['layer']}H{e['head']}  {e['query_token']!r} -> {e['key_token']!r}  "
+            f"L{e['layer']}H{e['head']}  {e['query_token']!r} <- {e['key_token']!r}  "
             f"{e['value']:+.4g}"
             for e in report["top_edges"]
         ]

@@ -5,12 +5,14 @@ ra-lens patch --task antonym --shots 0
 ra-lens rank --task antonym --shots 5
 ra-lens attribute --clean "When Mary and John went to the store, John gave a drink to" \
     --corrupted "When Alice and Bob went to the store, John gave a drink to" --target " Mary" --wrong " John"
+ra-lens circuit --task ioi --method exact --sizes 0.01,0.05,0.2,1 --out circuit/
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import tempfile
@@ -140,11 +142,10 @@ def build_parser() -> argparse.ArgumentParser:
         "the clean prompt into the corrupted one does to logit(target) - logit(wrong) (or to "
         "p(target) without --wrong), with an exact softmax for queries and keys (AtP*'s fix).",
     )
-    attribute.add_argument("--clean", required=True, help="the clean prompt")
-    attribute.add_argument(
-        "--corrupted", required=True, help="the corrupted prompt (same token length)"
-    )
-    attribute.add_argument("--target", required=True, help="the clean answer, e.g. ' Mary'")
+    attribute.add_argument("--clean", help="the clean prompt (or --task / --pairs)")
+    attribute.add_argument("--corrupted", help="the corrupted prompt (same token length)")
+    attribute.add_argument("--target", help="the clean answer, e.g. ' Mary'")
+    _pair_source_args(attribute, required=False)
     attribute.add_argument(
         "--wrong", default=None, help="a wrong answer: metric = logit(target) - logit(wrong)"
     )
@@ -155,6 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _common(attribute)
     attribute.set_defaults(run=_run_attribute)
+    _add_circuit_command(sub)
     return parser
 
 
@@ -395,29 +397,33 @@ def _first_token(model: HookedModel, text: str, flag: str) -> int:
 
 
 def _run_attribute(args: argparse.Namespace) -> int:
-    from ra_lens import attention_attribution, metrics
+    from ra_lens import attention_attribution
 
+    file_pairs = _attribute_source(args)
     seconds: dict[str, float] = {}
     start = time.perf_counter()
     model = _load(args.model, args.backend)
     seconds["load_model"] = time.perf_counter() - start
-    target = _first_token(model, args.target, "--target")
-    if args.wrong is None:
-        metric, metric_name = metrics.target_prob([target]), f"p({args.target!r})"
-    else:
-        wrong = _first_token(model, args.wrong, "--wrong")
-        metric = metrics.logit_diff([target], [wrong])
-        metric_name = f"logit({args.target!r}) - logit({args.wrong!r})"
+    clean, corrupted, metric, metric_name = _attribute_inputs(args, model, file_pairs)
     start = time.perf_counter()
     att = attention_attribution(
-        model, args.clean, args.corrupted, metric, method=args.method, direction=args.direction
+        model, clean, corrupted, metric, method=args.method, direction=args.direction
     )
     seconds["attention_attribution"] = time.perf_counter() - start
+    att = _with_clean_labels(att, model, clean)
 
     report = att.to_dict(k=args.top)
     _say(args, f"model: {args.model}   metric: {metric_name}   {args.method}, {args.direction}")
-    clean_value, corrupted_value = float(att.clean_metric[0]), float(att.corrupted_metric[0])
-    _say(args, f"{metric_name}: clean {clean_value:.3f}, corrupted {corrupted_value:.3f}")
+    clean_value, corrupted_value = (
+        float(att.clean_metric.mean()),
+        float(att.corrupted_metric.mean()),
+    )
+    n_pairs = len(att.clean_metric)
+    _say(
+        args,
+        f"{metric_name}: clean {clean_value:.3f}, corrupted {corrupted_value:.3f}"
+        + (f" (means over {n_pairs} pairs)" if n_pairs > 1 else ""),
+    )
     _say(args, "\n" + att.table(args.top))
     _say(args, f"\nall heads in {seconds['attention_attribution']:.2f} s")
 
@@ -441,11 +447,294 @@ def _run_attribute(args: argparse.Namespace) -> int:
             "corrupted": args.corrupted,
             "target": args.target,
             "wrong": args.wrong,
+            "task": args.task,
+            "pairs_file": None if args.pairs is None else str(args.pairs),
+            "n_pairs": n_pairs,
             "metric": metric_name,
             **report,
-            # The run that was patched (denoise: the corrupted one) and the other one.
+            # Means over the pairs: the run that was patched (denoise: the corrupted one) and
+            # the other one.
             "metric_patched_run": corrupted_value if att.direction == "denoise" else clean_value,
             "metric_other_run": clean_value if att.direction == "denoise" else corrupted_value,
+            "seconds": seconds,
+            "files": [str(f) for f in files],
+        },
+    )
+    return 0
+
+
+CIRCUIT_TASKS = ("ioi", "country-capital")
+PAIR_KEYS = ("clean", "corrupted", "answer", "wrong")
+
+
+def _add_circuit_command(sub: Any) -> None:
+    circuit = sub.add_parser(
+        "circuit",
+        help="edge scores over the component graph, a circuit and its faithfulness curve",
+        description="Score every edge writer -> reader (input, head outputs, MLPs -> queries, "
+        "keys, values, MLPs, logits) for logit(answer) - logit(wrong) over many clean/corrupted "
+        "pairs, measure the faithfulness of circuits of increasing size by edge patching (with "
+        "MIB's CPR and CMD), and write the curve, a picture and the EAP-IG/MIB JSON file of one "
+        "circuit.",
+    )
+    _pair_source_args(circuit, required=True)
+    circuit.add_argument(
+        "--method", default="exact", choices=["eap", "eap-ig", "exact", "exact-ig"]
+    )
+    circuit.add_argument("--direction", default="denoise", choices=["denoise", "noise"])
+    circuit.add_argument(
+        "--steps", type=_positive_int, default=5, help="IG steps (eap-ig, exact-ig; 5)"
+    )
+    circuit.add_argument(
+        "--sizes",
+        default=None,
+        help="comma-separated fractions of the graph's edges, increasing (default MIB's "
+        "0.001,0.002,0.005,0.01,0.02,0.05,0.1,0.2,0.5,1)",
+    )
+    circuit.add_argument("--selection", default="top", choices=["top", "greedy"])
+    circuit.add_argument("--ablation", default="patching", choices=["patching", "mean", "zero"])
+    circuit.add_argument(
+        "--edges",
+        type=_positive_int,
+        default=40,
+        metavar="N",
+        help="edges asked for in the circuit that is drawn and saved (40; fewer after pruning)",
+    )
+    circuit.add_argument("--batch-size", type=_positive_int, default=8, help="pairs per pass (8)")
+    _common(circuit)
+    circuit.set_defaults(run=_run_circuit)
+
+
+def _pair_source_args(parser: argparse.ArgumentParser, *, required: bool) -> None:
+    source = parser.add_mutually_exclusive_group(required=required)
+    source.add_argument("--task", choices=CIRCUIT_TASKS, help="built-in paired prompts")
+    source.add_argument(
+        "--pairs",
+        type=Path,
+        metavar="FILE.jsonl",
+        help='one pair a line: {"clean": ..., "corrupted": ..., "answer": ..., "wrong": ...} '
+        "(answers one token; clean and corrupted the same token length)",
+    )
+    parser.add_argument(
+        "--n-pairs", type=_positive_int, default=16, metavar="N", help="pairs used (16)"
+    )
+
+
+def _attribute_source(args: argparse.Namespace) -> list[Any]:
+    """Check that `attribute` got one pair (--clean/--corrupted/--target) or many (--task or
+    --pairs), not both; returns the pairs of --pairs (read before the model loads)."""
+    one = [flag for flag in ("clean", "corrupted", "target", "wrong") if getattr(args, flag)]
+    if args.task is not None or args.pairs is not None:
+        if one:
+            raise ValueError(
+                f"--{one[0]} with --task/--pairs: give one pair (--clean, --corrupted, --target) "
+                "or many (--task or --pairs), not both"
+            )
+        return [] if args.pairs is None else _read_pairs(args.pairs)
+    missing = [f"--{flag}" for flag in ("clean", "corrupted", "target") if not getattr(args, flag)]
+    if missing:
+        raise ValueError(
+            f"missing {', '.join(missing)}: give --clean, --corrupted and --target (one pair), "
+            "or --task / --pairs FILE.jsonl (many pairs)"
+        )
+    return []
+
+
+def _attribute_inputs(
+    args: argparse.Namespace, model: Any, file_pairs: list[Any]
+) -> tuple[Any, Any, Any, str]:
+    """(clean, corrupted, metric, metric name) for `attribute`: one pair from the flags, or the
+    pairs of --task / --pairs with logit(answer) - logit(wrong) per pair."""
+    from ra_lens import metrics, to_batch
+    from ra_lens.tasks import ioi
+
+    if args.clean is None:
+        clean, corrupted, metric = ioi.paired_batch(model, _circuit_pairs(args, model, file_pairs))
+        return clean, corrupted, metric, "logit(answer) - logit(wrong)"
+    target = _first_token(model, args.target, "--target")
+    if args.wrong is None:
+        metric, metric_name = metrics.target_prob([target]), f"p({args.target!r})"
+    else:
+        wrong = _first_token(model, args.wrong, "--wrong")
+        metric = metrics.logit_diff([target], [wrong])
+        metric_name = f"logit({args.target!r}) - logit({args.wrong!r})"
+    return to_batch(model, args.clean), to_batch(model, args.corrupted), metric, metric_name
+
+
+def _with_clean_labels(att: Any, model: Any, clean: Any) -> Any:
+    """The attribution with the CLEAN prompts' tokens as labels: under "denoise" the patched run
+    is the corrupted one, whose tokens (" Bob" where the clean prompt has " John") would name
+    the edges of an analysis of the clean behaviour."""
+    import dataclasses
+
+    from ra_lens import capture
+
+    return dataclasses.replace(att, str_tokens=capture.str_tokens(model, clean))
+
+
+def _read_pairs(path: Path) -> list[Any]:
+    """PromptPairs from a JSONL file, one {"clean", "corrupted", "answer", "wrong"} a line."""
+    from ra_lens.tasks.ioi import PromptPair
+
+    try:
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        raise ValueError(f"--pairs {path}: no such file") from None
+    pairs = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"--pairs {path}, line {number}: not JSON ({err.msg})") from None
+        if not isinstance(row, dict) or set(row) != set(PAIR_KEYS):
+            got = sorted(row) if isinstance(row, dict) else type(row).__name__
+            raise ValueError(
+                f"--pairs {path}, line {number}: expected an object with exactly the keys "
+                f"{list(PAIR_KEYS)}, got {got}"
+            )
+        if not all(isinstance(row[key], str) and row[key] for key in PAIR_KEYS):
+            raise ValueError(f"--pairs {path}, line {number}: every value must be non-empty text")
+        pairs.append(PromptPair(*(row[key] for key in PAIR_KEYS)))
+    if not pairs:
+        raise ValueError(f"--pairs {path}: no pairs in the file")
+    return pairs
+
+
+def _circuit_pairs(args: argparse.Namespace, model: Any, file_pairs: list[Any]) -> list[Any]:
+    """The pairs to use: the first --n-pairs of the file (each must suit the tokenizer) or of
+    the task's pairs that suit it."""
+    from ra_lens.tasks import ioi
+
+    if args.pairs is not None:
+        pairs = file_pairs[: args.n_pairs]
+        for number, pair in enumerate(pairs, 1):
+            if not ioi.usable(model, [pair]):
+                raise ValueError(
+                    f"--pairs {args.pairs}, pair {number}: answer and wrong must be one token "
+                    "each and clean/corrupted the same number of tokens for this model"
+                )
+        return pairs
+    if args.task == "ioi":
+        pairs = ioi.usable(model, ioi.ioi_pairs(max(40, 4 * args.n_pairs)))
+    else:
+        pairs = ioi.capital_pairs(model)
+    if not pairs:
+        raise ValueError(
+            f"--task {args.task}: no pair suits this model's tokenizer (one-token answers, "
+            "equal token lengths); write your own with --pairs FILE.jsonl"
+        )
+    return pairs[: args.n_pairs]
+
+
+def _run_circuit(args: argparse.Namespace) -> int:
+    from matplotlib.figure import Figure
+
+    from ra_lens import circuits
+    from ra_lens.tasks import ioi
+
+    sizes = None if args.sizes is None else _floats(args.sizes)
+    file_pairs = [] if args.pairs is None else _read_pairs(args.pairs)  # before the model loads
+    seconds: dict[str, float] = {}
+    start = time.perf_counter()
+    model = _load(args.model, args.backend)
+    seconds["load_model"] = time.perf_counter() - start
+    pairs = _circuit_pairs(args, model, file_pairs)
+    clean, corrupted, metric = ioi.paired_batch(model, pairs)
+    progress = sys.stderr.isatty()
+
+    start = time.perf_counter()
+    scores = circuits.attribute(
+        model,
+        clean,
+        corrupted,
+        metric,
+        method=args.method,
+        direction=args.direction,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        progress=progress,
+    )
+    seconds["attribute"] = time.perf_counter() - start
+    assert isinstance(scores, circuits.EdgeScores)
+    start = time.perf_counter()
+    curve = circuits.faithfulness_curve(
+        model,
+        scores,
+        clean,
+        corrupted,
+        metric,
+        sizes=sizes,
+        ablation=args.ablation,
+        selection=args.selection,
+        progress=progress,
+    )
+    seconds["faithfulness_curve"] = time.perf_counter() - start
+    n_edges = min(args.edges, scores.graph.n_edges)
+    circuit = scores.top(n_edges) if args.selection == "top" else scores.greedy(n_edges)
+    kept = circuits.faithfulness(
+        model, circuit, clean, corrupted, metric, ablation=args.ablation, batch_size=32
+    )
+
+    source = f"--task {args.task}" if args.pairs is None else f"--pairs {args.pairs}"
+    _say(
+        args,
+        f"model: {args.model}   {source}: {len(pairs)} pairs   metric: logit(answer) - "
+        f"logit(wrong)   clean {kept.clean_metric:.3f}, corrupted {kept.corrupted_metric:.3f}",
+    )
+    _say(
+        args,
+        f"scores: {args.method} ({args.direction}) over {scores.graph.n_edges} edges in "
+        f"{seconds['attribute']:.1f} s\n",
+    )
+    _say(args, curve.table())
+    _say(
+        args,
+        f"\ncircuit ({args.selection} {n_edges}, pruned): {circuit.n_edges} edges, "
+        f"{len(circuit.nodes)} nodes, faithfulness {kept.value:.4f}",
+    )
+
+    files = []
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        files = [args.out / n for n in ("faithfulness_curve.png", "circuit.png", "circuit.json")]
+        ax = Figure(figsize=(5.5, 3.8), layout="constrained").add_subplot()
+        curve.plot(ax)
+        ax.set_title(f"{args.method} circuits, {len(pairs)} pairs")
+        ax.figure.savefig(files[0], dpi=120)
+        circuit.draw(
+            files[1],
+            title=f"{args.method}: {circuit.n_edges} edges, faithfulness {kept.value:.3f}",
+        )
+        circuit.to_json(files[2])
+        for f in files:
+            _say(args, f"wrote {f}")
+    _emit_json(
+        args.json,
+        {
+            "model": args.model,
+            "task": args.task,
+            "pairs_file": None if args.pairs is None else str(args.pairs),
+            "pairs": [{key: getattr(p, key) for key in PAIR_KEYS} for p in pairs],
+            "method": args.method,
+            "direction": args.direction,
+            "steps": args.steps if args.method.endswith("-ig") else None,
+            "metric": "logit(answer) - logit(wrong)",
+            "clean_metric": kept.clean_metric,
+            "corrupted_metric": kept.corrupted_metric,
+            "n_edges_total": scores.graph.n_edges,
+            "curve": curve.to_dict(),
+            "circuit": {
+                "edges_asked": n_edges,
+                "n_edges": circuit.n_edges,
+                "nodes": circuit.nodes,
+                "faithfulness": kept.value,
+                # nan (a pair whose clean and corrupted metrics are equal) is not JSON: null
+                "faithfulness_per_pair": [
+                    None if math.isnan(v) else v for v in kept.per_pair.tolist()
+                ],
+            },
             "seconds": seconds,
             "files": [str(f) for f in files],
         },

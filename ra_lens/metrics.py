@@ -11,12 +11,14 @@ counted from the end (-1, the default) means each prompt's own last token.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
+from ra_lens._typing import Validated
 from ra_lens.capture import Batch, HookedModel, to_batch
 from ra_lens.math import upcast
 
@@ -66,22 +68,104 @@ def _check_targets(targets: Tensor, logits: Tensor) -> Tensor:
     if targets.shape[0] not in (1, logits.shape[0]):
         raise ValueError(
             f"{targets.shape[0]} targets for a batch of {logits.shape[0]} prompts: give one "
-            "target per prompt (or one for all)"
+            "target per prompt (or one for all); for prompt i of the batch alone, as "
+            "TransformerLens's attribution_patch runs them, use metric[i] (metric[i].mean() "
+            "where a scalar is needed)"
         )
     return targets.to(logits.device)
 
 
 class Metric:
-    """Base class: `metric(logits, lengths=None) -> Float[Tensor, "batch"]`."""
+    """Base class: `metric(logits, lengths=None) -> Float[Tensor, "batch"]`.
+
+    Subclasses list in `_per_prompt` the attributes that hold one entry per prompt (a tensor
+    whose first dimension is the batch, or of length 1 for every prompt); `metric[i]` and
+    `metric[i:j]` cut those to the chosen prompts, so the metric of one example of a batch is at
+    hand when an API runs the examples one by one (TransformerLens 4's `attribution_patch` calls
+    its metric on each pair alone). `metric.mean()` is the scalar those APIs differentiate.
+    """
+
+    _per_prompt: tuple[str, ...] = ()
 
     def __call__(
         self, logits: Float[Tensor, "batch pos vocab"], lengths: Tensor | None = None
     ) -> Float[Tensor, "batch"]:
         raise NotImplementedError
 
+    def __getitem__(self, index: Validated[int | slice]) -> Metric:
+        """The same metric for prompts `index` of the batch it was built for (an int keeps the
+        batch dimension: `metric[2]` is the metric of a batch of one, prompt 2).
+
+        >>> metric = logit_diff([3, 5, 7], [4, 6, 8])
+        >>> logits = torch.randn(3, 4, 10)
+        >>> bool(metric[1](logits[1:2]) == metric(logits)[1:2])
+        True
+        >>> metric[1:].correct.tolist(), metric[-1].incorrect.tolist()
+        ([5, 7], [8])
+        """
+        n = self._n_prompts()
+        if isinstance(index, bool) or not isinstance(index, int | slice):
+            raise TypeError(f"index a metric with an int or a slice of prompts, not {index!r}")
+        if n == 1:  # one target (position, ...) for every prompt: the same for any of them
+            return copy.copy(self)
+        if isinstance(index, int):
+            if not -n <= index < n:
+                raise IndexError(f"prompt {index} of a metric built for {n} prompts")
+            index = slice(index % n, index % n + 1)
+        if not range(n)[index]:
+            raise IndexError(f"prompts {index} of a metric built for {n} prompts: none selected")
+        part = copy.copy(self)
+        for name in self._per_prompt:
+            value = getattr(self, name)
+            if isinstance(value, Tensor) and value.ndim >= 1 and value.shape[0] == n > 1:
+                setattr(part, name, value[index])
+        return part
+
+    def _n_prompts(self) -> int:
+        """Prompts the metric was built for: the longest per-prompt attribute (1: any batch)."""
+        sizes = {
+            int(value.shape[0])
+            for value in (getattr(self, name) for name in self._per_prompt)
+            if isinstance(value, Tensor) and value.ndim >= 1
+        }
+        if len(sizes - {1}) > 1:
+            raise ValueError(f"per-prompt attributes of {len(sizes)} different lengths {sizes}")
+        return max(sizes, default=1)
+
+    def mean(self) -> MeanMetric:
+        """The mean of this metric over the batch: one scalar, for APIs that need `metric(logits)`
+        to be a 0-d tensor (TransformerLens's `attribution_patch`, the `patching_metric` of
+        `transformer_lens.patching`).
+
+        >>> logits = torch.randn(2, 4, 10)
+        >>> metric = logit_diff([3, 5], [4, 6])
+        >>> scalar = metric.mean()(logits)
+        >>> scalar.shape, bool(scalar == metric(logits).mean())
+        (torch.Size([]), True)
+        """
+        return MeanMetric(self)
+
+
+class MeanMetric:
+    """`metric(logits, lengths).mean()`: a 0-d tensor (see `Metric.mean`)."""
+
+    def __init__(self, metric: Metric):
+        self.metric = metric
+
+    def __call__(
+        self, logits: Float[Tensor, "batch pos vocab"], lengths: Tensor | None = None
+    ) -> Float[Tensor, ""]:
+        return self.metric(logits, lengths).mean()
+
+    def __getitem__(self, index: Validated[int | slice]) -> MeanMetric:
+        """The mean over prompts `index` only."""
+        return MeanMetric(self.metric[index])
+
 
 class TargetNLL(Metric):
     """-log p(target) at one position per prompt."""
+
+    _per_prompt = ("targets", "position")
 
     def __init__(self, targets: TokenIds, position: int | Tensor = -1):
         self.targets, self.position = _as_targets(targets), position
@@ -102,6 +186,8 @@ class TargetProb(TargetNLL):
 
 class LogitDiff(Metric):
     """logit(correct) - logit(incorrect) at one position per prompt."""
+
+    _per_prompt = ("correct", "incorrect", "position")
 
     def __init__(
         self,
@@ -127,6 +213,8 @@ class CompletionNLL(Metric):
     Tokens are prompt + completion; the completion of prompt i occupies positions
     [prompt_lengths[i], lengths[i]) and is predicted from the position before each token.
     """
+
+    _per_prompt = ("tokens", "prompt_lengths")
 
     def __init__(self, tokens: Int[Tensor, "batch pos"], prompt_lengths: Tensor | Sequence[int]):
         self.tokens = tokens

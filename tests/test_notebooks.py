@@ -43,6 +43,7 @@ EXPECTED = (
     "03_circuits",
     "04_edit_dynamics",
     "05_circuits_qk",
+    "06_circuit_discovery",
 )
 #: Notebooks that need TransformerLens 4, with the reason.
 TL4_ONLY = {

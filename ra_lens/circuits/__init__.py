@@ -1,7 +1,21 @@
 """Circuit discovery: a component graph, edge scores with an exact softmax, circuits and their
 faithfulness, in files EAP-IG and MIB read."""
 
+from ra_lens.circuits.attribute import NodeScores, attribute
 from ra_lens.circuits.circuit import Circuit, EdgeScores
+from ra_lens.circuits.curve import MIB_FRACTIONS, FaithfulnessCurve, faithfulness_curve
+from ra_lens.circuits.faithfulness import Faithfulness, faithfulness
 from ra_lens.circuits.graph import Graph
 
-__all__ = ["Circuit", "EdgeScores", "Graph"]
+__all__ = [
+    "MIB_FRACTIONS",
+    "Circuit",
+    "EdgeScores",
+    "Faithfulness",
+    "FaithfulnessCurve",
+    "Graph",
+    "NodeScores",
+    "attribute",
+    "faithfulness",
+    "faithfulness_curve",
+]

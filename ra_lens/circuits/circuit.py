@@ -1,34 +1,329 @@
 """Edge scores and circuits over a component graph (see `graph.py`): choosing, combining, files.
 
-SKELETON written by the lead so that the scoring and the faithfulness code can import these two
-classes from the start; the circuit-data helper owns this file and fills in the methods.
+A `Circuit` is a set of edges of a `Graph`. `EdgeScores.top(n)`, `.threshold(t)` and `.greedy(n)`
+choose one from scores and prune it to the edges on a path from `input` to `logits`, as EAP-IG's
+`apply_topn` / `apply_threshold` / `apply_greedy` do:
+
+    >>> g = Graph(n_layers=1, n_heads=2, n_kv_heads=1, d_model=8)
+    >>> s = torch.zeros(len(g.writers), len(g.readers))
+    >>> for name, value in [("input->a0.h0<q>", 3.0), ("a0.h0->logits", -2.0),
+    ...                     ("a0.h1->logits", 1.0), ("input->m0", 0.5)]:
+    ...     s[g.edge_index(name)] = value
+    >>> scores = EdgeScores(g, s, method="eap", direction="denoise")
+    >>> scores.top(3).edge_names  # a0.h1->logits has no path from input among the top 3
+    ['input->a0.h0<q>', 'a0.h0->logits']
+    >>> scores.top(3).nodes
+    ['input', 'a0.h0', 'logits']
+    >>> (scores.top(3) | Circuit.from_edges(g, ["input->m0", "m0->logits"])).n_edges
+    4
+
+Pruning: an edge w -> r is kept when w is reached from `input` and r leads to `logits` through
+edges of the circuit. A writer is reached when it is `input` or one of its readers has an
+incoming edge from a reached writer; a head's readers are its `<q>` and the `<k>`/`<v>` of its
+key/value head (shared by the query heads of a group on a grouped-query model). A reader leads to
+`logits` when it is `logits` or belongs to a writer with an outgoing edge to a reader that does.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import heapq
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
 
+import torch
 from jaxtyping import Bool, Float
 from torch import Tensor
 
+from ra_lens._typing import Validated
 from ra_lens.circuits.graph import Graph
+from ra_lens.types import HookedModel
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 
 @dataclass
 class EdgeScores:
     """One score per edge: `scores[w, r]` estimates what patching edge writer w -> reader r from
     the clean run into the corrupted one (denoise) or the reverse (noise) does to the metric.
-    Entries where `graph.real` is False are 0."""
+    Entries where `graph.real` is False are 0.
+
+    Optional: `per_pair` [pair, writer, reader] (the scores of each pair; `scores` is their
+    mean), `node_scores` [writer] (one score per writer node, written to files as EAP-IG's node
+    "score"), `seconds` (how long scoring took)."""
 
     graph: Graph
     scores: Float[Tensor, "writer reader"]
     method: str
     direction: str
+    per_pair: Float[Tensor, "pair writer reader"] | None = None
+    node_scores: Float[Tensor, " writer"] | None = None
+    seconds: float | None = None
+
+    def __post_init__(self) -> None:
+        shape = (len(self.graph.writers), len(self.graph.readers))
+        if tuple(self.scores.shape) != shape:
+            raise ValueError(
+                f"scores has shape {tuple(self.scores.shape)}, the graph needs {shape} "
+                "([writer, reader], in the order of graph.writers / graph.readers)"
+            )
+        if self.direction not in ("denoise", "noise"):
+            raise ValueError(f"direction={self.direction!r}: expected 'denoise' or 'noise'")
+
+    def __repr__(self) -> str:
+        return (
+            f"EdgeScores(method={self.method!r}, direction={self.direction!r}, "
+            f"{self.graph.n_edges} edges, {self.graph})"
+        )
+
+    def _keys(self, absolute: bool) -> Float[Tensor, "writer reader"]:
+        """The ranking key per edge (|score| or score); -inf where there is no edge."""
+        keys = self.scores.detach().to("cpu", torch.float64)
+        keys = keys.abs() if absolute else keys
+        return keys.masked_fill(~self.graph.real, float("-inf"))
+
+    def _circuit(self, edges: Bool[Tensor, "writer reader"]) -> Circuit:
+        return Circuit(
+            self.graph, edges, scores=self.scores.detach().cpu(), node_scores=self.node_scores
+        ).prune()
+
+    def _check_count(self, n: Validated[int]) -> None:
+        if not isinstance(n, int) or isinstance(n, bool):
+            raise TypeError(f"n={n!r}: pass a whole number of edges (int)")
+        if not 0 <= n <= self.graph.n_edges:
+            raise ValueError(f"n={n}: the graph has {self.graph.n_edges} edges; pass 0..that")
+
+    def top(self, n: Validated[int], *, absolute: bool = True) -> Circuit:
+        """The `n` edges with the largest |score| (the largest score with absolute=False),
+        pruned to those on a path from input to logits (so at most n edges; ties go to the edge
+        earlier in graph order)."""
+        self._check_count(n)
+        order = torch.argsort(self._keys(absolute).flatten(), descending=True, stable=True)
+        edges = torch.zeros(self.graph.real.numel(), dtype=torch.bool)
+        edges[order[:n]] = True
+        return self._circuit(edges.view_as(self.graph.real))
+
+    def threshold(self, t: float, *, absolute: bool = True) -> Circuit:
+        """The edges with |score| >= t (score >= t with absolute=False), pruned."""
+        return self._circuit(self._keys(absolute) >= t)
+
+    def greedy(self, n: Validated[int], *, absolute: bool = True) -> Circuit:
+        """Grow a circuit from the logits, as EAP-IG's greedy: start with the edges into
+        `logits` as candidates; `n` times, add the best candidate (by |score|, or by score with
+        absolute=False); when that adds a new writer, its incoming edges become candidates (a
+        head's: those into its `<q>` and into its key/value head's `<k>` and `<v>`). Then prune.
+        Ties go to the edge earlier in graph order."""
+        self._check_count(n)
+        g = self.graph
+        keys = self._keys(absolute)
+        owner = _reader_owners(g)
+        heap: list[tuple[float, int, int]] = []
+        seen_readers: set[int] = set()
+
+        def push_into(reader: int) -> None:
+            if reader in seen_readers:
+                return
+            seen_readers.add(reader)
+            for w in torch.nonzero(g.real[:, reader]).flatten().tolist():
+                heapq.heappush(heap, (-float(keys[w, reader]), w, reader))
+
+        push_into(g.reader_index["logits"])
+        edges = torch.zeros_like(g.real)
+        writers_in = {g.writer_index["input"]}
+        for _ in range(n):
+            if not heap:
+                break
+            _, w, r = heapq.heappop(heap)
+            edges[w, r] = True
+            if w not in writers_in:
+                writers_in.add(w)
+                for reader in torch.nonzero(owner[:, w]).flatten().tolist():
+                    push_into(reader)
+        return self._circuit(edges)
 
 
-@dataclass
+@dataclass(eq=False)
 class Circuit:
-    """A set of edges of a graph: `edges[w, r]` True where edge w -> r is in the circuit."""
+    """A set of edges of a graph: `edges[w, r]` True where edge w -> r is in the circuit.
+
+    Optional: `scores` [writer, reader] (the edge scores it was chosen from, written to files) and
+    `node_scores` [writer]. Set operations (`|`, `&`, `-`) act on edges and do not prune (a union
+    of pruned circuits is pruned; call `.prune()` after `&` or `-` if needed); the result keeps
+    the scores only when both sides carry the same ones. `==` compares graph and edges."""
 
     graph: Graph
     edges: Bool[Tensor, "writer reader"]
+    scores: Float[Tensor, "writer reader"] | None = field(default=None, repr=False)
+    node_scores: Float[Tensor, " writer"] | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        shape = (len(self.graph.writers), len(self.graph.readers))
+        if tuple(self.edges.shape) != shape or self.edges.dtype != torch.bool:
+            raise ValueError(
+                f"edges must be a bool tensor of shape {shape} ([writer, reader]), got "
+                f"{self.edges.dtype} {tuple(self.edges.shape)}"
+            )
+        self.edges = self.edges.detach().cpu()
+        stray = self.edges & ~self.graph.real
+        if stray.any():
+            w, r = torch.nonzero(stray)[0].tolist()
+            raise ValueError(
+                f"{int(stray.sum())} entries of edges are not edges of the graph, e.g. "
+                f"{self.graph.edge_name(w, r)} (the writer comes after the reader)"
+            )
+        if self.scores is not None and tuple(self.scores.shape) != shape:
+            raise ValueError(f"scores has shape {tuple(self.scores.shape)}, expected {shape}")
+        if self.node_scores is not None and tuple(self.node_scores.shape) != shape[:1]:
+            raise ValueError(
+                f"node_scores has shape {tuple(self.node_scores.shape)}, expected {shape[:1]}"
+            )
+
+    @classmethod
+    def full(cls, graph: Graph) -> Circuit:
+        """Every edge of the graph (faithfulness 1 by construction)."""
+        return cls(graph, graph.real.clone())
+
+    @classmethod
+    def empty(cls, graph: Graph) -> Circuit:
+        """No edge (faithfulness 0 by construction)."""
+        return cls(graph, torch.zeros_like(graph.real))
+
+    @classmethod
+    def from_edges(
+        cls, graph: Graph, names: Validated[list[str]], *, prune: bool = False
+    ) -> Circuit:
+        """The circuit of the named edges (`a0.h1->a3.h2<q>`, k/v per key/value head)."""
+        if isinstance(names, str):
+            raise TypeError("names must be a list of edge names, not one string: wrap it in [ ]")
+        edges = torch.zeros_like(graph.real)
+        for name in names:
+            edges[graph.edge_index(name)] = True
+        circuit = cls(graph, edges)
+        return circuit.prune() if prune else circuit
+
+    @property
+    def n_edges(self) -> int:
+        return int(self.edges.sum())
+
+    @property
+    def edge_names(self) -> list[str]:
+        """The edges' names, writer by writer in graph order."""
+        return [self.graph.edge_name(w, r) for w, r in torch.nonzero(self.edges).tolist()]
+
+    @property
+    def nodes(self) -> list[str]:
+        """The writers with an outgoing edge, in graph order, then `logits` when an edge reaches
+        it. On a pruned circuit these are the nodes on a path from input to logits."""
+        names = [w for w, out in zip(self.graph.writers, self.edges.any(1).tolist()) if out]
+        return names + (["logits"] if self.edges[:, -1].any() else [])
+
+    def prune(self) -> Circuit:
+        """Only the edges on a path from `input` to `logits` (see the module docstring)."""
+        g = self.graph
+        owner = _reader_owners(g).to(torch.float64)
+        edges = self.edges.to(torch.float64)
+        # Reachability over a DAG of depth <= 2 * n_layers + 2 steps; iterate to the fixpoint.
+        reached = torch.zeros(len(g.writers), dtype=torch.float64)
+        reached[g.writer_index["input"]] = 1
+        leads = torch.zeros(len(g.readers), dtype=torch.float64)
+        leads[g.reader_index["logits"]] = 1
+        for _ in range(2 * g.n_layers + 3):
+            readers_hit = (reached @ edges) > 0
+            new_reached = ((owner.T @ readers_hit.to(torch.float64)) > 0).to(torch.float64)
+            new_reached[g.writer_index["input"]] = 1
+            writers_live = (edges @ leads) > 0
+            new_leads = ((owner @ writers_live.to(torch.float64)) > 0).to(torch.float64)
+            new_leads[g.reader_index["logits"]] = 1
+            if torch.equal(new_reached, reached) and torch.equal(new_leads, leads):
+                break
+            reached, leads = new_reached, new_leads
+        keep = self.edges & (reached > 0)[:, None] & (leads > 0)[None, :]
+        return Circuit(g, keep, scores=self.scores, node_scores=self.node_scores)
+
+    def _combine(self, other: Circuit, op: Callable[[Tensor, Tensor], Tensor]) -> Circuit:
+        if other.graph != self.graph:
+            raise ValueError(
+                f"the circuits belong to different graphs: {self.graph} and {other.graph}"
+            )
+
+        def same(a: Tensor | None, b: Tensor | None) -> Tensor | None:
+            return a if a is not None and b is not None and torch.equal(a, b) else None
+
+        return Circuit(
+            self.graph,
+            op(self.edges, other.edges),
+            scores=same(self.scores, other.scores),
+            node_scores=same(self.node_scores, other.node_scores),
+        )
+
+    def __or__(self, other: Circuit) -> Circuit:
+        return self._combine(other, lambda a, b: a | b)
+
+    def __and__(self, other: Circuit) -> Circuit:
+        return self._combine(other, lambda a, b: a & b)
+
+    def __sub__(self, other: Circuit) -> Circuit:
+        return self._combine(other, lambda a, b: a & ~b)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Circuit):
+            return NotImplemented
+        return self.graph == other.graph and torch.equal(self.edges, other.edges)
+
+    __hash__ = None  # type: ignore[assignment]  # mutable tensors inside
+
+    def __repr__(self) -> str:
+        g = self.graph
+        return (
+            f"Circuit({self.n_edges} of {g.n_edges} edges, {len(self.nodes)} nodes; "
+            f"{g.n_layers} layers x {g.n_heads} heads, {g.n_kv_heads} kv heads)"
+        )
+
+    def to_json(self, path: str | Path) -> None:
+        """Write the circuit in EAP-IG's graph JSON layout (see `files.py`), atomically."""
+        from ra_lens.circuits.files import write_json
+
+        write_json(self, path)
+
+    @classmethod
+    def from_json(
+        cls,
+        path: str | Path,
+        model_or_graph: Validated[HookedModel | Graph],
+        *,
+        kv: Literal["strict", "any", "all"] = "strict",
+    ) -> Circuit:
+        """Read a circuit from an EAP-IG graph JSON file for this model (see `files.py`)."""
+        from ra_lens.circuits.files import read_json
+
+        return read_json(path, model_or_graph, kv=kv)
+
+    def draw(
+        self, path: str | Path | None = None, *, title: str | None = None, max_width: float = 4.0
+    ) -> Figure:
+        """A picture of the circuit (see `draw.py`), also written to `path` when given (PNG, SVG
+        or PDF by suffix); `max_width`: line width of the edge with the largest |score|."""
+        from ra_lens.circuits.draw import draw_circuit
+
+        return draw_circuit(self, path, title=title, max_width=max_width)
+
+
+@lru_cache(maxsize=8)
+def _reader_owners(graph: Graph) -> Bool[Tensor, "reader writer"]:
+    """owner[r, w]: reader r is an input of writer w (q: its head; k/v: every query head of the
+    key/value head; mlp: the MLP). `logits` belongs to no writer."""
+    owner = torch.zeros(len(graph.readers), len(graph.writers), dtype=torch.bool)
+    for r, name in enumerate(graph.readers):
+        reader = graph.reader(name)
+        if reader.kind == "mlp":
+            owner[r, graph.writer_index[f"m{reader.layer}"]] = True
+        elif reader.kind == "q":
+            owner[r, graph.writer_index[f"a{reader.layer}.h{reader.head}"]] = True
+        elif reader.kind in ("k", "v"):
+            assert reader.head is not None
+            for h in range(reader.head * graph.group, (reader.head + 1) * graph.group):
+                owner[r, graph.writer_index[f"a{reader.layer}.h{h}"]] = True
+    return owner

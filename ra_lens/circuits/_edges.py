@@ -1,0 +1,298 @@
+"""One forward pass in which every reader of the residual stream reads its own input.
+
+The machinery behind `faithfulness` (edge patching) and `attribute` (gradients at each reader's
+input). Writers' outputs are read where TransformerLens exposes them: `input` at
+`blocks.0.hook_resid_pre`, a head's output as z_h @ W_O[h] from `hook_z`, an MLP's at
+`hook_mlp_out`. Readers get their input rewritten without touching the residual stream itself:
+
+- a query head's (key/value head's) input: its q (k, v) is recomputed from ln1(resid - delta_r)
+  with the layer's own norm and weights and put in at `hook_q` (`hook_k`, `hook_v`), before any
+  rotary embedding, so the model rotates and attends as usual;
+- an MLP's input: `blocks.{l}.ln2.hook_in` on TransformerBridge (it feeds ln2 only), or
+  `blocks.{l}.hook_mlp_in` on HookedTransformer (switched on with `set_use_hook_mlp_in` for the
+  duration of the pass and switched back);
+- the logits' input: the last block's `hook_resid_post` (it feeds ln_final only).
+
+delta_r = sum over the writers w in `mask[:, r]` of (w's output in this run - `reference[w]`)
+(edge patching), plus `leaf[r]` (a zero tensor whose gradient is dM/d input_r) when gradients are
+wanted. Readers with nothing to change keep the model's own value bit for bit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from jaxtyping import Float
+from torch import Tensor
+
+from ra_lens import capture
+from ra_lens.capture import RESID_PRE, HookedModel
+from ra_lens.circuits.graph import Graph
+
+MLP_OUT = "blocks.{}.hook_mlp_out"
+RESID_POST = "blocks.{}.hook_resid_post"
+BRIDGE_MLP_IN = "blocks.{}.ln2.hook_in"
+HOOKED_MLP_IN = "blocks.{}.hook_mlp_in"
+
+
+@dataclass(repr=False)
+class LayerWeights:
+    """The attention weights of one layer in TransformerLens's per-head layout (k/v per key/value
+    head), detached, and the layer's first norm (a callable module)."""
+
+    ln1: Any
+    W_Q: Float[Tensor, "head d_model d_head"]
+    b_Q: Float[Tensor, "head d_head"]
+    W_K: Float[Tensor, "kv_head d_model d_head"]
+    b_K: Float[Tensor, "kv_head d_head"]
+    W_V: Float[Tensor, "kv_head d_model d_head"]
+    b_V: Float[Tensor, "kv_head d_head"]
+    W_O: Float[Tensor, "head d_head d_model"]
+
+
+def layer_weights(model: HookedModel, layer: int) -> LayerWeights:
+    """Read one layer's weights the same way in both worlds: HookedTransformer keeps grouped
+    k/v weights as `_W_K`/`_W_V` (`W_K` repeats them per query head), TransformerBridge as `W_K`
+    per key/value head; a missing bias is zero."""
+    block = model.blocks[layer]
+    attn = block.attn
+
+    def weight(name: str) -> Tensor:
+        grouped = getattr(attn, "_" + name, None)  # TL 2 grouped-query attention
+        value = grouped if isinstance(grouped, Tensor) else getattr(attn, name)
+        return value.detach()
+
+    def bias(name: str, like: Tensor) -> Tensor:
+        value = weight(name) if _has(attn, name) else None
+        if value is None:
+            return torch.zeros(like.shape[0], like.shape[2], dtype=like.dtype, device=like.device)
+        return value
+
+    W_Q, W_K, W_V = weight("W_Q"), weight("W_K"), weight("W_V")
+    return LayerWeights(
+        ln1=block.ln1,
+        W_Q=W_Q,
+        b_Q=bias("b_Q", W_Q),
+        W_K=W_K,
+        b_K=bias("b_K", W_K),
+        W_V=W_V,
+        b_V=bias("b_V", W_V),
+        W_O=weight("W_O"),
+    )
+
+
+def _has(attn: Any, name: str) -> bool:
+    try:
+        return getattr(attn, "_" + name, None) is not None or getattr(attn, name) is not None
+    except AttributeError:
+        return False
+
+
+def check_supported(model: HookedModel) -> None:
+    """Refuse models whose readers this module cannot rewrite, naming why."""
+    cfg = model.cfg
+    if getattr(cfg, "parallel_attn_mlp", False):
+        raise NotImplementedError(
+            "parallel attention/MLP blocks are not supported by ra_lens.circuits edge patching: "
+            "the MLP and the attention of a layer read one norm's output, which has no hook per "
+            "reader; use a sequential model (GPT-2, Llama, SmolLM2, ...)"
+        )
+    if getattr(cfg, "positional_embedding_type", "") == "shortformer":
+        raise NotImplementedError(
+            "shortformer positional embeddings (added to q/k inputs only) are not supported by "
+            "ra_lens.circuits: the attention input is not the residual stream"
+        )
+
+
+def mlp_in_hook(model: HookedModel, layer: int, points: Any = None) -> str:
+    """The hook point that sees the MLP's input before its norm, and feeds nothing else
+    (`points`: model.hook_dict, which a bridge rebuilds on every access, read once)."""
+    bridge = BRIDGE_MLP_IN.format(layer)
+    points = model.hook_dict if points is None else points
+    return bridge if bridge in points else HOOKED_MLP_IN.format(layer)
+
+
+@contextlib.contextmanager
+def mlp_in_enabled(model: HookedModel) -> Iterator[None]:
+    """HookedTransformer fires `hook_mlp_in` only with cfg.use_hook_mlp_in; switch it on for
+    the block and restore the flag (TransformerBridge uses ln2.hook_in and needs nothing)."""
+    if (
+        BRIDGE_MLP_IN.format(0) in model.hook_dict
+        or not hasattr(model, "set_use_hook_mlp_in")
+        or getattr(model.cfg, "attn_only", False)
+    ):
+        yield
+        return
+    before = bool(getattr(model.cfg, "use_hook_mlp_in", False))
+    model.set_use_hook_mlp_in(True)
+    try:
+        yield
+    finally:
+        model.set_use_hook_mlp_in(before)
+
+
+# repr=False: TransformerLens formats a hook's repr when adding it, and a repr of the
+# tensors held here costs seconds.
+@dataclass(repr=False)
+class EdgeRun:
+    """Hooks for one forward pass of a batch (see the module docstring).
+
+    Args:
+        graph: the model's graph.
+        weights: `layer_weights` of every layer.
+        reference: Float[Tensor, "writer batch pos d_model"] or None: what each writer's output
+            is compared with (the corrupted run's, its mean, or zeros).
+        mask: Bool[Tensor, "writer reader"]: the edges to patch (graph.real and not in the circuit).
+        leaves: add a zero leaf per reader whose gradient is dM/d(its input).
+        input_value: replace the embeddings (`input`'s output) with this tensor (the IG path).
+    """
+
+    graph: Graph
+    weights: list[LayerWeights]
+    reference: Tensor | None = None
+    mask: Tensor | None = None
+    leaves: bool = False
+    input_value: Tensor | None = None
+    chunks: list[Tensor] = field(default_factory=list)
+    leaf: dict[int, Tensor] = field(default_factory=dict)
+    resid: dict[int, Tensor] = field(default_factory=dict)
+    _deltas: dict[int, dict[int, Tensor]] = field(default_factory=dict)
+    attn_only: bool = False
+
+    # ---- writers
+
+    def _writer_count(self) -> int:
+        return sum(chunk.shape[0] for chunk in self.chunks)
+
+    def _add_writers(self, outputs: Tensor) -> None:
+        """outputs: [n_writers_here, batch, pos, d_model] in graph.writers order."""
+        self.chunks.append(outputs.detach())
+
+    def outputs(self) -> Float[Tensor, "writer batch pos d_model"]:
+        """Every writer's output in this run, detached, on the first layer's device."""
+        return torch.cat([c.detach().to(self.chunks[0].device) for c in self.chunks])
+
+    # ---- readers
+
+    def _readers_of(self, layer: int) -> list[int]:
+        """Indices of layer's readers (q..., k..., v..., mlp) or of the logits (layer = n_layers)."""
+        g = self.graph
+        if layer == g.n_layers:
+            return [len(g.readers) - 1]
+        per_layer = g.n_heads + 2 * g.n_kv_heads + 1
+        return list(range(layer * per_layer, (layer + 1) * per_layer))
+
+    def _delta(self, readers: list[int], like: Tensor) -> dict[int, Tensor]:
+        """reader index -> delta [batch pos d_model] for the readers that need one."""
+        out: dict[int, Tensor] = {}
+        n = self._writer_count()
+        if self.reference is not None and self.mask is not None:
+            cols = self.mask[:n, readers].to(like.device)
+            needed = cols.any(0)
+            if bool(needed.any()):
+                current = torch.cat([c.to(like.device) for c in self.chunks])
+                diffs = current - self.reference[:n].to(like.device, like.dtype)
+                picked = [r for r, need in zip(readers, needed.tolist()) if need]
+                deltas = torch.einsum("wbpd,wr->rbpd", diffs, cols[:, needed].to(like.dtype))
+                out = dict(zip(picked, deltas))
+        if self.leaves:
+            block = like.new_zeros((len(readers), *like.shape)).requires_grad_(True)
+            self.leaf[readers[0]] = block
+            for i, r in enumerate(readers):
+                out[r] = out[r] - block[i] if r in out else -block[i]
+        return out
+
+    # ---- hooks
+
+    def hooks(self, model: HookedModel) -> list[tuple[str, Any]]:
+        g = self.graph
+        # Attention-only models have no MLPs: their m{l} writers output zero (z hook below).
+        self.attn_only = bool(getattr(model.cfg, "attn_only", False))
+        points = model.hook_dict
+        hooks: list[tuple[str, Any]] = [(RESID_PRE.format(0), self._input_hook)]
+        for layer in range(g.n_layers):
+            hooks += [
+                (RESID_PRE.format(layer), self._resid_hook(layer)),
+                (capture.Q.format(layer), self._qkv_hook(layer, "q")),
+                (capture.K.format(layer), self._qkv_hook(layer, "k")),
+                (capture.V.format(layer), self._qkv_hook(layer, "v")),
+                (capture.Z.format(layer), self._z_hook(layer)),
+            ]
+            if not self.attn_only:
+                hooks += [
+                    (mlp_in_hook(model, layer, points), self._subtract_hook(layer, "mlp")),
+                    (MLP_OUT.format(layer), self._mlp_out_hook),
+                ]
+        hooks.append((RESID_POST.format(g.n_layers - 1), self._subtract_hook(g.n_layers, "logits")))
+        return hooks
+
+    def _input_hook(self, value: Tensor, hook: Any) -> Tensor:
+        if self.input_value is not None:
+            value = self.input_value.to(value.device, value.dtype)
+        self._add_writers(value[None])
+        return value
+
+    def _resid_hook(self, layer: int):
+        def hook(value: Tensor, hook: Any) -> None:
+            self.resid[layer] = value
+            readers = self._readers_of(layer)[:-1]  # the MLP reads after this layer's heads
+            self._deltas[layer] = self._delta(readers, value)
+
+        return hook
+
+    def _qkv_hook(self, layer: int, kind: str):
+        g = self.graph
+        n_q, n_kv = g.n_heads, g.n_kv_heads
+        first = {"q": 0, "k": n_q, "v": n_q + n_kv}[kind]
+
+        def hook(value: Tensor, hook: Any) -> Tensor:
+            deltas = self._deltas[layer]
+            base = self._readers_of(layer)[0] + first
+            heads = [h for h in range(value.shape[2]) if base + h in deltas]
+            if not heads:
+                return value
+            w = self.weights[layer]
+            W, b = {"q": (w.W_Q, w.b_Q), "k": (w.W_K, w.b_K), "v": (w.W_V, w.b_V)}[kind]
+            x = self.resid[layer]
+            inputs = torch.stack([x - deltas[base + h] for h in heads])  # [h batch pos d]
+            normed = w.ln1(inputs)
+            index = torch.tensor(heads, device=value.device)
+            new = torch.einsum("hbpd,hde->bphe", normed, W[index].to(normed.dtype)) + b[index].to(
+                normed.dtype
+            )
+            out = value.clone()
+            out[:, :, index] = new.to(value.dtype)
+            return out
+
+        return hook
+
+    def _z_hook(self, layer: int):
+        def hook(value: Tensor, hook: Any) -> None:
+            W_O = self.weights[layer].W_O.to(value.dtype)
+            self._add_writers(torch.einsum("bphe,hed->hbpd", value, W_O))
+            if self.attn_only:
+                self._add_writers(
+                    torch.zeros_like(value[None, :, :, 0, :1]).expand(1, -1, -1, W_O.shape[-1])
+                )
+
+        return hook
+
+    def _mlp_out_hook(self, value: Tensor, hook: Any) -> None:
+        self._add_writers(value[None])
+
+    def _subtract_hook(self, layer: int, kind: str):
+        def hook(value: Tensor, hook: Any) -> Tensor:
+            (reader,) = self._readers_of(layer)[-1:]
+            deltas = self._delta([reader], value)
+            return value - deltas[reader] if reader in deltas else value
+
+        return hook
+
+    def leaves_in_order(self) -> list[Tensor]:
+        """The leaves (with leaves=True), one [readers batch pos d_model] block per reader
+        group, in reader order: their gradients are dM/d(each reader's input)."""
+        return [self.leaf[first] for first in sorted(self.leaf)]

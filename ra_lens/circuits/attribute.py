@@ -1,0 +1,316 @@
+"""Edge scores: what patching one edge writer -> reader would do to a metric, for every edge.
+
+denoise: score[w, r] estimates m(corrupted run with edge w -> r patched to clean) - m(corrupted);
+noise: m(clean run with it patched to corrupted) - m(clean). Means over pairs; 0 off the graph.
+
+- "eap": (w's output on the other run - on this run) . dM/d(r's input), one backward pass
+  (EAP, Syed et al. 2023). The gradient at each reader's own input comes from a zero tensor added
+  to that input alone (`_edges.EdgeRun(leaves=True)`).
+- "eap-ig": the gradient averaged over `steps` points of the straight line between the two runs'
+  embeddings, point k = other + (k / steps) (this - other), k = 1..steps, as EAP-IG "inputs"
+  does; steps=1 is "eap".
+- "exact": edges into a query (key) go through the reader head's real softmax: the writer's
+  difference is added to the reader's input, the norm, W_Q (W_K) and the rotary embedding are
+  applied exactly, every attention row of the head is recomputed with the changed query (keys)
+  and the change of the pattern is multiplied by R = dM/dA (AtP*'s fix, per edge: an edge moves
+  the query or key at every position at once, so whole rows are recomputed). <v>, MLP and logits
+  edges as "eap".
+- "exact-ig": "exact" with R, the residual stream and the gradients averaged along the IG path.
+
+`level="node"` returns `NodeScores`: each writer's score is the sum of its outgoing edges' (the
+first-order effect of patching its output into every reader), each reader's the sum of its
+incoming edges' (patching its whole input).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import einops
+import torch
+from jaxtyping import Float
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from ra_lens import capture
+from ra_lens._typing import Validated
+from ra_lens.capture import PATTERN, HookedModel
+from ra_lens.circuits import _edges, _pairs
+from ra_lens.circuits.circuit import EdgeScores
+from ra_lens.circuits.graph import Graph
+from ra_lens.types import MetricFn, Tokens
+
+Method = Literal["eap", "eap-ig", "exact", "exact-ig"]
+METHODS: tuple[str, ...] = ("eap", "eap-ig", "exact", "exact-ig")
+LEVELS: tuple[str, ...] = ("edge", "node")
+DIRECTIONS: tuple[str, ...] = ("denoise", "noise")
+#: Writers per chunk in the exact softmax (bounds memory: chunk x batch x heads x pos^2).
+_WRITER_CHUNK = 32
+
+
+@dataclass
+class NodeScores:
+    """One score per writer and per reader (see the module docstring for what they mean).
+
+    Attributes:
+        graph: the model's graph.
+        writers: Float[Tensor, "writer"], in graph.writers order (input, heads, MLPs).
+        readers: Float[Tensor, "reader"], in graph.readers order (queries, keys/values per
+            key/value head, MLPs, logits).
+        method, direction: as passed to `attribute`.
+    """
+
+    graph: Graph
+    writers: Float[Tensor, "writer"]
+    readers: Float[Tensor, "reader"]
+    method: str
+    direction: str
+
+
+def attribute(
+    model: Validated[HookedModel],
+    clean: Tokens,
+    corrupted: Tokens,
+    metric: MetricFn,
+    *,
+    method: Validated[Method] = "exact",
+    level: Validated[Literal["edge", "node"]] = "edge",
+    direction: Validated[Literal["denoise", "noise"]] = "denoise",
+    steps: int = 5,
+    batch_size: int = 8,
+    progress: bool = False,
+) -> EdgeScores | NodeScores:
+    """Score every edge of the model's graph (`Graph.from_model`).
+
+    Args:
+        model: TransformerBridge or HookedTransformer with sequential attention/MLP blocks
+            (grouped-query attention and rotary embeddings included).
+        clean, corrupted: Int[Tensor, "batch pos"], Batch or strings; pair i of equal token
+            length (right padding across pairs is fine).
+        metric: logits -> Float[Tensor, "batch"], one value per prompt (ra_lens.metrics); a plain
+            callable needs batch_size >= the number of pairs.
+        method: "eap", "eap-ig", "exact" or "exact-ig" (module docstring).
+        level: "edge" -> EdgeScores [writer reader]; "node" -> NodeScores.
+        direction: "denoise" (gradient on the corrupted run) or "noise" (on the clean run).
+        steps: points on the IG path ("eap-ig", "exact-ig"; ignored otherwise).
+        batch_size: pairs per forward/backward pass (memory grows with it).
+        progress: show a progress bar.
+
+    Returns:
+        EdgeScores (scores: Float[Tensor, "writer reader"], float64, mean over pairs, 0 where
+        graph.real is False) or NodeScores.
+
+    Raises:
+        ValueError: unknown method/level/direction, steps < 1, unequal pair lengths, a metric
+            without one value per prompt, attention that is not causal softmax attention.
+        RuntimeError: hook_pattern outside the autograd graph (exact methods need R there).
+        NotImplementedError: parallel attention/MLP blocks.
+
+    >>> from ra_lens.metrics import logit_diff
+    >>> clean, corrupted = "The capital of France is", "The capital of Italy is"
+    >>> scores = attribute(model, clean, corrupted, logit_diff([294], [52]), method="eap")
+    >>> scores.scores.shape, bool(scores.scores[~scores.graph.real].eq(0).all())
+    (torch.Size([11, 27]), True)
+    """
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}: choose one of {METHODS}")
+    if level not in LEVELS:
+        raise ValueError(f"unknown level {level!r}: choose one of {LEVELS}")
+    if direction not in DIRECTIONS:
+        raise ValueError(f"unknown direction {direction!r}: choose one of {DIRECTIONS}")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be a positive int, got {steps!r}")
+    _edges.check_supported(model)
+    graph = Graph.from_model(model)
+    clean_b, corrupted_b = _pairs.paired(model, clean, corrupted)
+    exact = method.startswith("exact")
+    if exact:
+        capture.require_live_patterns(
+            model, list(range(graph.n_layers)), "the exact methods need R = dM/dA there"
+        )
+    n_steps = steps if method.endswith("-ig") else 1
+    base_b, other_b = (corrupted_b, clean_b) if direction == "denoise" else (clean_b, corrupted_b)
+    n = base_b.tokens.shape[0]
+    rows_list = _pairs.chunks(n, batch_size)
+    total = torch.zeros(len(graph.writers), len(graph.readers), dtype=torch.float64)
+    bar = tqdm(total=len(rows_list) * n_steps, desc=f"attribute {method}", disable=not progress)
+    with capture.preserved_state(model), _edges.mlp_in_enabled(model):
+        weights = [_edges.layer_weights(model, layer) for layer in range(graph.n_layers)]
+        for rows in rows_list:
+            part_metric = _pairs.metric_for(metric, rows, n)
+            base, other = _pairs.part(base_b, rows), _pairs.part(other_b, rows)
+            with torch.no_grad():
+                run = _edges.EdgeRun(graph, weights)
+                with model.hooks(fwd_hooks=run.hooks(model)):
+                    model(other.tokens)
+                other_out = run.outputs()
+            base_out: Tensor | None = None
+            for k in range(n_steps, 0, -1):  # k = steps first: the run itself gives base_out
+                point = None
+                if k < n_steps:
+                    assert base_out is not None
+                    point = other_out[0] + (k / n_steps) * (base_out[0] - other_out[0])
+                step = _Step(model, graph, weights, base, part_metric, point, exact)
+                if base_out is None:
+                    base_out = step.outputs
+                diffs = other_out - base_out.to(other_out.device)
+                total += step.scores(diffs, base.real_mask()).cpu() / n_steps
+                bar.update(1)
+    bar.close()
+    scores = (total / n) * graph.real
+    if level == "node":
+        return NodeScores(graph, scores.sum(1), scores.sum(0), method, direction)
+    return EdgeScores(graph, scores, method, direction)
+
+
+class _Step:
+    """One forward and backward pass at one point of the path: gradients at every reader's
+    input, and (exact) the residual stream, rotated q/k, A and R of every layer."""
+
+    def __init__(
+        self,
+        model: HookedModel,
+        graph: Graph,
+        weights: list[_edges.LayerWeights],
+        batch: capture.Batch,
+        metric: MetricFn,
+        point: Tensor | None,
+        exact: bool,
+    ):
+        self.model, self.graph, self.weights, self.exact = model, graph, weights, exact
+        layers = range(graph.n_layers)
+        names = [PATTERN.format(la) for la in layers]
+        names += [capture.query_hook_name(model, la) for la in layers]
+        names += [capture.key_hook_name(model, la) for la in layers]
+        names += [capture.Q.format(la) for la in layers]
+        names += [capture.COS.format(la) for la in layers] + [
+            capture.SIN.format(la) for la in layers
+        ]
+        run = _edges.EdgeRun(graph, weights, leaves=True, input_value=point)
+        with (
+            torch.enable_grad(),
+            model.hooks(fwd_hooks=run.hooks(model)),
+            capture.recorded(model, names if exact else []) as acts,
+            capture.recorded(model, names[: graph.n_layers] if exact else [], grad=True) as grads,
+        ):
+            logits = model(batch.tokens)
+            values = _pairs.metric_values(metric, logits, batch)
+            leaves = run.leaves_in_order()
+            self.grads = torch.autograd.grad(values.sum(), leaves, allow_unused=True)
+        self.grads = [
+            torch.zeros_like(leaf) if g is None else g for leaf, g in zip(leaves, self.grads)
+        ]
+        self.firsts = sorted(run.leaf)
+        self.outputs = run.outputs()
+        self.resid = {la: x.detach() for la, x in run.resid.items()}
+        self.acts, self.pattern_grads = acts, grads
+
+    def scores(self, diffs: Tensor, real: Tensor) -> Float[Tensor, "writer reader"]:
+        """Edge scores summed over the batch: diffs . gradient, and the exact softmax for q/k."""
+        g = self.graph
+        out = torch.zeros(len(g.writers), len(g.readers), dtype=torch.float64, device=diffs.device)
+        for first, grad in zip(self.firsts, self.grads):
+            n_before = int(g.real[:, first].sum())  # writers feeding this block of readers
+            block = torch.einsum(
+                "wbpd,rbpd->wr", diffs[:n_before].double(), grad.double().to(diffs.device)
+            )
+            out[:n_before, first : first + grad.shape[0]] = block
+        if self.exact:
+            for layer in range(g.n_layers):
+                self._exact_layer(layer, diffs, real, out)
+        return out
+
+    def _exact_layer(self, layer: int, diffs: Tensor, real: Tensor, out: Tensor) -> None:
+        g, model, w = self.graph, self.model, self.weights[layer]
+        acts = self.acts
+        names = [capture.query_hook_name(model, layer), capture.key_hook_name(model, layer)]
+        silent = [name for name in names if name not in acts]
+        if silent:
+            raise RuntimeError(
+                f"hook {silent[0]!r} never fired: this adapter does not expose the (rotated) "
+                "queries and keys its attention uses, so the exact methods cannot redo its "
+                "softmax; use method='eap' or 'eap-ig'"
+            )
+        q = acts[capture.query_hook_name(model, layer)].double()
+        k = acts[capture.key_hook_name(model, layer)].double()
+        pattern = acts[PATTERN.format(layer)].double()
+        grad = self.pattern_grads.get(PATTERN.format(layer))
+        if grad is None:  # the metric does not depend on this layer's attention
+            grad = torch.zeros_like(pattern)
+        grad = grad.double()
+        rotate = _rotation(model, layer, acts)
+        scale = capture.attention_scale(model, layer)
+        group = g.n_heads // g.n_kv_heads
+        n_pos = q.shape[1]
+        causal = torch.ones(n_pos, n_pos, dtype=torch.bool, device=q.device).tril()
+        rows = real.to(q.device)[:, None, :, None]
+        k_rep = k.repeat_interleave(group, dim=2)
+        logits = torch.einsum("bthe,bshe->bhts", q, k_rep) / scale
+        logits = logits.masked_fill(~causal, float("-inf"))
+        base_pattern = logits.softmax(-1)
+        mismatch = float(((base_pattern - pattern).abs() * rows).max())
+        if mismatch > 1e-4:
+            raise ValueError(
+                f"layer {layer}: softmax(q k^T / {scale:.4g} + causal mask) differs from "
+                f"hook_pattern by {mismatch:.2g}: this attention (soft-capping, ALiBi, a sliding "
+                "window?) is not modelled; the exact methods need plain causal softmax attention"
+            )
+        weight = grad.masked_fill(~causal, 0.0) * rows  # R on real rows only
+        x = self.resid[layer].double()
+        normed = w.ln1(x.to(self.resid[layer].dtype)).double()
+        first = layer * (g.n_heads + 2 * g.n_kv_heads + 1)
+        n_before = int(g.real[:, first].sum())
+        for start in range(0, n_before, _WRITER_CHUNK):
+            chunk = diffs[start : min(start + _WRITER_CHUNK, n_before)].to(x.device)
+            moved = w.ln1((x[None] + chunk.double()).to(self.resid[layer].dtype)).double()
+            change = moved - normed[None]
+            dq = rotate(torch.einsum("wbpd,hde->wbphe", change, w.W_Q.double()))
+            dlog = torch.einsum("wbthe,bshe->wbhts", dq, k_rep) / scale
+            new = (logits[None] + dlog).softmax(-1)
+            query = ((new - base_pattern[None]) * weight[None]).sum((-1, -2)).sum(1)  # [w h]
+            dk = rotate(torch.einsum("wbpd,gde->wbpge", change, w.W_K.double()))
+            dlog = torch.einsum("bthe,wbshe->wbhts", q, dk.repeat_interleave(group, dim=3))
+            new = (logits[None] + dlog / scale).softmax(-1)
+            key = ((new - base_pattern[None]) * weight[None]).sum((-1, -2)).sum(1)
+            key = einops.reduce(key, "w (g r) -> w g", "sum", r=group)
+            writers = slice(start, start + chunk.shape[0])
+            out[writers, first : first + g.n_heads] = query.to(out.device)
+            out[writers, first + g.n_heads : first + g.n_heads + g.n_kv_heads] = key.to(out.device)
+
+
+def _rotation(model: HookedModel, layer: int, acts: dict[str, Tensor]):
+    """The layer's rotary embedding as a function of [..., batch, pos, head, d_head] (identity
+    without one), checked against the model's own rotated queries."""
+    rotated = capture.ROT_Q.format(layer)
+    if rotated not in acts:
+        return lambda x: x
+    cos_name, sin_name = capture.COS.format(layer), capture.SIN.format(layer)
+    if cos_name in acts:  # TransformerBridge: HuggingFace's rotate-half with its cos/sin tables
+        cos, sin = acts[cos_name][0].double(), acts[sin_name][0].double()  # [pos rot_dims]
+        r = cos.shape[-1]
+
+        def rotate(x: Tensor) -> Tensor:
+            part, rest = x[..., :r], x[..., r:]
+            half = torch.cat([-part[..., r // 2 :], part[..., : r // 2]], dim=-1)
+            return torch.cat([part * cos[:, None, :] + half * sin[:, None, :], rest], dim=-1)
+    else:  # HookedTransformer: the attention module's own rotation
+        attn = model.blocks[layer].attn
+
+        def rotate(x: Tensor) -> Tensor:
+            lead = x.shape[:-3]
+            flat = x.reshape(-1, *x.shape[-3:])
+            return (
+                attn.apply_rotary(flat.to(attn.rotary_sin.dtype), 0)
+                .double()
+                .reshape(*lead, *x.shape[-3:])
+            )
+
+    q = acts[capture.Q.format(layer)].double()
+    error = float((rotate(q) - acts[rotated].double()).abs().max())
+    if error > 1e-4 * max(1.0, float(q.abs().max())):
+        raise ValueError(
+            f"layer {layer}: the rotary embedding could not be reproduced (error {error:.2g}): "
+            "the exact methods support rotate-half rotary embeddings; use method='eap'"
+        )
+    return rotate

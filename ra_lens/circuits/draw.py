@@ -1,0 +1,170 @@
+"""A picture of a circuit with matplotlib alone (no graphviz): layers bottom to top.
+
+`input` sits at the bottom and `logits` on top; each layer with a node in the circuit is one row
+(layers without one are left out and the rows are labelled), its heads in head order with the
+MLP to the right and a little higher (it reads the heads of its layer). Only nodes of the circuit
+are drawn. An edge ends at its reader: a head's query input on the left of its box, key in the
+middle, value on the right (a key/value head's edge goes to each drawn query head of its group);
+its colour says the reader kind, its width |score| (relative to the largest in the circuit),
+and a dashed line a negative score.
+
+    >>> g = Graph(n_layers=2, n_heads=2, n_kv_heads=2, d_model=8)
+    >>> c = Circuit.from_edges(g, ["input->a0.h1<q>", "a0.h1->a1.h0<k>", "a1.h0->logits"])
+    >>> fig = draw_circuit(c)  # draw_circuit(c, "circuit.png") also writes it
+    >>> len(fig.axes)
+    1
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
+
+from ra_lens.circuits.circuit import Circuit, _reader_owners
+from ra_lens.circuits.graph import Graph
+
+#: Edge colour per reader kind.
+COLORS = {"q": "#1f77b4", "k": "#2ca02c", "v": "#ff7f0e", "mlp": "#9467bd", "logits": "#444444"}
+_FILL = {"input": "#e0e0e0", "head": "#dbe9f6", "mlp": "#fdf1c7", "logits": "#e0e0e0"}
+_BOX_W, _BOX_H, _MLP_LIFT = 0.8, 0.3, 0.5
+_PORT = {"q": -0.25, "k": 0.0, "v": 0.25}
+
+
+def draw_circuit(
+    circuit: Circuit,
+    path: str | Path | None = None,
+    *,
+    title: str | None = None,
+    max_width: float = 4.0,
+) -> Figure:
+    """Draw `circuit`; write it to `path` too (PNG, SVG or PDF, by suffix) when given."""
+    g = circuit.graph
+    nodes = _drawn_nodes(circuit)
+    layers = sorted({g.writer(n).layer for n in nodes if n not in ("input", "logits")})
+    row = {layer: 1.0 + 1.2 * i for i, layer in enumerate(layers)}
+    top = 1.0 + 1.2 * len(layers)
+    centre = _mlp_x(g) / 2
+    pos = {}
+    for name in nodes:
+        if name == "input":
+            pos[name] = (centre, 0.0)
+        elif name == "logits":
+            pos[name] = (centre, top)
+        else:
+            w = g.writer(name)
+            if w.kind == "mlp":
+                pos[name] = (_mlp_x(g), row[w.layer] + _MLP_LIFT)
+            else:
+                pos[name] = (float(w.head), row[w.layer])
+
+    width = max(6.0, 0.8 * (g.n_heads + 3))
+    fig = Figure(figsize=(width, max(3.5, 0.75 * (top + 1))), layout="constrained")
+    ax = fig.add_subplot()
+    ax.set_xlim(-1.1, _mlp_x(g) + 0.6)
+    ax.set_ylim(-0.5, top + 0.5)
+    ax.axis("off")
+    for layer, y in row.items():
+        ax.text(-1.05, y, f"L{layer}", ha="left", va="center", fontsize=8)
+
+    _draw_edges(ax, circuit, nodes, pos, max_width)
+    for name, (x, y) in pos.items():
+        kind = name if name in ("input", "logits") else g.writer(name).kind
+        ax.add_patch(
+            FancyBboxPatch(
+                (x - _BOX_W / 2, y - _BOX_H / 2),
+                _BOX_W,
+                _BOX_H,
+                boxstyle="round,pad=0.02",
+                facecolor=_FILL[kind],
+                edgecolor="black",
+                linewidth=0.6,
+                zorder=3,
+            )
+        )
+        ax.text(x, y, name, ha="center", va="center", fontsize=7, zorder=4)
+
+    handles = [Line2D([], [], color=c, lw=2, label=k) for k, c in COLORS.items()]
+    handles.append(Line2D([], [], color="black", lw=1, ls="--", label="score < 0"))
+    ax.legend(handles=handles, loc="upper left", fontsize=7, frameon=False, ncols=2)
+    ax.set_title(
+        title
+        or f"{circuit.n_edges} edges, {len(nodes)} nodes ({g.n_layers} layers x {g.n_heads} heads)",
+        fontsize=9,
+    )
+    if path is not None:
+        fig.savefig(path, dpi=150)
+    return fig
+
+
+def _mlp_x(g: Graph) -> float:
+    return g.n_heads + 0.2
+
+
+def _drawn_nodes(circuit: Circuit) -> list[str]:
+    """The circuit's nodes, plus a reader's node when no writer of the circuit owns it (an
+    unpruned circuit), in graph order with logits last."""
+    g = circuit.graph
+    names = set(circuit.nodes)
+    owner = _reader_owners(g)
+    for r in torch.nonzero(circuit.edges.any(0)).flatten().tolist():
+        owners = [g.writers[w] for w in torch.nonzero(owner[r]).flatten().tolist()]
+        if owners and not names.intersection(owners):
+            names.update(owners)
+    if circuit.edges[:, -1].any():
+        names.add("logits")
+    return [n for n in g.writers if n in names] + (["logits"] if "logits" in names else [])
+
+
+def _draw_edges(
+    ax: Axes,
+    circuit: Circuit,
+    nodes: list[str],
+    pos: dict[str, tuple[float, float]],
+    max_width: float,
+) -> None:
+    g = circuit.graph
+    drawn = set(nodes)
+    owner = _reader_owners(g)
+    pairs = torch.nonzero(circuit.edges).tolist()
+    scores = circuit.scores
+    size = (
+        [abs(float(scores[w, r])) for w, r in pairs] if scores is not None else [1.0] * len(pairs)
+    )
+    biggest = max(size, default=1.0) or 1.0
+    for i in sorted(range(len(pairs)), key=lambda i: size[i]):  # strongest drawn last, on top
+        w, r = pairs[i]
+        reader = g.reader(g.readers[r])
+        if reader.kind == "logits":
+            targets = ["logits"]
+        else:
+            targets = [g.writers[o] for o in torch.nonzero(owner[r]).flatten().tolist()]
+            targets = [t for t in targets if t in drawn]
+        x0, y0 = pos[g.writers[w]]
+        lw = 0.5 + (max_width - 0.5) * size[i] / biggest
+        negative = scores is not None and float(scores[w, r]) < 0
+        for target in targets:
+            x1, y1 = pos[target]
+            # A straight line from a head to its own layer's MLP rises above the boxes between.
+            bent = abs(x1 - x0) > 0.1 and y1 - y0 > _MLP_LIFT
+            x1 += _PORT.get(reader.kind, 0.0)
+            ax.add_patch(
+                FancyArrowPatch(
+                    (x0, y0 + _BOX_H / 2),
+                    (x1, y1 - _BOX_H / 2),
+                    arrowstyle="-|>",
+                    mutation_scale=5 + 2 * lw,
+                    linewidth=lw,
+                    linestyle="--" if negative else "-",
+                    color=COLORS[reader.kind],
+                    alpha=0.7,
+                    connectionstyle=f"arc3,rad={0.12 if bent else 0.0}",
+                    shrinkA=0,
+                    shrinkB=0,
+                    zorder=2,
+                )
+            )

@@ -1,0 +1,349 @@
+"""Edge patching (`circuits.faithfulness`) and edge scores (`circuits.attribute`), float64 tiny
+models, both TransformerLens worlds: GPT-2-like and Llama-like (grouped-query, rotary)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import has_bridge, snapshot
+
+from ra_lens import capture
+from ra_lens.capture import to_batch
+from ra_lens.circuits import _edges
+from ra_lens.circuits.attribute import NodeScores, attribute
+from ra_lens.circuits.circuit import Circuit
+from ra_lens.circuits.faithfulness import faithfulness
+from ra_lens.circuits.graph import Graph
+from ra_lens.metrics import logit_diff
+from ra_lens.toy_models import tiny_model, tiny_tokenizer_dir
+
+# Pair 0 is shorter than pair 1: the batch is right-padded.
+CLEAN = ["The capital of France is", "When Mary and John went to the store"]
+CORRUPTED = ["The capital of Italy is", "When John and Mary went to the store"]
+METRIC = logit_diff([294, 50], [52, 60])
+
+
+def _hooked(**overrides):
+    from transformer_lens import HookedTransformer, HookedTransformerConfig
+    from transformers import AutoTokenizer
+
+    settings = dict(
+        d_model=32, d_head=8, n_layers=2, n_heads=4, n_ctx=64, d_vocab=300, act_fn="gelu",
+        normalization_type="LN", seed=0,
+    )  # fmt: skip
+    settings.update(overrides)
+    torch.manual_seed(0)
+    model = HookedTransformer(
+        HookedTransformerConfig(**settings),
+        tokenizer=AutoTokenizer.from_pretrained(tiny_tokenizer_dir()),
+    )
+    return model.to(torch.float64).eval()
+
+
+LLAMA_LIKE = dict(
+    positional_embedding_type="rotary", n_key_value_heads=2, normalization_type="RMS",
+    act_fn="silu", gated_mlp=True,
+)  # fmt: skip
+
+
+def build(kind: str):
+    """ "gpt2" or "llama" (GQA + rotary): a bridge under TL 4, a HookedTransformer under TL 2."""
+    if has_bridge():
+        return tiny_model(kind, dtype=torch.float64)
+    return _hooked(**(LLAMA_LIKE if kind == "llama" else {}))
+
+
+def build_one_layer(kind: str):
+    """One layer, attention only, no norms: the metric (a logit difference) is linear in each
+    head's pattern, so R . (A' - A) is the true effect of a change of the pattern."""
+    extra = dict(n_layers=1, attn_only=True, normalization_type=None)
+    if kind == "llama":
+        extra |= dict(positional_embedding_type="rotary", n_key_value_heads=2)
+    if has_bridge():
+        from transformer_lens.config import TransformerBridgeConfig
+        from transformer_lens.model_bridge import TransformerBridge
+        from transformers import AutoTokenizer
+
+        cfg = TransformerBridgeConfig(
+            d_model=32, d_head=8, n_ctx=64, n_heads=4, d_vocab=300, act_fn="gelu", seed=0, **extra
+        )
+        torch.manual_seed(0)
+        model = TransformerBridge.boot_native(
+            cfg, tokenizer=AutoTokenizer.from_pretrained(tiny_tokenizer_dir())
+        )
+        return model.to(torch.float64).eval()
+    return _hooked(**extra)
+
+
+@pytest.fixture(scope="module", params=["gpt2", "llama"])
+def model(request):
+    model = build(request.param)
+    with torch.no_grad():  # a bridge adds its own pre-hooks on its first forward pass
+        model(model.to_tokens("Q: hot"))
+    return model
+
+
+@pytest.fixture(scope="module")
+def batches(model):
+    return to_batch(model, CLEAN), to_batch(model, CORRUPTED)
+
+
+def _writer_outputs(model, tokens) -> torch.Tensor:
+    """Every writer's output, read independently of _edges: [writer batch pos d_model]."""
+    n_layers = model.cfg.n_layers
+    names = [capture.RESID_PRE.format(0)]
+    for layer in range(n_layers):
+        names += [capture.Z.format(layer), f"blocks.{layer}.hook_mlp_out"]
+    with torch.no_grad(), capture.recorded(model, names) as acts:
+        model(tokens)
+    outs = [acts[names[0]][None]]
+    for layer in range(n_layers):
+        z, W_O = acts[capture.Z.format(layer)], model.blocks[layer].attn.W_O.detach()
+        outs.append(torch.einsum("bphe,hed->hbpd", z, W_O))
+        mlp = f"blocks.{layer}.hook_mlp_out"
+        if mlp in acts:
+            outs.append(acts[mlp][None])
+    return torch.cat(outs)
+
+
+def _shift_reader(model, graph, reader: str, shift: torch.Tensor):
+    """A hand-written hook: reader's input (only) moved by `shift` [batch pos d_model]."""
+    r = graph.reader(reader)
+    if r.kind == "logits":
+        name = f"blocks.{graph.n_layers - 1}.hook_resid_post"
+        return [(name, lambda x, hook: x + shift)]
+    if r.kind == "mlp":
+        return [(_edges.mlp_in_hook(model, r.layer), lambda x, hook: x + shift)]
+    kept = {}
+    attn = model.blocks[r.layer].attn
+    weight = getattr(attn, f"_W_{r.kind.upper()}", None)
+    weight = getattr(attn, f"W_{r.kind.upper()}") if weight is None else weight
+    bias_name = f"b_{r.kind.upper()}"
+    bias = getattr(attn, "_" + bias_name, None)
+    bias = getattr(attn, bias_name, None) if bias is None else bias
+
+    def keep(x, hook):
+        kept["x"] = x
+
+    def replace(x, hook):
+        moved = model.blocks[r.layer].ln1(kept["x"] + shift) @ weight[r.head].detach()
+        out = x.clone()
+        out[:, :, r.head] = moved + (0 if bias is None else bias[r.head].detach())
+        return out
+
+    return [
+        (capture.RESID_PRE.format(r.layer), keep),
+        (f"blocks.{r.layer}.attn.hook_{r.kind}", replace),
+    ]
+
+
+def _metric_with(model, tokens, hooks):
+    with torch.no_grad(), _edges.mlp_in_enabled(model), model.hooks(fwd_hooks=hooks):
+        return METRIC(model(tokens.tokens), lengths=tokens.lengths)
+
+
+# ---------------------------------------------------------------------------------- faithfulness
+
+
+def test_full_and_empty_circuits_are_exact(model, batches):
+    clean, corrupted = batches
+    graph = Graph.from_model(model)
+    before = snapshot(model)
+    full = faithfulness(model, Circuit(graph, graph.real.clone()), clean, corrupted, METRIC)
+    empty = faithfulness(
+        model, Circuit(graph, torch.zeros_like(graph.real)), clean, corrupted, METRIC
+    )
+    with torch.no_grad():
+        clean_m = METRIC(model(clean.tokens), lengths=clean.lengths).mean()
+    assert abs(full.circuit_metric - float(clean_m)) < 1e-10
+    assert full.value == pytest.approx(1.0, abs=1e-10)
+    assert empty.value == pytest.approx(0.0, abs=1e-10)
+    assert abs(empty.circuit_metric - empty.corrupted_metric) < 1e-10
+    assert full.n_edges == graph.n_edges and empty.n_edges == 0
+    assert torch.allclose(full.per_pair, torch.ones(2, dtype=torch.float64), atol=1e-9)
+    assert snapshot(model)[:2] == before[:2] and snapshot(model)[3] == before[3]
+    assert getattr(model.cfg, "use_hook_mlp_in", False) is False
+
+
+@pytest.mark.parametrize("edge", ["a0.h1->a1.h2<q>", "input->a1.h1<k>", "a0.h3->a1.h0<v>",
+                                  "a0.h0->m1", "m0->logits"])  # fmt: skip
+def test_patching_one_edge_equals_a_hand_written_hook(model, batches, edge):
+    clean, corrupted = batches
+    graph = Graph.from_model(model)
+    w, r = graph.edge_index(edge)
+    edges = graph.real.clone()
+    edges[w, r] = False
+    result = faithfulness(model, Circuit(graph, edges), clean, corrupted, METRIC)
+    shift = _writer_outputs(model, corrupted.tokens)[w] - _writer_outputs(model, clean.tokens)[w]
+    expected = _metric_with(model, clean, _shift_reader(model, graph, graph.readers[r], shift))
+    assert torch.allclose(result.circuit_per_pair, expected.double(), atol=1e-10)
+    assert abs(result.circuit_metric - result.clean_metric) > 1e-8  # the edge matters
+
+
+def test_ablating_heads_equals_patching_their_hook_z(model, batches):
+    clean, corrupted = batches
+    graph = Graph.from_model(model)
+    dropped = [(0, 1), (1, 2), (1, 3)]
+    edges = graph.real.clone()
+    for layer, head in dropped:
+        edges[graph.writer_index[f"a{layer}.h{head}"]] = False
+    result = faithfulness(model, Circuit(graph, edges), clean, corrupted, METRIC)
+    with torch.no_grad(), capture.recorded(model, [capture.Z.format(la) for la in (0, 1)]) as z:
+        model(corrupted.tokens)
+
+    def patch(layer, heads):
+        def hook(value, hook):
+            value = value.clone()
+            value[:, :, heads] = z[capture.Z.format(layer)][:, :, heads]
+            return value
+
+        return (capture.Z.format(layer), hook)
+
+    expected = _metric_with(model, clean, [patch(0, [1]), patch(1, [2, 3])])
+    assert torch.allclose(result.circuit_per_pair, expected.double(), atol=1e-10)
+
+
+def test_mean_and_zero_ablation(model, batches):
+    clean, corrupted = batches
+    graph = Graph.from_model(model)
+    edges = graph.real.clone()
+    edges[graph.writer_index["m0"]] = False  # m0's output ablated wherever it is read
+    zero = faithfulness(model, Circuit(graph, edges), clean, corrupted, METRIC, ablation="zero")
+    hook = ("blocks.0.hook_mlp_out", lambda x, hook: torch.zeros_like(x))
+    expected = _metric_with(model, clean, [hook])
+    assert torch.allclose(zero.circuit_per_pair, expected.double(), atol=1e-10)
+    mean = faithfulness(model, Circuit(graph, edges), clean, corrupted, METRIC, ablation="mean")
+    outs = _writer_outputs(model, corrupted.tokens)[graph.writer_index["m0"]]
+    real = corrupted.real_mask()[:, :, None].double()
+    average = (outs * real).sum(0) / real.sum(0)
+    hook = ("blocks.0.hook_mlp_out", lambda x, hook: average[None].expand_as(x).clone())
+    expected = _metric_with(model, clean, [hook])
+    assert torch.allclose(mean.circuit_per_pair, expected.double(), atol=1e-10)
+
+
+def test_faithfulness_refuses_bad_input(model, batches):
+    clean, corrupted = batches
+    graph = Graph.from_model(model)
+    circuit = Circuit(graph, graph.real.clone())
+    with pytest.raises(ValueError, match="unknown ablation"):
+        faithfulness(model, circuit, clean, corrupted, METRIC, ablation="resample")
+    other = Graph(graph.n_layers + 1, graph.n_heads, graph.n_kv_heads, graph.d_model)
+    with pytest.raises(ValueError, match="Graph.from_model"):
+        faithfulness(model, Circuit(other, other.real), clean, corrupted, METRIC)
+    with pytest.raises(ValueError, match="batch_size"):
+        faithfulness(
+            model, circuit, clean, corrupted, lambda logits: logits[:, -1, 0], batch_size=1
+        )
+
+
+# ---------------------------------------------------------------------------------- attribute
+
+
+@pytest.mark.parametrize("edge", ["a0.h1->a1.h2<q>", "input->a0.h1<k>", "a0.h3->a1.h0<v>",
+                                  "a0.h0->m1", "m0->logits"])  # fmt: skip
+def test_eap_is_the_directional_derivative(model, batches, edge):
+    clean, corrupted = batches
+    graph = Graph.from_model(model)
+    scores = attribute(model, clean, corrupted, METRIC, method="eap").scores
+    w, r = graph.edge_index(edge)
+    diff = _writer_outputs(model, clean.tokens)[w] - _writer_outputs(model, corrupted.tokens)[w]
+    # d/dt metric(corrupted run, reader's input + t * diff) at t = 0, by autograd on t alone.
+    t = torch.zeros((), dtype=torch.float64, requires_grad=True)
+    hooks = _shift_reader(model, graph, graph.readers[r], t * diff)
+    with _edges.mlp_in_enabled(model), model.hooks(fwd_hooks=hooks):
+        value = METRIC(model(corrupted.tokens), lengths=corrupted.lengths).mean()
+    (derivative,) = torch.autograd.grad(value, t)
+    assert scores[w, r].item() == pytest.approx(derivative.item(), rel=1e-6)
+    assert abs(derivative.item()) > 1e-8
+
+
+def test_scores_are_zero_off_the_graph_and_leave_the_model(model, batches):
+    clean, corrupted = batches
+    before = snapshot(model)
+    for method in ("eap", "exact"):
+        scores = attribute(model, clean, corrupted, METRIC, method=method)
+        assert bool(scores.scores[~scores.graph.real].eq(0).all())
+        assert scores.scores[scores.graph.real].abs().sum() > 0
+    after = snapshot(model)
+    assert after[:2] == before[:2] and after[3] == before[3]
+    assert all(g is None for g in after[2])
+
+
+def test_eap_ig_one_step_is_eap_and_converges(model, batches):
+    clean, corrupted = batches
+    eap = attribute(model, clean, corrupted, METRIC, method="eap").scores
+    one = attribute(model, clean, corrupted, METRIC, method="eap-ig", steps=1).scores
+    assert torch.equal(one, eap)
+    ig = {
+        s: attribute(model, clean, corrupted, METRIC, method="eap-ig", steps=s).scores
+        for s in (2, 8, 16)
+    }
+    assert (ig[8] - ig[16]).abs().max() < 0.25 * (eap - ig[2]).abs().max()
+    exact_one = attribute(model, clean, corrupted, METRIC, method="exact-ig", steps=1).scores
+    assert torch.equal(exact_one, attribute(model, clean, corrupted, METRIC, method="exact").scores)
+
+
+def test_batches_and_padding_do_not_change_scores(model, batches):
+    clean, corrupted = batches
+    together = attribute(model, clean, corrupted, METRIC, method="exact", batch_size=2).scores
+    apart = attribute(model, clean, corrupted, METRIC, method="exact", batch_size=1).scores
+    assert torch.allclose(together, apart, atol=1e-12)
+    alone = [
+        attribute(model, c, k, logit_diff([t], [f]), method="exact").scores
+        for c, k, t, f in zip(CLEAN, CORRUPTED, [294, 50], [52, 60])
+    ]
+    assert torch.allclose(together, (alone[0] + alone[1]) / 2, atol=1e-12)
+
+
+def test_node_scores_sum_edges(model, batches):
+    clean, corrupted = batches
+    edges = attribute(model, clean, corrupted, METRIC, method="eap").scores
+    nodes = attribute(model, clean, corrupted, METRIC, method="eap", level="node")
+    assert isinstance(nodes, NodeScores)
+    assert torch.allclose(nodes.writers, edges.sum(1)) and torch.allclose(
+        nodes.readers, edges.sum(0)
+    )
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+@pytest.mark.parametrize("direction", ["denoise", "noise"])
+def test_exact_query_and_key_edges_are_the_true_effect(kind, direction):
+    if kind == "llama" and has_bridge():
+        pytest.skip(
+            "TL 4: boot_native's rotary attention does not fire hook_rot_q, and the Llama "
+            "bridge's RMSNorms make R . (A' - A) inexact; covered under TL 2"
+        )
+    model = build_one_layer(kind)
+    clean, corrupted = to_batch(model, CLEAN), to_batch(model, CORRUPTED)
+    graph = Graph.from_model(model)
+    exact = attribute(model, clean, corrupted, METRIC, method="exact", direction=direction).scores
+    eap = attribute(model, clean, corrupted, METRIC, method="eap", direction=direction).scores
+    # The true effect: the base run with one edge patched (faithfulness of all-but-that-edge,
+    # run on the base prompts with the other prompts as the source).
+    base, other = (corrupted, clean) if direction == "denoise" else (clean, corrupted)
+    readers = [i for i, name in enumerate(graph.readers) if name.endswith(("<q>", "<k>"))]
+    worst_exact = worst_eap = 0.0
+    for r in readers:
+        for w in (0,):  # the embeddings: the only writer before layer 0
+            edges = graph.real.clone()
+            edges[w, r] = False
+            result = faithfulness(model, Circuit(graph, edges), base, other, METRIC)
+            true = result.circuit_metric - result.clean_metric
+            worst_exact = max(worst_exact, abs(exact[w, r].item() - true))
+            worst_eap = max(worst_eap, abs(eap[w, r].item() - true) / (abs(true) + 1e-12))
+    assert worst_exact < 1e-10
+    assert worst_eap > 1e-3  # the first-order estimate is not the true effect
+
+
+def test_attribute_refuses_bad_input(model, batches):
+    clean, corrupted = batches
+    for kwargs, message in [
+        (dict(method="atp"), "unknown method"),
+        (dict(level="head"), "unknown level"),
+        (dict(direction="up"), "unknown direction"),
+        (dict(method="eap-ig", steps=0), "steps"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            attribute(model, clean, corrupted, METRIC, **kwargs)
+    with pytest.raises(ValueError, match="token length"):
+        attribute(model, CLEAN[0], CLEAN[1], METRIC)

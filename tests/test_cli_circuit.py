@@ -1,0 +1,165 @@
+"""`ra-lens circuit` on a tiny offline model: the files it writes agree with the circuits API, and
+bad input is one line on stderr with exit status 2."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from ra_lens import circuits
+from ra_lens.cli import main
+from ra_lens.tasks.ioi import PromptPair, paired_batch
+from ra_lens.toy_models import tiny_model
+from tests.helpers import arch_or_hooked
+
+ARCH = arch_or_hooked("gpt2")
+#: Pairs the tiny tokenizer takes: one-token answers, clean and corrupted of equal length.
+PAIRS = [
+    PromptPair("I like Italy", "I like Paris", " and", " the"),
+    PromptPair("I like Paris", "I like Italy", " the", " and"),
+    PromptPair("The capital of Italy is", "The capital of Paris is", " the", " and"),
+]
+SIZES = [0.05, 0.2, 1.0]
+
+
+def _write_pairs(path: Path, pairs: list[PromptPair]) -> Path:
+    rows = [{"clean": p.clean, "corrupted": p.corrupted, "answer": p.answer, "wrong": p.wrong}
+            for p in pairs]  # fmt: skip
+    path.write_text("\n".join(json.dumps(row) for row in rows) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    folder = tmp_path_factory.mktemp("circuit")
+    pairs = _write_pairs(folder / "pairs.jsonl", PAIRS)
+    out = folder / "out"
+    code = main(
+        ["circuit", "--pairs", str(pairs), "--model", f"tiny-{ARCH}", "--method", "exact",
+         "--sizes", ",".join(map(str, SIZES)), "--edges", "12", "--out", str(out),
+         "--json", str(out / "circuit_run.json")]
+    )  # fmt: skip
+    assert code == 0
+    return out, json.loads((out / "circuit_run.json").read_text())
+
+
+def test_curve_and_circuit_match_the_api(run: tuple[Path, dict]) -> None:
+    out, report = run
+    model = tiny_model(ARCH)
+    clean, corrupted, metric = paired_batch(model, PAIRS)
+    scores = circuits.attribute(model, clean, corrupted, metric, method="exact")
+    curve = circuits.faithfulness_curve(model, scores, clean, corrupted, metric, sizes=SIZES)
+    assert report["curve"]["n_edges"] == curve.n_edges
+    assert report["curve"]["values"] == pytest.approx(curve.values, abs=1e-6)
+    assert report["curve"]["cpr"] == pytest.approx(curve.cpr, abs=1e-6)
+    assert report["curve"]["cmd"] == pytest.approx(curve.cmd, abs=1e-6)
+    assert report["curve"]["values"][-1] == pytest.approx(1.0, abs=1e-5)  # the full graph
+    expected = scores.top(12)
+    saved = circuits.Circuit.from_json(out / "circuit.json", model)
+    assert saved.edge_names == expected.edge_names and saved.n_edges == report["circuit"]["n_edges"]
+    kept = circuits.faithfulness(model, expected, clean, corrupted, metric)
+    assert report["circuit"]["faithfulness"] == pytest.approx(kept.value, abs=1e-6)
+    assert report["clean_metric"] == pytest.approx(kept.clean_metric, abs=1e-6)
+    assert report["n_edges_total"] == scores.graph.n_edges and len(report["pairs"]) == 3
+
+
+def test_pictures_are_written(run: tuple[Path, dict]) -> None:
+    out, report = run
+    for name in ("faithfulness_curve.png", "circuit.png"):
+        assert (out / name).read_bytes()[:4] == b"\x89PNG" and (out / name).stat().st_size > 5000
+    assert sorted(Path(f).name for f in report["files"]) == [
+        "circuit.json", "circuit.png", "faithfulness_curve.png"
+    ]  # fmt: skip
+
+
+def _assert_one_line(err: str, message: str) -> None:
+    """The error is the last line of stderr, whole (loading a model may print progress before)."""
+    last = err.rstrip("\n").splitlines()[-1]
+    assert last.startswith("ra-lens circuit: error: ") and message in last, err
+    assert err.count("ra-lens circuit: error:") == 1, err
+
+
+@pytest.mark.parametrize(
+    ("lines", "message"),
+    [
+        (["{not json"], "line 1: not JSON"),
+        (['{"clean": "I like Italy", "corrupted": "I like Paris", "answer": " and"}'],
+         "line 1: expected an object with exactly the keys"),
+        (['{"clean": "I like Italy", "corrupted": "I like the Paris", "answer": " and", '
+          '"wrong": " the"}'], "pair 1: answer and wrong must be one token"),
+        ([], "no pairs in the file"),
+    ],
+)  # fmt: skip
+def test_bad_pairs_file_is_one_line_and_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture, lines: list[str], message: str
+) -> None:
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("\n".join(lines))
+    code = main(["circuit", "--pairs", str(path), "--model", f"tiny-{ARCH}"])
+    assert code == 2
+    _assert_one_line(capsys.readouterr().err, message)
+
+
+def test_other_user_errors_are_one_line_and_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    pairs = _write_pairs(tmp_path / "pairs.jsonl", PAIRS[:1])
+    cases = [
+        (["--pairs", str(tmp_path / "missing.jsonl")], "no such file"),
+        (["--task", "ioi"], "no pair suits this model's tokenizer"),
+        (["--pairs", str(pairs), "--sizes", "10,50"], "fractions of the graph's edges"),
+        (["--pairs", str(pairs), "--sizes", "0.1,x"], "comma-separated numbers"),
+    ]
+    for extra, message in cases:
+        code = main(["circuit", *extra, "--model", f"tiny-{ARCH}"])
+        assert code == 2, extra
+        _assert_one_line(capsys.readouterr().err, message)
+
+
+def test_attribute_over_many_pairs_matches_the_api_with_clean_labels(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """`attribute --pairs`: scores averaged over the pairs as attention_attribution gives them;
+    the edges are named by the CLEAN prompt's tokens (the patched run under denoise is the
+    corrupted one) and printed as the pictures draw them, query <- key."""
+    from ra_lens import attention_attribution, capture
+
+    pairs = _write_pairs(tmp_path / "pairs.jsonl", PAIRS)
+    code = main(
+        ["attribute", "--pairs", str(pairs), "--model", f"tiny-{ARCH}", "--top", "6",
+         "--json", str(tmp_path / "a.json")]
+    )  # fmt: skip
+    assert code == 0
+    printed = capsys.readouterr().out
+    report = json.loads((tmp_path / "a.json").read_text())
+    model = tiny_model(ARCH)
+    clean, corrupted, metric = paired_batch(model, PAIRS)
+    att = attention_attribution(model, clean, corrupted, metric)
+    for kind in att.nodes:
+        got = torch.tensor(report["scores"][kind], dtype=att.scores[kind].dtype)
+        torch.testing.assert_close(got, att.scores[kind], rtol=1e-5, atol=1e-9)
+        assert got.abs().max() > 0
+    assert report["n_pairs"] == 3
+    assert report["metric_other_run"] == pytest.approx(float(att.clean_metric.mean()), abs=1e-6)
+    clean_tokens = capture.str_tokens(model, clean)[0]
+    corrupted_tokens = capture.str_tokens(model, corrupted)[0]
+    assert report["str_tokens"] == clean_tokens != corrupted_tokens
+    for edge in report["top_edges"]:
+        assert edge["query_token"] == clean_tokens[edge["query"]]
+        assert edge["key_token"] == clean_tokens[edge["key"]]
+        line = f"{edge['query_token']!r} <- {edge['key_token']!r}"
+        assert line in printed
+
+
+def test_attribute_needs_one_pair_or_many(capsys: pytest.CaptureFixture) -> None:
+    cases = [
+        (["--task", "ioi", "--clean", "I like Italy"], "--clean with --task/--pairs"),
+        (["--clean", "I like Italy", "--corrupted", "I like Paris"], "missing --target"),
+    ]
+    for extra, message in cases:
+        assert main(["attribute", *extra, "--model", f"tiny-{ARCH}"]) == 2, extra
+        last = capsys.readouterr().err.rstrip("\n").splitlines()[-1]
+        assert last.startswith("ra-lens attribute: error: ") and message in last, last

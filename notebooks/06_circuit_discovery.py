@@ -34,9 +34,8 @@
 # Three pairs and three circuit sizes keep it short; `ra-lens circuit --task ioi` runs the same
 # pipeline on more pairs and MIB's ten sizes.
 #
-# **Runtime:** 6.5 minutes (TransformerLens 4) to 14 minutes (TransformerLens 2, load average
-# ~10) on a 2-core CPU shared with other jobs: scoring 70,651 edges three times (eap 29-33 s,
-# eap-ig 58-72 s, exact 62-91 s), then 13 edge-patched evaluations.
+# **Runtime:** 135 s under TransformerLens 4 on a 2-core CPU shared with other jobs (load average
+# ~5): scoring 70,651 edges three times, then 10 edge-patched evaluations.
 
 # %%
 # %matplotlib inline

@@ -389,7 +389,7 @@ class AttentionAttribution:
         top pattern nodes (sum over positions)
         layer     head  score
         ...
-        top edges R * (A_other - A)
+        top edges R * (A_other - A) of pair 0: query <- key
         L...
         """
         report = self.to_dict(k, pair)

@@ -33,7 +33,7 @@ from jaxtyping import Float
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from ra_lens import circuits
+from ra_lens import capture, circuits
 from ra_lens.circuits.curve import MIB_FRACTIONS
 from ra_lens.ranking import Interval, bootstrap_indices
 from ra_lens.tasks import format_prompt, ioi, load
@@ -74,6 +74,8 @@ QUICK_SETTINGS: dict[str, Any] = {
     "n_boot": 200,
     "fractions": (0.01, 0.1, 0.5, 1.0),
     "edge_counts": (10, 50),
+    "truth_tasks": ["toy"],
+    "truth_pairs": 2,
 }
 FULL_SETTINGS: dict[str, Any] = {
     "tasks": list(TASKS),
@@ -84,6 +86,8 @@ FULL_SETTINGS: dict[str, Any] = {
     "n_boot": 1000,
     "fractions": MIB_FRACTIONS,
     "edge_counts": EDGE_COUNTS,
+    "truth_tasks": ["ioi"],
+    "truth_pairs": 8,
 }
 
 
@@ -148,6 +152,55 @@ def random_scores(graph: circuits.Graph, seed: int = 0) -> circuits.EdgeScores:
     return circuits.EdgeScores(graph, scores * graph.real, method="random", direction="denoise")
 
 
+def head_patching(model: HookedModel, pairs: Sequence[PromptPair]) -> Float[Tensor, "layer head"]:
+    """Ground truth for head (node) scores: m(corrupted run with head h's output patched to
+    clean) - m(corrupted), mean over pairs (denoise, as the edge scores), every position patched.
+    A head's output is z_h @ W_O[h], so patching its hook_z patches exactly that output; the
+    heads of one layer run side by side as copies of the batch."""
+    clean, corrupted, metric = ioi.paired_batch(model, list(pairs))
+    n_layers, n_heads = model.cfg.n_layers, model.cfg.n_heads
+    k = clean.tokens.shape[0]
+    out = torch.zeros(n_layers, n_heads, dtype=torch.float64)
+    with capture.preserved_state(model), torch.no_grad():
+        base = metric(model(corrupted.tokens), corrupted.lengths).double()
+        names = {capture.Z.format(layer) for layer in range(n_layers)}
+        _, cache = model.run_with_cache(clean.tokens, names_filter=lambda name: name in names)
+        copies = corrupted.tokens.repeat(n_heads, 1)
+        for layer in range(n_layers):
+            clean_z = cache[capture.Z.format(layer)]
+
+            def patch(z: Tensor, hook: Any, clean_z: Tensor = clean_z) -> Tensor:
+                z = z.clone()
+                for h in range(n_heads):
+                    z[h * k : (h + 1) * k, :, h] = clean_z[:, :, h]
+                return z
+
+            with model.hooks(fwd_hooks=[(capture.Z.format(layer), patch)]):
+                logits = model(copies)
+            for h in range(n_heads):
+                patched = metric(logits[h * k : (h + 1) * k], corrupted.lengths).double()
+                out[layer, h] = (patched - base).mean()
+    return out
+
+
+def head_node_scores(
+    scores: circuits.EdgeScores,
+) -> Float[Tensor, "layer head"]:
+    """Each head's node score from its edge scores: the sum over its outgoing edges, the first-
+    order effect of patching its output into every reader (as `attribute(level="node")`)."""
+    g = scores.graph
+    writers = scores.scores.sum(1)
+    index = [[g.writer_index[f"a{la}.h{h}"] for h in range(g.n_heads)] for la in range(g.n_layers)]
+    return writers[torch.tensor(index)]
+
+
+def pearson(a: Tensor, b: Tensor) -> float:
+    """Pearson correlation of two flattened tensors."""
+    x, y = a.flatten().double(), b.flatten().double()
+    x, y = x - x.mean(), y - y.mean()
+    return float((x * y).sum() / (x.norm() * y.norm()))
+
+
 def edge_sizes(n_edges: int, fractions: Sequence[float], counts: Sequence[int]) -> list[int]:
     """Edges asked for: int(k * n_edges) for MIB's fractions (rounded down, as MIB) and the
     fixed counts that fit, sorted, without repeats.
@@ -170,13 +223,17 @@ def run_task(
     batch_size: int,
     progress: bool = True,
     on_method: Any = None,
+    truth_pairs: int = 0,
 ) -> dict[str, Any]:
     """Score, choose and measure: the raw per-pair metrics of one task, JSON-ready.
 
     Returns a dict with "sizes" (edges asked for), per ablation the reference metrics per pair
     ("clean", "corrupted", "empty"), and per method its attribution seconds, the edges kept at
     each size after pruning and, per ablation, the circuit metric per size and pair.
-    `on_method(partial result)` runs after each method (to save partial results).
+    `on_method(partial result)` runs after each method (to save partial results). With
+    truth_pairs > 0, head activation patching on the first truth_pairs pairs ("truth") and each
+    method's head node scores on the same pairs ("head_scores", summed from their edge scores:
+    an extra attribution when truth_pairs < the number of pairs) and Pearson r to the truth.
     """
     clean, corrupted, metric = ioi.paired_batch(model, list(pairs))
     graph = circuits.Graph.from_model(model)
@@ -211,6 +268,16 @@ def run_task(
         "reference": reference,
         "methods": {},
     }
+    truth = None
+    if truth_pairs > 0:
+        begin = time.perf_counter()
+        truth = head_patching(model, pairs[:truth_pairs])
+        out["truth"] = {
+            "pairs": min(truth_pairs, len(pairs)),
+            "heads": truth.tolist(),
+            "seconds": time.perf_counter() - begin,
+            "pearson": {},
+        }
     for label in tqdm(methods, desc="methods", disable=not progress):
         method, steps = METHODS[label]
         begin = time.perf_counter()
@@ -222,6 +289,17 @@ def run_task(
             )
         seconds = time.perf_counter() - begin
         assert isinstance(scores, circuits.EdgeScores)
+        if truth is not None:
+            subset = scores
+            if truth_pairs < len(pairs) and method != "random":
+                sub_clean, sub_corrupted, sub_metric = ioi.paired_batch(model, pairs[:truth_pairs])
+                subset = circuits.attribute(
+                    model, sub_clean, sub_corrupted, sub_metric, method=method, steps=steps,
+                    batch_size=batch_size,
+                )  # fmt: skip
+            heads = head_node_scores(subset)
+            out["truth"]["pearson"][label] = pearson(heads, truth)
+            out["truth"].setdefault("head_scores", {})[label] = heads.tolist()
         chosen = [scores.top(n) for n in sizes]
         begin = time.perf_counter()
         per_ablation = {a: [measure(c, a) for c in chosen] for a in ablations}
@@ -430,6 +508,19 @@ def markdown(study: dict[str, Any]) -> str:
             ]
             lines += [f"| {n} | {k} | {_ci(v['difference'])} | {_ci(v['ratio'], 2)} |" for n, k, v in rows]  # fmt: skip
             lines.append("")
+    truths = [(n, t["truth"]) for n, t in study["tasks"].items() if "truth" in t]
+    if truths:
+        lines += [
+            "Head scores (each head's outgoing edges summed) against head activation patching "
+            "(denoise, hook_z, all positions), Pearson r:",
+            "",
+            "| task (pairs patched) | " + " | ".join(truths[0][1]["pearson"]) + " |",
+            "|---|" + "---|" * len(truths[0][1]["pearson"]),
+        ]
+        for name, truth in truths:
+            values = " | ".join(f"{r:.3f}" for r in truth["pearson"].values())
+            lines.append(f"| {name} ({truth['pairs']}) | {values} |")
+        lines.append("")
     if study.get("goals"):
         lines += ["### Goals (patching)", ""]
         for name, row in study["goals"].items():
@@ -473,9 +564,12 @@ def circuit_study(
     model_name: str = "",
     progress: bool = True,
     on_task: Any = None,
+    truth_tasks: Sequence[str] = (),
+    truth_pairs: int = 8,
 ) -> dict[str, Any]:
     """Run every task; `on_task(study)` after each method of each task (to save partial
-    results)."""
+    results). Head activation patching (ground truth for head scores) on the first
+    `truth_pairs` pairs of the tasks in `truth_tasks`."""
     study: dict[str, Any] = {
         "config": {
             "model": model_name,
@@ -491,6 +585,8 @@ def circuit_study(
             "edge_counts": list(edge_counts),
             "selection": "top (by |score|), pruned to input -> logits paths",
             "direction": "denoise",
+            "truth_tasks": list(truth_tasks),
+            "truth_pairs": truth_pairs,
         },
         "tasks": {},
     }
@@ -519,6 +615,7 @@ def circuit_study(
                 batch_size=batch_size,
                 progress=progress,
                 on_method=keep,
+                truth_pairs=truth_pairs if name in truth_tasks else 0,
             )
         )
     study["runtime_seconds"] = time.perf_counter() - start
@@ -546,6 +643,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ablations", default=None, help="patching,mean (both)")
     parser.add_argument("--batch-size", type=int, default=None, help="pairs per pass (8)")
     parser.add_argument("--n-boot", type=int, default=None, help="bootstrap resamples (1000)")
+    parser.add_argument(
+        "--truth-tasks", default=None, help="tasks with head activation patching (ioi); '' for none"
+    )
+    parser.add_argument("--truth-pairs", type=int, default=None, help="its pairs (8)")
     parser.add_argument("--json", type=Path, default=None, metavar="FILE", help="write results")
     parser.add_argument("--markdown", type=Path, default=None, metavar="FILE", help="write tables")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -558,7 +659,11 @@ def main(argv: list[str] | None = None) -> int:
             settings["methods"] = _names(args.methods, tuple(METHODS), "method")
         if args.ablations is not None:
             settings["ablations"] = _names(args.ablations, ("patching", "mean", "zero"), "ablation")  # fmt: skip
-        for flag in ("n_pairs", "batch_size", "n_boot"):
+        if args.truth_tasks is not None:
+            settings["truth_tasks"] = (
+                _names(args.truth_tasks, (*TASKS, "toy"), "task") if args.truth_tasks else []
+            )
+        for flag in ("n_pairs", "batch_size", "n_boot", "truth_pairs"):
             value = getattr(args, flag)
             if value is not None:
                 if value < 1:

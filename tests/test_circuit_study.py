@@ -37,6 +37,9 @@ def test_explicit_flags_win_over_quick(saved):
     assert study["config"]["n_pairs"] == 4 and list(study["config"]["methods"]) == METHODS.split(",")  # fmt: skip
     assert study["config"]["n_boot"] == QUICK_SETTINGS["n_boot"]
     assert study["tasks"]["toy"]["n_pairs"] == 4
+    truth = study["tasks"]["toy"]["truth"]  # --quick: head patching on 2 toy pairs
+    assert truth["pairs"] == 2 and list(truth["pearson"]) == METHODS.split(",")
+    assert all(-1 <= r <= 1 for r in truth["pearson"].values())
 
 
 def test_curves_run_from_zero_to_one_and_intervals_hold_the_estimates(saved):
@@ -122,3 +125,29 @@ def test_random_scores_live_on_the_graph():
     graph = circuits.Graph(n_layers=2, n_heads=4, n_kv_heads=2, d_model=8, parallel_attn_mlp=False)
     scores = study_module.random_scores(graph).scores
     assert bool((scores[~graph.real] == 0).all()) and bool((scores[graph.real] > 0).all())
+
+
+def test_head_patching_is_patching_every_outgoing_edge():
+    """The ground truth (a head's hook_z patched from clean into the corrupted run) equals edge
+    patching of all that head's outgoing edges, run on the corrupted prompts."""
+    from ra_lens.experiments.circuit_study import head_node_scores, head_patching
+    from ra_lens.toy_models import tiny_model
+    from tests.helpers import has_bridge
+
+    model = tiny_model("llama" if has_bridge() else "hooked", n_layers=2, dtype=torch.float64)
+    pairs = task_pairs(model, "toy", 3)
+    truth = head_patching(model, pairs)
+    clean, corrupted, metric = ioi.paired_batch(model, pairs)
+    graph = circuits.Graph.from_model(model)
+    for layer, head in [(0, 1), (1, 2)]:
+        edges = graph.real.clone()
+        edges[graph.writer_index[f"a{layer}.h{head}"]] = False
+        result = circuits.faithfulness(
+            model, circuits.Circuit(graph, edges), corrupted, clean, metric
+        )
+        effect = result.circuit_metric - result.clean_metric  # "clean" here: the corrupted run
+        assert float(truth[layer, head]) == pytest.approx(effect, abs=1e-9)
+    scores = circuits.attribute(model, clean, corrupted, metric, method="eap")
+    heads = head_node_scores(scores)
+    writer = graph.writer_index["a1.h2"]
+    assert float(heads[1, 2]) == pytest.approx(float(scores.scores[writer].sum()))

@@ -189,7 +189,7 @@ def head_node_scores(
     """Each head's node score from its edge scores: the sum over its outgoing edges, the first-
     order effect of patching its output into every reader (as `attribute(level="node")`)."""
     g = scores.graph
-    writers = scores.scores.sum(1)
+    writers = scores.scores.detach().sum(1)  # under TL 2 attribute returns scores with grad
     index = [[g.writer_index[f"a{la}.h{h}"] for h in range(g.n_heads)] for la in range(g.n_layers)]
     return writers[torch.tensor(index)]
 

@@ -151,3 +151,24 @@ def test_head_patching_is_patching_every_outgoing_edge():
     heads = head_node_scores(scores)
     writer = graph.writer_index["a1.h2"]
     assert float(heads[1, 2]) == pytest.approx(float(scores.scores[writer].sum()))
+
+
+def test_merging_studies_that_ran_side_by_side(saved, tmp_path):
+    """Two halves of one study (methods split) merge back into its summary."""
+    study, _ = saved
+    halves = []
+    for methods in (["eap"], ["exact", "random"]):
+        half = json.loads(json.dumps(study))
+        task = half["tasks"]["toy"]
+        task["methods"] = {m: task["methods"][m] for m in methods}
+        half["config"]["methods"] = {m: study["config"]["methods"][m] for m in methods}
+        (tmp_path / f"{methods[0]}.json").write_text(json.dumps(half))
+        halves.append(str(tmp_path / f"{methods[0]}.json"))
+    assert main(["--merge", *halves, "--json", str(tmp_path / "m.json")]) == 0
+    merged = json.loads((tmp_path / "m.json").read_text())
+    assert merged["tasks"]["toy"]["summary"] == study["tasks"]["toy"]["summary"]
+    assert merged["goals"] == study["goals"] and list(merged["config"]["methods"]) == METHODS.split(",")  # fmt: skip
+    other = json.loads(json.dumps(study))
+    other["config"]["n_boot"] += 1
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    assert main(["--merge", halves[0], str(tmp_path / "other.json")]) == 2

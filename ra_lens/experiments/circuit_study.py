@@ -623,12 +623,60 @@ def circuit_study(
     return study
 
 
+def merge_saved(studies: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Studies that ran side by side (other methods or tasks, same settings) as one: a task in
+    several must have the same pairs and sizes; its methods are pooled, summaries and goals
+    recomputed from the per-pair metrics. Runtime: the longest part (they ran in parallel)."""
+    if not studies:
+        raise ValueError("merge needs at least one saved study")
+    keys = ("model", "n_pairs", "batch_size", "n_boot", "fractions", "edge_counts", "direction")
+    first = studies[0]["config"]
+    for other in studies[1:]:
+        bad = [k for k in keys if other["config"].get(k) != first.get(k)]
+        if bad:
+            raise ValueError(f"studies with different settings ({', '.join(bad)}) cannot merge")
+    merged: dict[str, Any] = {"config": json.loads(json.dumps(first)), "tasks": {}}
+    for study in studies:
+        for name, task in study["tasks"].items():
+            if name not in merged["tasks"]:
+                merged["tasks"][name] = json.loads(json.dumps(task))
+                continue
+            have = merged["tasks"][name]
+            if have["pairs"] != task["pairs"] or have["sizes"] != task["sizes"]:
+                raise ValueError(f"task {name!r}: the studies used different pairs or sizes")
+            for ablation, ref in task["reference"].items():
+                have["reference"].setdefault(ablation, ref)
+            have["methods"].update(task["methods"])
+            if "truth" in task and "truth" not in have:
+                have["truth"] = task["truth"]
+    config = merged["config"]
+    config["methods"] = {m: list(METHODS[m]) for m in METHODS if any(m in t["methods"] for t in merged["tasks"].values())}  # fmt: skip
+    config["tasks"] = list(merged["tasks"])
+    config["ablations"] = [a for a in ABLATIONS + ("zero",) if any(a in s["config"]["ablations"] for s in studies)]  # fmt: skip
+    for task in merged["tasks"].values():
+        task["methods"] = {m: task["methods"][m] for m in METHODS if m in task["methods"]}
+        task["summary"] = summarise(task, config["fractions"], config["n_boot"])
+    merged["runtime_seconds"] = max(s.get("runtime_seconds", 0.0) for s in studies)
+    merged["merged_from"] = len(studies)
+    merged["goals"] = goals(merged)
+    return merged
+
+
 def _names(text: str, allowed: Sequence[str], what: str) -> list[str]:
     names = [n.strip() for n in text.split(",") if n.strip()]
     bad = [n for n in names if n not in allowed]
     if bad or not names:
         raise ValueError(f"unknown {what} {', '.join(bad) or '(none)'}: choose from {', '.join(allowed)}")  # fmt: skip
     return names
+
+
+def _save(study: dict[str, Any], json_path: Path | None, markdown_path: Path | None) -> None:
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(study, indent=1))
+    if markdown_path is not None:
+        markdown_path.parent.mkdir(parents=True, exist_ok=True)
+        markdown_path.write_text(markdown(study) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -649,9 +697,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--truth-pairs", type=int, default=None, help="its pairs (8)")
     parser.add_argument("--json", type=Path, default=None, metavar="FILE", help="write results")
     parser.add_argument("--markdown", type=Path, default=None, metavar="FILE", help="write tables")
+    parser.add_argument(
+        "--merge", type=Path, nargs="+", default=None, metavar="JSON",
+        help="merge saved studies (run side by side) into --json / --markdown",
+    )  # fmt: skip
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
     settings = dict(QUICK_SETTINGS if args.quick else FULL_SETTINGS)
+    if args.merge is not None:
+        try:
+            study = merge_saved([json.loads(path.read_text()) for path in args.merge])
+        except (ValueError, OSError, KeyError) as error:
+            print(f"circuit_study: error: {error}", file=sys.stderr)
+            return 2
+        _save(study, args.json, args.markdown)
+        print(markdown(study))
+        return 0
     try:  # explicit flags win over --quick
         if args.tasks is not None:
             settings["tasks"] = _names(args.tasks, (*TASKS, "toy"), "task")
@@ -681,12 +742,7 @@ def main(argv: list[str] | None = None) -> int:
             model, model_name = load_model(args.model), args.model
 
         def save(study: dict[str, Any]) -> None:
-            if args.json is not None:
-                args.json.parent.mkdir(parents=True, exist_ok=True)
-                args.json.write_text(json.dumps(study, indent=1))
-            if args.markdown is not None:
-                args.markdown.parent.mkdir(parents=True, exist_ok=True)
-                args.markdown.write_text(markdown(study) + "\n")
+            _save(study, args.json, args.markdown)
 
         study = circuit_study(
             model, model_name=model_name, progress=not args.no_progress, on_task=save, **settings

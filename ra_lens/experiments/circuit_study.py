@@ -10,10 +10,14 @@ mean-ablated for "mean"), so every curve runs from 0 (no edge) to 1 (every edge)
 MIB's trapezoid areas over the fraction of edges. Intervals: 95 % percentile bootstrap over
 pairs, the same resamples for every method, so paired differences between methods come with
 their own interval. The per-pair metrics are saved, so every number recomputes from the JSON.
+Ground truth for head scores: each head's output patched from clean into the corrupted run
+(`head_patching`) on the first pairs of the `--truth-tasks`, against each method's head scores
+(its outgoing edges summed), Pearson r.
 
     python -m ra_lens.experiments.circuit_study --quick                      # tiny model, seconds
     python -m ra_lens.experiments.circuit_study --json docs/results/circuit_study.json \\
         --markdown docs/results/circuit_study.md
+    python -m ra_lens.experiments.circuit_study --merge a.json b.json --json all.json  # parts
 """
 
 from __future__ import annotations

@@ -163,6 +163,7 @@ def circuit_study(out: Path, source: Path = CIRCUIT_JSON) -> list[Path]:
     data = json.loads(Path(source).read_text())
     tasks = list(data["tasks"])
     ablations = data["config"]["ablations"]
+    order = list(data["config"]["methods"])
     fig, axes = plt.subplots(
         len(ablations), len(tasks), figsize=(4.6 * len(tasks), 3.6 * len(ablations)),
         sharey=True, squeeze=False,
@@ -173,7 +174,8 @@ def circuit_study(out: Path, source: Path = CIRCUIT_JSON) -> list[Path]:
         x = [task["sizes"][i] for i in shown]
         for row, ablation in enumerate(ablations):
             ax = axes[row, col]
-            for k, (label, entry) in enumerate(task["summary"]["methods"].items()):
+            for label, entry in task["summary"]["methods"].items():
+                k = order.index(label)  # one colour and style per method in every panel
                 if ablation not in entry:
                     continue
                 e = entry[ablation]
@@ -182,7 +184,7 @@ def circuit_study(out: Path, source: Path = CIRCUIT_JSON) -> list[Path]:
                     x, [e["faithfulness"][i] for i in shown],
                     label=f"{label}: CPR {cpr['estimate']:.3f} [{cpr['low']:.3f}, {cpr['high']:.3f}]",
                     linestyle=("-", "--", ":", "-.")[k % 4], marker="os^vDx"[k % 6], markersize=3,
-                    linewidth=2.0 if label.startswith("exact") else 1.2,
+                    linewidth=2.0 if label.startswith("exact") else 1.2, color=f"C{k}",
                 )[0]  # fmt: skip
                 ax.fill_between(
                     x, [e["low"][i] for i in shown], [e["high"][i] for i in shown],

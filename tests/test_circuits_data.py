@@ -426,3 +426,96 @@ def test_faithfulness_curve_with_edge_patching_ends_at_exactly_0_and_1() -> None
     assert curve.n_edges == [0, g.n_edges]
     assert curve.values == pytest.approx([0.0, 1.0], abs=1e-10)
     assert curve.cpr == pytest.approx(0.999 / 2, abs=1e-10)
+
+
+def gqa_and_ungrouped_copy() -> tuple[object, object]:
+    """A tiny float64 grouped-query model (4 query heads on 2 key/value heads) and the same
+    model ungrouped, each key/value head's weights repeated for each query head of its group:
+    what EAP-IG runs on a grouped-query model."""
+    from helpers import has_bridge
+
+    if has_bridge():
+        from transformer_lens.model_bridge import TransformerBridge
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from ra_lens.models import hub_offline
+        from ra_lens.toy_models import hf_config, tiny_tokenizer_dir
+
+        models = []
+        torch.manual_seed(0)
+        grouped_hf = AutoModelForCausalLM.from_config(hf_config("llama", 300, 32, 2, 4, 64))
+        state = grouped_hf.state_dict()
+        flat_cfg = hf_config("llama", 300, 32, 2, 4, 64)
+        flat_cfg.num_key_value_heads = 4
+        flat_hf = AutoModelForCausalLM.from_config(flat_cfg)
+        flat_state = {
+            k: v.view(2, 8, -1).repeat_interleave(2, 0).reshape(32, -1)
+            if k.endswith(("k_proj.weight", "v_proj.weight"))
+            else v
+            for k, v in state.items()
+        }
+        flat_hf.load_state_dict(flat_state)
+        tok = AutoTokenizer.from_pretrained(tiny_tokenizer_dir())
+        for hf in (grouped_hf, flat_hf):
+            hf.config._attn_implementation = "eager"
+            with hub_offline():
+                models.append(
+                    TransformerBridge.boot_transformers(
+                        "tiny-llama", hf_model=hf.eval(), tokenizer=tok
+                    )
+                    .to(torch.float64)
+                    .eval()
+                )
+        return models[0], models[1]
+    from transformer_lens import HookedTransformer, HookedTransformerConfig
+
+    def build(n_kv: int | None) -> HookedTransformer:
+        cfg = HookedTransformerConfig(
+            d_model=32,
+            d_head=8,
+            n_layers=2,
+            n_heads=4,
+            n_key_value_heads=n_kv,
+            n_ctx=64,
+            d_vocab=300,
+            d_mlp=64,
+            act_fn="silu",
+            normalization_type="RMS",
+            positional_embedding_type="rotary",
+            dtype=torch.float64,
+            seed=0,
+        )
+        return HookedTransformer(cfg).eval()
+
+    grouped, flat = build(2), build(None)
+    state = {}
+    for k, v in grouped.state_dict().items():
+        if "attn._W_" in k or "attn._b_" in k:
+            k, v = k.replace("attn._", "attn."), v.repeat_interleave(2, 0)
+        state[k] = v
+    flat.load_state_dict(state, strict=False)
+    return grouped, flat
+
+
+def test_gqa_file_read_as_the_ungrouped_model_gives_the_same_faithfulness(tmp_path: Path) -> None:
+    from ra_lens.circuits import faithfulness
+    from ra_lens.metrics import logit_diff
+
+    grouped, flat = gqa_and_ungrouped_copy()
+    clean, corrupted = torch.tensor([[1, 5, 7, 9, 11, 13]]), torch.tensor([[1, 5, 8, 9, 12, 13]])
+    metric = logit_diff([3], [4])
+    assert torch.allclose(grouped(clean), flat(clean), atol=1e-10)  # the same function
+    g = Graph.from_model(grouped)
+    assert (g.n_heads, g.n_kv_heads) == (4, 2)
+    torch.manual_seed(3)
+    circuit = EdgeScores(g, torch.randn(g.real.shape) * g.real, "eap", "denoise").top(
+        g.n_edges // 3
+    )
+    assert any(name.endswith(("<k>", "<v>")) for name in circuit.edge_names)
+    circuit.to_json(tmp_path / "gqa.json")
+    as_flat = Circuit.from_json(tmp_path / "gqa.json", flat)
+    value = faithfulness(grouped, circuit, clean, corrupted, metric).value
+    assert abs(value - 1) > 1e-3 and abs(value) > 1e-3  # neither the full nor the empty circuit
+    assert faithfulness(flat, as_flat, clean, corrupted, metric).value == pytest.approx(
+        value, abs=1e-9
+    )

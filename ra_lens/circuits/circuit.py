@@ -301,11 +301,14 @@ class Circuit:
 
         return read_json(path, model_or_graph, kv=kv)
 
-    def draw(self, path: str | Path | None = None, **kwargs: object) -> Figure:
-        """A picture of the circuit (see `draw.py`); written to `path` (PNG, SVG, PDF by suffix)."""
+    def draw(
+        self, path: str | Path | None = None, *, title: str | None = None, max_width: float = 4.0
+    ) -> Figure:
+        """A picture of the circuit (see `draw.py`), also written to `path` when given (PNG, SVG
+        or PDF by suffix); `max_width`: line width of the edge with the largest |score|."""
         from ra_lens.circuits.draw import draw_circuit
 
-        return draw_circuit(self, path, **kwargs)  # type: ignore[arg-type]
+        return draw_circuit(self, path, title=title, max_width=max_width)
 
 
 @lru_cache(maxsize=8)

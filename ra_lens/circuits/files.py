@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from jaxtyping import Float
+from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from ra_lens._typing import Validated
@@ -130,29 +130,33 @@ def read_json(
 
     readers = ungrouped_readers(g)
     u_index = {name: (u, r) for u, (name, r) in enumerate(readers)}
-    n_w, n_u = len(g.writers), len(readers)
-    in_graph = torch.zeros(n_w, n_u, dtype=torch.bool)
-    score = torch.zeros(n_w, n_u, dtype=torch.float64)
+    real = g.real.tolist()
+    ws, us, flags, values = [], [], [], []
     for name, entry in data["edges"].items():
         writer, sep, reader = name.partition("->")
         if not sep or writer not in g.writer_index or reader not in u_index:
             raise ValueError(f"{path}: {name!r} is not an edge of {g} (EAP-IG edge names)")
         w, (u, r) = g.writer_index[writer], u_index[reader]
-        if not g.real[w, r]:
+        if not real[w][r]:
             raise ValueError(f"{path}: {name!r}: {writer} comes after {reader}, no such edge")
         if not isinstance(entry, dict) or not isinstance(entry.get("in_graph"), bool):
             raise ValueError(f"{path}: edge {name!r} needs a boolean 'in_graph', got {entry!r}")
         value = entry.get("score", 0.0)
         if not isinstance(value, (int, float)) or isinstance(value, bool):
             raise ValueError(f"{path}: edge {name!r} has score {value!r}, expected a number")
-        in_graph[w, u], score[w, u] = entry["in_graph"], float(value)
-
-    edges = torch.zeros_like(g.real)
-    scores = torch.zeros(g.real.shape, dtype=torch.float64)
-    target = torch.tensor([r for _, r in readers])
-    for r in range(len(g.readers)):
-        copies = torch.nonzero(target == r).flatten()
-        edges[:, r], scores[:, r] = _merge(path, g, kv, in_graph[:, copies], score[:, copies], r)
+        ws.append(w)
+        us.append(u)
+        flags.append(entry["in_graph"])
+        values.append(float(value))
+    shape = (len(g.writers), len(readers))
+    at = (torch.tensor(ws, dtype=torch.long), torch.tensor(us, dtype=torch.long))
+    in_graph = torch.zeros(shape, dtype=torch.bool).index_put(
+        at, torch.tensor(flags, dtype=torch.bool)
+    )
+    score = torch.zeros(shape, dtype=torch.float64).index_put(
+        at, torch.tensor(values, dtype=torch.float64)
+    )
+    edges, scores = _merge(path, g, kv, in_graph, score, torch.tensor([r for _, r in readers]))
     node_scores = _node_scores(path, data["nodes"], g)
     return Circuit(g, edges & g.real, scores=scores, node_scores=node_scores)
 
@@ -161,14 +165,19 @@ def _merge(
     path: str | Path,
     g: Graph,
     kv: KvRule,
-    in_graph: torch.Tensor,
-    score: Float[Tensor, "writer copy"],
-    r: int,
-) -> tuple[torch.Tensor, Float[Tensor, " writer"]]:
-    """One reader of `g` from its copies in the file (one copy unless a grouped k/v reader)."""
-    everywhere, anywhere = in_graph.all(1), in_graph.any(1)
+    in_graph: Bool[Tensor, "writer ureader"],
+    score: Float[Tensor, "writer ureader"],
+    target: Int[Tensor, " ureader"],
+) -> tuple[Bool[Tensor, "writer reader"], Float[Tensor, "writer reader"]]:
+    """The file's ungrouped readers merged into the readers of `g` (`target[u]`: the reader an
+    ungrouped reader stands for; several query heads' copies for a grouped k/v reader)."""
+    shape = (len(g.writers), len(g.readers))
+    index = target.expand(shape[0], -1)
+    copies = torch.bincount(target, minlength=shape[1])
+    n_in = torch.zeros(shape, dtype=torch.long).scatter_add(1, index, in_graph.long())
+    everywhere, anywhere = n_in == copies, n_in > 0
     if kv == "strict" and (everywhere != anywhere).any():
-        w = int(torch.nonzero(everywhere != anywhere)[0])
+        w, r = torch.nonzero(everywhere != anywhere)[0].tolist()
         reader = g.readers[r]
         lo = g.group * (g.reader(reader).head or 0)
         raise ValueError(
@@ -177,9 +186,14 @@ def _merge(
             "make the group agree, or read with kv='any' (in when in on any head of the group) "
             "or kv='all' (in only when in on all of them)"
         )
-    same = (score == score[:, :1]).all(1)
-    merged = torch.where(same, score[:, 0], score.mean(1))
-    return (everywhere if kv == "all" else anywhere), merged
+    low = torch.zeros(shape, dtype=torch.float64).scatter_reduce(
+        1, index, score, "amin", include_self=False
+    )
+    high = torch.zeros(shape, dtype=torch.float64).scatter_reduce(
+        1, index, score, "amax", include_self=False
+    )
+    mean = torch.zeros(shape, dtype=torch.float64).scatter_add(1, index, score) / copies
+    return (everywhere if kv == "all" else anywhere), torch.where(low == high, low, mean)
 
 
 def _load(path: Path) -> dict[str, Any]:

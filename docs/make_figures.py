@@ -30,7 +30,7 @@ TARGET = " Florence"
 STUDY_JSON = Path(__file__).resolve().parent / "results" / "ranking_study.json"
 #: The rankings the curve figure draws (all twelve are in the heat map).
 CURVE_RANKINGS = ("ra", "ra_temperature", "causal_mediation", "cm_first_order", "random")
-FIGURES = ("figure1", "patching", "ranking")
+FIGURES = ("figure1", "patching", "ranking", "circuit")
 
 
 def figure1(model: Any, out: Path) -> list[Path]:
@@ -147,6 +147,69 @@ def ranking(out: Path) -> list[Path]:
     return [heat, curves]
 
 
+CIRCUIT_JSON = Path(__file__).resolve().parent / "results" / "circuit_study.json"
+
+
+def circuit_study(out: Path, source: Path = CIRCUIT_JSON) -> list[Path]:
+    """The circuit study from its JSON (`python -m ra_lens.experiments.circuit_study`): faithfulness
+    against edges kept, one line per method with its 95 % bootstrap band, one panel per task and
+    ablation; no model."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
+    data = json.loads(Path(source).read_text())
+    tasks = list(data["tasks"])
+    ablations = data["config"]["ablations"]
+    order = list(data["config"]["methods"])
+    fig, axes = plt.subplots(
+        len(ablations), len(tasks), figsize=(4.6 * len(tasks), 3.6 * len(ablations)),
+        sharey=True, squeeze=False,
+    )  # fmt: skip
+    for col, name in enumerate(tasks):
+        task = data["tasks"][name]
+        shown = [i for i, n in enumerate(task["sizes"]) if n > 0]  # log axis: no empty circuit
+        x = [task["sizes"][i] for i in shown]
+        for row, ablation in enumerate(ablations):
+            ax = axes[row, col]
+            for label, entry in task["summary"]["methods"].items():
+                k = order.index(label)  # one colour and style per method in every panel
+                if ablation not in entry:
+                    continue
+                e = entry[ablation]
+                cpr = e["cpr"]
+                line = ax.plot(
+                    x, [e["faithfulness"][i] for i in shown],
+                    label=f"{label}: CPR {cpr['estimate']:.3f} [{cpr['low']:.3f}, {cpr['high']:.3f}]",
+                    linestyle=("-", "--", ":", "-.")[k % 4], marker="os^vDx"[k % 6], markersize=3,
+                    linewidth=2.0 if label.startswith("exact") else 1.2, color=f"C{k}",
+                )[0]  # fmt: skip
+                ax.fill_between(
+                    x, [e["low"][i] for i in shown], [e["high"][i] for i in shown],
+                    color=line.get_color(), alpha=0.15, linewidth=0,
+                )  # fmt: skip
+            ax.axhline(1.0, color="grey", lw=0.8, ls=":")
+            ax.axhline(0.0, color="grey", lw=0.8, ls=":")
+            ax.set_xscale("log")
+            ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}"))
+            ax.xaxis.set_minor_formatter(NullFormatter())
+            ax.set_ylim(-0.4, 1.4)  # bands of tiny circuits can be wider: clipped
+            ax.set_title(f"{name} ({task['n_pairs']} pairs), {ablation}", fontsize=9)
+            ax.set_xlabel(f"edges kept (top-n by |score|, pruned; of {task['n_edges_total']:,})")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=6.5, loc="upper left", title="95% bootstrap bands", title_fontsize=7)
+    for ax in axes[:, 0]:
+        ax.set_ylabel("faithfulness")
+    fig.suptitle(f"Circuit faithfulness on {data['config']['model']} (edge patching)", fontsize=10)
+    fig.tight_layout()
+    path = out / "circuit_study.png"
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return [path]
+
+
 def main(argv: list[str] | None = None) -> list[Path]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=OUT)
@@ -156,7 +219,7 @@ def main(argv: list[str] | None = None) -> list[Path]:
 
     import ra_lens
 
-    model = ra_lens.load_model(device="cpu") if set(args.only) - {"ranking"} else None
+    model = ra_lens.load_model(device="cpu") if set(args.only) - {"ranking", "circuit"} else None
     paths: list[Path] = []
     for name in args.only:
         start = time.perf_counter()
@@ -164,6 +227,8 @@ def main(argv: list[str] | None = None) -> list[Path]:
             paths += figure1(model, args.out)
         elif name == "patching":
             paths += patching(model, args.out)
+        elif name == "circuit":
+            paths += circuit_study(args.out)
         else:
             paths += ranking(args.out)
         print(f"{name}: {time.perf_counter() - start:.0f} s")

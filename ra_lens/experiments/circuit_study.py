@@ -1,0 +1,763 @@
+"""The circuit study: which edge scores give the most faithful circuits, per second (issue 22).
+
+For each task (IOI, country-capital, antonym word pairs with a swapped query), every method scores
+all edges of the model's graph (`circuits.attribute`; "random" draws uniform scores), circuits of
+MIB's sizes (and of 100, 500, 2,000 edges) are taken from the scores (top-n by |score|, pruned)
+and measured by edge patching (`circuits.faithfulness`) under each ablation. Faithfulness at a
+size is (m(circuit) - m(empty)) / (m(clean) - m(empty)), m the metric's mean over pairs and
+"empty" the empty circuit under that ablation (the corrupted run for "patching", every edge
+mean-ablated for "mean"), so every curve runs from 0 (no edge) to 1 (every edge). CPR and CMD are
+MIB's trapezoid areas over the fraction of edges. Intervals: 95 % percentile bootstrap over
+pairs, the same resamples for every method, so paired differences between methods come with
+their own interval. The per-pair metrics are saved, so every number recomputes from the JSON.
+Ground truth for head scores: each head's output patched from clean into the corrupted run
+(`head_patching`) on the first pairs of the `--truth-tasks`, against each method's head scores
+(its outgoing edges summed), Pearson r.
+
+    python -m ra_lens.experiments.circuit_study --quick                      # tiny model, seconds
+    python -m ra_lens.experiments.circuit_study --json docs/results/circuit_study.json \\
+        --markdown docs/results/circuit_study.md
+    python -m ra_lens.experiments.circuit_study --merge a.json b.json --json all.json  # parts
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from collections.abc import Sequence
+from importlib.util import find_spec
+from pathlib import Path
+from typing import Any
+
+import torch
+from jaxtyping import Float
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from ra_lens import capture, circuits
+from ra_lens.circuits.curve import MIB_FRACTIONS
+from ra_lens.ranking import Interval, bootstrap_indices
+from ra_lens.tasks import format_prompt, ioi, load
+from ra_lens.tasks.ioi import PromptPair
+from ra_lens.types import HookedModel
+
+#: method label -> (circuits.attribute's method, IG steps); "random" draws uniform scores.
+METHODS: dict[str, tuple[str, int]] = {
+    "eap": ("eap", 1),
+    "eap-ig-5": ("eap-ig", 5),
+    "eap-ig-20": ("eap-ig", 20),
+    "exact": ("exact", 1),
+    "exact-ig-5": ("exact-ig", 5),
+    "random": ("random", 1),
+}
+#: The ra-lens methods (the best of them is compared with the field's) and the references.
+RA_METHODS: tuple[str, ...] = ("exact", "exact-ig-5")
+REFERENCES: tuple[str, ...] = ("eap-ig-20", "eap")
+TASKS: tuple[str, ...] = ("ioi", "country-capital", "antonym")
+ABLATIONS: tuple[str, ...] = ("patching", "mean")
+#: Edge counts reported beside the fractions, to compare with EAP-IG's own numbers (issue 22).
+EDGE_COUNTS: tuple[int, ...] = (100, 500, 2000)
+#: Antonym pairs: one fixed 3-shot context, the query swapped between clean and corrupted.
+ANTONYM_SHOTS = 3
+#: Goals of issue 22: CPR at least EAP's times this; IOI faithfulness at 2,000 edges (moonshot).
+EAP_RATIO_GOAL = 1.3
+MOONSHOT = 0.8
+
+# --quick: a tiny random model and pairs its tokenizer writes with one-token words; its graph
+# (about 300 edges) is small, so the fractions are coarse and the edge counts small.
+QUICK_WORDS = ("b", "c", "d", "l", "o", "s", "t", "F", "I")
+QUICK_SETTINGS: dict[str, Any] = {
+    "tasks": ["toy"],
+    "n_pairs": 6,
+    "methods": list(METHODS),
+    "ablations": list(ABLATIONS),
+    "batch_size": 4,
+    "n_boot": 200,
+    "fractions": (0.01, 0.1, 0.5, 1.0),
+    "edge_counts": (10, 50),
+    "truth_tasks": ["toy"],
+    "truth_pairs": 2,
+}
+FULL_SETTINGS: dict[str, Any] = {
+    "tasks": list(TASKS),
+    "n_pairs": 32,
+    "methods": list(METHODS),
+    "ablations": list(ABLATIONS),
+    "batch_size": 8,
+    "n_boot": 1000,
+    "fractions": MIB_FRACTIONS,
+    "edge_counts": EDGE_COUNTS,
+    "truth_tasks": ["ioi"],
+    "truth_pairs": 8,
+}
+
+
+# --------------------------------------------------------------------------------------------
+# tasks
+
+
+def antonym_pairs(model: HookedModel, n: int, *, seed: int = 0) -> list[PromptPair]:
+    """Antonym prompts with one fixed 3-shot context; the corrupted prompt asks about another word
+    whose prompt has the same token length, and whose (one-token) antonym is the wrong answer."""
+    rows = list(load("antonym").pairs)
+    random.Random(seed).shuffle(rows)
+    demos, rest = rows[:ANTONYM_SHOTS], rows[ANTONYM_SHOTS:]
+
+    def one_token(text: str) -> bool:
+        return model.to_tokens(text, prepend_bos=False).shape[1] == 1
+
+    by_length: dict[int, list[tuple[str, str]]] = {}
+    for x, y in rest:
+        if one_token(f" {y}"):
+            length = int(model.to_tokens(format_prompt(demos, x)).shape[1])
+            by_length.setdefault(length, []).append((x, y))
+    pairs = []
+    for group in by_length.values():
+        for (x, y), (x2, y2) in zip(group, group[1:] + group[:1]):
+            if y != y2 and x != x2:
+                clean, corrupted = format_prompt(demos, x), format_prompt(demos, x2)
+                pairs.append(PromptPair(clean, corrupted, f" {y}", f" {y2}", task="antonym"))
+    return pairs[:n]
+
+
+def toy_pairs(model: HookedModel, n: int) -> list[PromptPair]:
+    """--quick's pairs for the tiny tokenizer: "I like {x} and" against another word."""
+    pairs = [
+        PromptPair(f"I like {x} and", f"I like {y} and", " the", " of", task="toy")
+        for x, y in zip(QUICK_WORDS, QUICK_WORDS[1:] + QUICK_WORDS[:1])
+    ]
+    return ioi.usable(model, pairs)[:n]
+
+
+def task_pairs(model: HookedModel, task: str, n: int) -> list[PromptPair]:
+    """Up to n usable pairs of a task (fewer where the tokenizer leaves fewer)."""
+    if task == "ioi":
+        return ioi.usable(model, ioi.ioi_pairs(4 * n))[:n]
+    if task == "country-capital":
+        return ioi.capital_pairs(model, n)
+    if task == "antonym":
+        return antonym_pairs(model, n)
+    if task == "toy":
+        return toy_pairs(model, n)
+    raise ValueError(f"unknown task {task!r}: choose from {', '.join(TASKS)}")
+
+
+# --------------------------------------------------------------------------------------------
+# running
+
+
+def random_scores(graph: circuits.Graph, seed: int = 0) -> circuits.EdgeScores:
+    """Uniform random scores on the graph's edges (the floor every method must beat)."""
+    generator = torch.Generator().manual_seed(seed)
+    scores = torch.rand(graph.real.shape, generator=generator, dtype=torch.float64)
+    return circuits.EdgeScores(graph, scores * graph.real, method="random", direction="denoise")
+
+
+def head_patching(model: HookedModel, pairs: Sequence[PromptPair]) -> Float[Tensor, "layer head"]:
+    """Ground truth for head (node) scores: m(corrupted run with head h's output patched to
+    clean) - m(corrupted), mean over pairs (denoise, as the edge scores), every position patched.
+    A head's output is z_h @ W_O[h], so patching its hook_z patches exactly that output; the
+    heads of one layer run side by side as copies of the batch."""
+    clean, corrupted, metric = ioi.paired_batch(model, list(pairs))
+    n_layers, n_heads = model.cfg.n_layers, model.cfg.n_heads
+    k = clean.tokens.shape[0]
+    out = torch.zeros(n_layers, n_heads, dtype=torch.float64)
+    with capture.preserved_state(model), torch.no_grad():
+        base = metric(model(corrupted.tokens), corrupted.lengths).double()
+        names = {capture.Z.format(layer) for layer in range(n_layers)}
+        _, cache = model.run_with_cache(clean.tokens, names_filter=lambda name: name in names)
+        copies = corrupted.tokens.repeat(n_heads, 1)
+        for layer in range(n_layers):
+            clean_z = cache[capture.Z.format(layer)]
+
+            def patch(z: Tensor, hook: Any, clean_z: Tensor = clean_z) -> Tensor:
+                z = z.clone()
+                for h in range(n_heads):
+                    z[h * k : (h + 1) * k, :, h] = clean_z[:, :, h]
+                return z
+
+            with model.hooks(fwd_hooks=[(capture.Z.format(layer), patch)]):
+                logits = model(copies)
+            for h in range(n_heads):
+                patched = metric(logits[h * k : (h + 1) * k], corrupted.lengths).double()
+                out[layer, h] = (patched - base).mean()
+    return out
+
+
+def head_node_scores(
+    scores: circuits.EdgeScores,
+) -> Float[Tensor, "layer head"]:
+    """Each head's node score from its edge scores: the sum over its outgoing edges, the first-
+    order effect of patching its output into every reader (as `attribute(level="node")`)."""
+    g = scores.graph
+    writers = scores.scores.detach().sum(1)  # under TL 2 attribute returns scores with grad
+    index = [[g.writer_index[f"a{la}.h{h}"] for h in range(g.n_heads)] for la in range(g.n_layers)]
+    return writers[torch.tensor(index)]
+
+
+def pearson(a: Tensor, b: Tensor) -> float:
+    """Pearson correlation of two flattened tensors."""
+    x, y = a.flatten().double(), b.flatten().double()
+    x, y = x - x.mean(), y - y.mean()
+    return float((x * y).sum() / (x.norm() * y.norm()))
+
+
+def edge_sizes(n_edges: int, fractions: Sequence[float], counts: Sequence[int]) -> list[int]:
+    """Edges asked for: int(k * n_edges) for MIB's fractions (rounded down, as MIB) and the
+    fixed counts that fit, sorted, without repeats.
+
+    >>> edge_sizes(1000, (0.001, 0.01, 1.0), (100, 500, 2000))
+    [1, 10, 100, 500, 1000]
+    """
+    asked = {int(k * n_edges) for k in fractions} | {c for c in counts if c <= n_edges}
+    return sorted(asked)
+
+
+def run_task(
+    model: HookedModel,
+    pairs: Sequence[PromptPair],
+    *,
+    methods: Sequence[str],
+    ablations: Sequence[str],
+    fractions: Sequence[float],
+    edge_counts: Sequence[int],
+    batch_size: int,
+    progress: bool = True,
+    on_method: Any = None,
+    truth_pairs: int = 0,
+) -> dict[str, Any]:
+    """Score, choose and measure: the raw per-pair metrics of one task, JSON-ready.
+
+    Returns a dict with "sizes" (edges asked for), per ablation the reference metrics per pair
+    ("clean", "corrupted", "empty"), and per method its attribution seconds, the edges kept at
+    each size after pruning and, per ablation, the circuit metric per size and pair.
+    `on_method(partial result)` runs after each method (to save partial results). With
+    truth_pairs > 0, head activation patching on the first truth_pairs pairs ("truth") and each
+    method's head node scores on the same pairs ("head_scores", summed from their edge scores:
+    an extra attribution when truth_pairs < the number of pairs) and Pearson r to the truth.
+    """
+    clean, corrupted, metric = ioi.paired_batch(model, list(pairs))
+    graph = circuits.Graph.from_model(model)
+    sizes = edge_sizes(graph.n_edges, fractions, edge_counts)
+    measured: dict[tuple[bytes, str], list[float]] = {}  # a circuit two methods share runs once
+
+    def measure(circuit: circuits.Circuit, ablation: str) -> list[float]:
+        key = (circuit.edges.numpy().tobytes(), ablation)
+        if key not in measured:
+            result = circuits.faithfulness(
+                model, circuit, clean, corrupted, metric, ablation=ablation, batch_size=batch_size
+            )
+            measured[key] = result.circuit_per_pair.tolist()
+            if circuit.n_edges == 0:
+                reference[ablation] = {
+                    "clean": result.clean_per_pair.tolist(),
+                    "corrupted": result.corrupted_per_pair.tolist(),
+                    "empty": measured[key],
+                }
+        return measured[key]
+
+    reference: dict[str, dict[str, list[float]]] = {}
+    start = time.perf_counter()
+    for ablation in ablations:
+        measure(circuits.Circuit.empty(graph), ablation)
+    out: dict[str, Any] = {
+        "n_pairs": len(pairs),
+        "pairs": [[p.clean, p.corrupted, p.answer, p.wrong] for p in pairs],
+        "n_edges_total": graph.n_edges,
+        "sizes": sizes,
+        "edge_counts": [c for c in edge_counts if c in sizes],
+        "reference": reference,
+        "methods": {},
+    }
+    truth = None
+    if truth_pairs > 0:
+        begin = time.perf_counter()
+        truth = head_patching(model, pairs[:truth_pairs])
+        out["truth"] = {
+            "pairs": min(truth_pairs, len(pairs)),
+            "heads": truth.tolist(),
+            "seconds": time.perf_counter() - begin,
+            "pearson": {},
+        }
+    for label in tqdm(methods, desc="methods", disable=not progress):
+        method, steps = METHODS[label]
+        begin = time.perf_counter()
+        if method == "random":
+            scores = random_scores(graph)
+        else:
+            scores = circuits.attribute(
+                model, clean, corrupted, metric, method=method, steps=steps, batch_size=batch_size
+            )
+        seconds = time.perf_counter() - begin
+        assert isinstance(scores, circuits.EdgeScores)
+        if truth is not None:
+            subset = scores
+            if truth_pairs < len(pairs) and method != "random":
+                sub_clean, sub_corrupted, sub_metric = ioi.paired_batch(model, pairs[:truth_pairs])
+                subset = circuits.attribute(
+                    model, sub_clean, sub_corrupted, sub_metric, method=method, steps=steps,
+                    batch_size=batch_size,
+                )  # fmt: skip
+            heads = head_node_scores(subset)
+            out["truth"]["pearson"][label] = pearson(heads, truth)
+            out["truth"].setdefault("head_scores", {})[label] = heads.tolist()
+        chosen = [scores.top(n) for n in sizes]
+        begin = time.perf_counter()
+        per_ablation = {a: [measure(c, a) for c in chosen] for a in ablations}
+        out["methods"][label] = {
+            "seconds": seconds,
+            "eval_seconds": time.perf_counter() - begin,
+            "n_edges": [c.n_edges for c in chosen],
+            "circuit": per_ablation,
+        }
+        out["seconds"] = time.perf_counter() - start
+        if on_method is not None:
+            on_method(out)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# statistics, all from the saved per-pair metrics
+
+
+def curves(
+    task: dict[str, Any], method: str, ablation: str, index: Tensor | None = None
+) -> Float[Tensor, "boot size"]:
+    """Faithfulness at each size from the metrics' means over pairs, on the pairs as observed
+    (index None: one row) or on each bootstrap resample of pairs (index [boot, n])."""
+    ref = task["reference"][ablation]
+    circuit = torch.tensor(task["methods"][method]["circuit"][ablation], dtype=torch.float64).T
+    clean = torch.tensor(ref["clean"], dtype=torch.float64)
+    empty = torch.tensor(ref["empty"], dtype=torch.float64)
+    if index is None:
+        index = torch.arange(len(clean))[None]
+    clean_m, empty_m = clean[index].mean(1), empty[index].mean(1)
+    return (circuit[index].mean(1) - empty_m[:, None]) / (clean_m - empty_m)[:, None]
+
+
+def fraction_columns(task: dict[str, Any], fractions: Sequence[float]) -> list[int]:
+    """The size index of each fraction."""
+    return [task["sizes"].index(int(k * task["n_edges_total"])) for k in fractions]
+
+
+def areas(
+    fractions: Sequence[float], values: Float[Tensor, "boot size"], *, absolute: bool
+) -> Float[Tensor, "boot"]:
+    """Trapezoid areas over the fractions: CPR of f, or CMD of |1 - f| (absolute)."""
+    x = torch.tensor(list(fractions), dtype=torch.float64)
+    y = (1 - values).abs() if absolute else values
+    return ((x[1:] - x[:-1]) * (y[:, 1:] + y[:, :-1]) / 2).sum(-1)
+
+
+def interval(estimate: float, stats: Tensor, n: int, n_boot: int) -> dict[str, Any]:
+    """95 % percentile interval of bootstrap statistics (nan resamples dropped)."""
+    stats = stats.double()
+    stats = stats[~stats.isnan()]
+    if stats.numel() == 0:
+        return Interval(estimate, float("nan"), float("nan"), 0.95, n, n_boot, 0).to_dict()
+    q = torch.tensor([0.025, 0.975], dtype=torch.float64)
+    low, high = torch.quantile(stats, q).tolist()
+    return Interval(float(estimate), low, high, 0.95, n, n_boot, 0).to_dict()
+
+
+def cpr_samples(
+    task: dict[str, Any], method: str, ablation: str, fractions: Sequence[float], n_boot: int
+) -> tuple[float, Tensor]:
+    """CPR as observed and on each resample (the same resamples for every method)."""
+    columns = fraction_columns(task, fractions)
+    index = bootstrap_indices(task["n_pairs"], n_boot, seed=0)
+    point = areas(fractions, curves(task, method, ablation)[:, columns], absolute=False)
+    boot = areas(fractions, curves(task, method, ablation, index)[:, columns], absolute=False)
+    return float(point[0]), boot
+
+
+def paired_difference(
+    task: dict[str, Any], a: str, b: str, ablation: str, fractions: Sequence[float], n_boot: int
+) -> dict[str, Any]:
+    """CPR(a) - CPR(b) with its interval over the same resamples, and CPR(a) / CPR(b)."""
+    point_a, boot_a = cpr_samples(task, a, ablation, fractions, n_boot)
+    point_b, boot_b = cpr_samples(task, b, ablation, fractions, n_boot)
+    n = task["n_pairs"]
+    return {
+        "difference": interval(point_a - point_b, boot_a - boot_b, n, n_boot),
+        "ratio": interval(point_a / point_b, boot_a / boot_b, n, n_boot),
+    }
+
+
+def summarise(task: dict[str, Any], fractions: Sequence[float], n_boot: int) -> dict[str, Any]:
+    """Per method and ablation: the curve with bands, CPR, CMD, faithfulness at the fixed edge
+    counts; the paired differences of the best ra-lens method against the references."""
+    n = task["n_pairs"]
+    index = bootstrap_indices(n, n_boot, seed=0)
+    columns = fraction_columns(task, fractions)
+    out: dict[str, Any] = {"methods": {}, "paired": {}, "best_ra_lens": {}}
+    for ablation in task["reference"]:
+        for label in task["methods"]:
+            point, boot = curves(task, label, ablation), curves(task, label, ablation, index)
+            band = [interval(float(point[0, i]), boot[:, i], n, n_boot) for i in range(len(task["sizes"]))]  # fmt: skip
+            entry = out["methods"].setdefault(label, {})
+            entry[ablation] = {
+                "faithfulness": point[0].tolist(),
+                "low": [b["low"] for b in band],
+                "high": [b["high"] for b in band],
+                "cpr": interval(
+                    float(areas(fractions, point[:, columns], absolute=False)[0]),
+                    areas(fractions, boot[:, columns], absolute=False), n, n_boot,
+                ),
+                "cmd": interval(
+                    float(areas(fractions, point[:, columns], absolute=True)[0]),
+                    areas(fractions, boot[:, columns], absolute=True), n, n_boot,
+                ),
+                "at_edges": {str(c): band[task["sizes"].index(c)] for c in task["edge_counts"]},
+            }  # fmt: skip
+        ours = [m for m in RA_METHODS if m in task["methods"]]
+        if not ours:
+            continue
+        best = max(ours, key=lambda m: out["methods"][m][ablation]["cpr"]["estimate"])
+        out["best_ra_lens"][ablation] = best
+        for ref in REFERENCES:
+            if ref in task["methods"]:
+                out["paired"].setdefault(ablation, {})[f"{best} - {ref}"] = paired_difference(
+                    task, best, ref, ablation, fractions, n_boot
+                )
+    return out
+
+
+def goals(study: dict[str, Any]) -> dict[str, Any]:
+    """Issue 22's goals per task under patching: best ra-lens CPR >= EAP-IG-20's (the paired
+    interval says how sure), >= 1.3 x EAP's, in no more time than EAP-IG-20; IOI moonshot."""
+    out: dict[str, Any] = {}
+    for name, task in study["tasks"].items():
+        summary = task["summary"]
+        best = summary["best_ra_lens"].get("patching")
+        if best is None:
+            continue
+        paired = summary["paired"].get("patching", {})
+        row: dict[str, Any] = {"best_ra_lens": best}
+        if f"{best} - eap-ig-20" in paired:
+            diff = paired[f"{best} - eap-ig-20"]["difference"]
+            row["cpr_minus_eap_ig_20"] = diff
+            row["at_or_above_eap_ig_20"] = diff["estimate"] >= 0
+            row["seconds"] = task["methods"][best]["seconds"]
+            row["eap_ig_20_seconds"] = task["methods"]["eap-ig-20"]["seconds"]
+            row["no_slower_than_eap_ig_20"] = row["seconds"] <= row["eap_ig_20_seconds"]
+        if f"{best} - eap" in paired:
+            ratio = paired[f"{best} - eap"]["ratio"]
+            row["cpr_over_eap"] = ratio
+            row["at_least_1.3x_eap"] = ratio["estimate"] >= EAP_RATIO_GOAL
+        at = summary["methods"][best]["patching"]["at_edges"].get("2000")
+        if name == "ioi" and at is not None:
+            row["faithfulness_2000"] = at
+            row["moonshot_met"] = at["estimate"] >= MOONSHOT
+        out[name] = row
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# reporting
+
+
+def _ci(entry: dict[str, Any], digits: int = 3) -> str:
+    if entry["estimate"] is None:
+        return "n/a"
+    return f"{entry['estimate']:.{digits}f} [{entry['low']:.{digits}f}, {entry['high']:.{digits}f}]"
+
+
+def markdown(study: dict[str, Any]) -> str:
+    """The study's tables: per task x method CPR, CMD (95 % intervals), seconds, faithfulness at
+    100/500/2,000 edges; the paired differences; the goals."""
+    cfg = study["config"]
+    lines = [
+        f"Model {cfg['model']}, {cfg['device']}; top-n by |score| then pruned; edge patching "
+        f"(`circuits.faithfulness`); {cfg['n_boot']} bootstrap resamples over pairs, 95 % "
+        f"percentile intervals; fractions {', '.join(f'{100 * k:g}%' for k in cfg['fractions'])}"
+        f" of the edges. Seconds: attribution only. Study ran {study['runtime_seconds']:.0f} s.",
+        "",
+    ]
+    counts = [str(c) for c in cfg["edge_counts"]]
+    for ablation in cfg["ablations"]:
+        lines += [
+            f"### Ablation: {ablation}",
+            "",
+            "| task (pairs) | method | CPR (higher better) | CMD (lower better) | seconds | "
+            + " | ".join(f"f @ {c} edges" for c in counts)
+            + " |",
+            "|---|---|---|---|---:|" + "---|" * len(counts),
+        ]
+        for name, task in study["tasks"].items():
+            for label, entry in task["summary"]["methods"].items():
+                if ablation not in entry:
+                    continue
+                e = entry[ablation]
+                at = [_ci(e["at_edges"][c], 2) if c in e["at_edges"] else "-" for c in counts]
+                lines.append(
+                    f"| {name} ({task['n_pairs']}) | {label} | {_ci(e['cpr'])} | {_ci(e['cmd'])}"
+                    f" | {task['methods'][label]['seconds']:.0f} | " + " | ".join(at) + " |"
+                )
+        lines.append("")
+        rows = [
+            (name, key, value)
+            for name, task in study["tasks"].items()
+            for key, value in task["summary"]["paired"].get(ablation, {}).items()
+        ]
+        if rows:
+            lines += [
+                f"Paired CPR differences ({ablation}), same resamples:",
+                "",
+                "| task | best ra-lens - reference | CPR difference | CPR ratio |",
+                "|---|---|---|---|",
+            ]
+            lines += [f"| {n} | {k} | {_ci(v['difference'])} | {_ci(v['ratio'], 2)} |" for n, k, v in rows]  # fmt: skip
+            lines.append("")
+    truths = [(n, t["truth"]) for n, t in study["tasks"].items() if "truth" in t]
+    if truths:
+        lines += [
+            "Head scores (each head's outgoing edges summed) against head activation patching "
+            "(denoise, hook_z, all positions), Pearson r:",
+            "",
+            "| task (pairs patched) | " + " | ".join(truths[0][1]["pearson"]) + " |",
+            "|---|" + "---|" * len(truths[0][1]["pearson"]),
+        ]
+        for name, truth in truths:
+            values = " | ".join(f"{r:.3f}" for r in truth["pearson"].values())
+            lines.append(f"| {name} ({truth['pairs']}) | {values} |")
+        lines.append("")
+    if study.get("goals"):
+        lines += ["### Goals (patching)", ""]
+        for name, row in study["goals"].items():
+            parts = [f"best ra-lens method {row['best_ra_lens']}"]
+            if "cpr_minus_eap_ig_20" in row:
+                parts.append(
+                    f"CPR - EAP-IG-20 {_ci(row['cpr_minus_eap_ig_20'])} "
+                    f"({'met' if row['at_or_above_eap_ig_20'] else 'missed'}); "
+                    f"{row['seconds']:.0f} s vs EAP-IG-20 {row['eap_ig_20_seconds']:.0f} s "
+                    f"({'met' if row['no_slower_than_eap_ig_20'] else 'missed'})"
+                )
+            if "cpr_over_eap" in row:
+                parts.append(
+                    f"CPR / EAP {_ci(row['cpr_over_eap'], 2)} "
+                    f"({'met' if row['at_least_1.3x_eap'] else 'missed'})"
+                )
+            if "faithfulness_2000" in row:
+                parts.append(
+                    f"faithfulness at 2,000 edges {_ci(row['faithfulness_2000'])} "
+                    f"(moonshot >= {MOONSHOT}: {'met' if row['moonshot_met'] else 'missed'})"
+                )
+            lines.append(f"- {name}: " + "; ".join(parts))
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------
+# the study
+
+
+def circuit_study(
+    model: HookedModel,
+    *,
+    tasks: Sequence[str],
+    n_pairs: int,
+    methods: Sequence[str],
+    ablations: Sequence[str],
+    batch_size: int,
+    n_boot: int,
+    fractions: Sequence[float] = MIB_FRACTIONS,
+    edge_counts: Sequence[int] = EDGE_COUNTS,
+    model_name: str = "",
+    progress: bool = True,
+    on_task: Any = None,
+    truth_tasks: Sequence[str] = (),
+    truth_pairs: int = 8,
+) -> dict[str, Any]:
+    """Run every task; `on_task(study)` after each method of each task (to save partial
+    results). Head activation patching (ground truth for head scores) on the first
+    `truth_pairs` pairs of the tasks in `truth_tasks`."""
+    study: dict[str, Any] = {
+        "config": {
+            "model": model_name,
+            "device": str(next(model.parameters()).device),
+            "torch_threads": torch.get_num_threads(),
+            "tasks": list(tasks),
+            "n_pairs": n_pairs,
+            "methods": {m: list(METHODS[m]) for m in methods},
+            "ablations": list(ablations),
+            "batch_size": batch_size,
+            "n_boot": n_boot,
+            "fractions": list(fractions),
+            "edge_counts": list(edge_counts),
+            "selection": "top (by |score|), pruned to input -> logits paths",
+            "direction": "denoise",
+            "truth_tasks": list(truth_tasks),
+            "truth_pairs": truth_pairs,
+        },
+        "tasks": {},
+    }
+    start = time.perf_counter()
+    for name in tasks:
+        pairs = task_pairs(model, name, n_pairs)
+        if not pairs:
+            raise ValueError(f"task {name!r} has no usable pairs for this model's tokenizer")
+
+        def keep(task: dict[str, Any], name: str = name) -> None:
+            task["summary"] = summarise(task, fractions, n_boot)
+            study["tasks"][name] = task
+            study["runtime_seconds"] = time.perf_counter() - start
+            study["goals"] = goals(study)
+            if on_task is not None:
+                on_task(study)
+
+        keep(
+            run_task(
+                model,
+                pairs,
+                methods=methods,
+                ablations=ablations,
+                fractions=fractions,
+                edge_counts=edge_counts,
+                batch_size=batch_size,
+                progress=progress,
+                on_method=keep,
+                truth_pairs=truth_pairs if name in truth_tasks else 0,
+            )
+        )
+    study["runtime_seconds"] = time.perf_counter() - start
+    study["goals"] = goals(study)
+    return study
+
+
+def merge_saved(studies: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Studies that ran side by side (other methods or tasks, same settings) as one: a task in
+    several must have the same pairs and sizes; its methods are pooled, summaries and goals
+    recomputed from the per-pair metrics. Runtime: the longest part (they ran in parallel)."""
+    if not studies:
+        raise ValueError("merge needs at least one saved study")
+    keys = ("model", "n_pairs", "batch_size", "n_boot", "fractions", "edge_counts", "direction")
+    first = studies[0]["config"]
+    for other in studies[1:]:
+        bad = [k for k in keys if other["config"].get(k) != first.get(k)]
+        if bad:
+            raise ValueError(f"studies with different settings ({', '.join(bad)}) cannot merge")
+    merged: dict[str, Any] = {"config": json.loads(json.dumps(first)), "tasks": {}}
+    for study in studies:
+        for name, task in study["tasks"].items():
+            if name not in merged["tasks"]:
+                merged["tasks"][name] = json.loads(json.dumps(task))
+                continue
+            have = merged["tasks"][name]
+            if have["pairs"] != task["pairs"] or have["sizes"] != task["sizes"]:
+                raise ValueError(f"task {name!r}: the studies used different pairs or sizes")
+            for ablation, ref in task["reference"].items():
+                have["reference"].setdefault(ablation, ref)
+            have["methods"].update(task["methods"])
+            if "truth" in task and "truth" not in have:
+                have["truth"] = task["truth"]
+    config = merged["config"]
+    config["methods"] = {m: list(METHODS[m]) for m in METHODS if any(m in t["methods"] for t in merged["tasks"].values())}  # fmt: skip
+    config["tasks"] = list(merged["tasks"])
+    config["ablations"] = [a for a in ABLATIONS + ("zero",) if any(a in s["config"]["ablations"] for s in studies)]  # fmt: skip
+    for task in merged["tasks"].values():
+        task["methods"] = {m: task["methods"][m] for m in METHODS if m in task["methods"]}
+        task["summary"] = summarise(task, config["fractions"], config["n_boot"])
+    merged["runtime_seconds"] = max(s.get("runtime_seconds", 0.0) for s in studies)
+    merged["merged_from"] = len(studies)
+    merged["goals"] = goals(merged)
+    return merged
+
+
+def _names(text: str, allowed: Sequence[str], what: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    bad = [n for n in names if n not in allowed]
+    if bad or not names:
+        raise ValueError(f"unknown {what} {', '.join(bad) or '(none)'}: choose from {', '.join(allowed)}")  # fmt: skip
+    return names
+
+
+def _save(study: dict[str, Any], json_path: Path | None, markdown_path: Path | None) -> None:
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(study, indent=1))
+    if markdown_path is not None:
+        markdown_path.parent.mkdir(parents=True, exist_ok=True)
+        markdown_path.write_text(markdown(study) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="circuit_study", description=__doc__.split("\n\n")[0] if __doc__ else None
+    )
+    parser.add_argument("--quick", action="store_true", help="tiny model and toy pairs: seconds")
+    parser.add_argument("--model", default="smollm2-135m", help="model for load_model")
+    parser.add_argument("--tasks", default=None, help=f"comma-separated ({','.join(TASKS)})")
+    parser.add_argument("--n-pairs", type=int, default=None, help="pairs per task (32)")
+    parser.add_argument("--methods", default=None, help=f"comma-separated ({','.join(METHODS)})")
+    parser.add_argument("--ablations", default=None, help="patching,mean (both)")
+    parser.add_argument("--batch-size", type=int, default=None, help="pairs per pass (8)")
+    parser.add_argument("--n-boot", type=int, default=None, help="bootstrap resamples (1000)")
+    parser.add_argument(
+        "--truth-tasks", default=None, help="tasks with head activation patching (ioi); '' for none"
+    )
+    parser.add_argument("--truth-pairs", type=int, default=None, help="its pairs (8)")
+    parser.add_argument("--json", type=Path, default=None, metavar="FILE", help="write results")
+    parser.add_argument("--markdown", type=Path, default=None, metavar="FILE", help="write tables")
+    parser.add_argument(
+        "--merge", type=Path, nargs="+", default=None, metavar="JSON",
+        help="merge saved studies (run side by side) into --json / --markdown",
+    )  # fmt: skip
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    args = parser.parse_args(argv)
+    settings = dict(QUICK_SETTINGS if args.quick else FULL_SETTINGS)
+    if args.merge is not None:
+        try:
+            study = merge_saved([json.loads(path.read_text()) for path in args.merge])
+        except (ValueError, OSError, KeyError) as error:
+            print(f"circuit_study: error: {error}", file=sys.stderr)
+            return 2
+        _save(study, args.json, args.markdown)
+        print(markdown(study))
+        return 0
+    try:  # explicit flags win over --quick
+        if args.tasks is not None:
+            settings["tasks"] = _names(args.tasks, (*TASKS, "toy"), "task")
+        if args.methods is not None:
+            settings["methods"] = _names(args.methods, tuple(METHODS), "method")
+        if args.ablations is not None:
+            settings["ablations"] = _names(args.ablations, ("patching", "mean", "zero"), "ablation")  # fmt: skip
+        if args.truth_tasks is not None:
+            settings["truth_tasks"] = (
+                _names(args.truth_tasks, (*TASKS, "toy"), "task") if args.truth_tasks else []
+            )
+        for flag in ("n_pairs", "batch_size", "n_boot", "truth_pairs"):
+            value = getattr(args, flag)
+            if value is not None:
+                if value < 1:
+                    raise ValueError(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
+                settings[flag] = value
+        if args.quick:
+            from ra_lens.toy_models import tiny_model
+
+            arch = "llama" if find_spec("transformer_lens.model_bridge") else "hooked"
+            model = tiny_model(arch, n_layers=2)
+            model_name = f"tiny-{arch} (random weights)"
+        else:
+            from ra_lens.models import load_model
+
+            model, model_name = load_model(args.model), args.model
+
+        def save(study: dict[str, Any]) -> None:
+            _save(study, args.json, args.markdown)
+
+        study = circuit_study(
+            model, model_name=model_name, progress=not args.no_progress, on_task=save, **settings
+        )
+    except (ValueError, RuntimeError, OSError) as error:
+        print(f"circuit_study: error: {error}", file=sys.stderr)
+        return 2
+    save(study)
+    print(markdown(study))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,174 @@
+"""The circuit study end to end on a tiny model (--quick): its numbers agree with each other and
+with `circuits.faithfulness_curve`; user errors are one line and exit 2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from ra_lens import circuits
+from ra_lens.experiments import circuit_study as study_module
+from ra_lens.experiments.circuit_study import (
+    QUICK_SETTINGS,
+    fraction_columns,
+    main,
+    paired_difference,
+    task_pairs,
+)
+from ra_lens.ranking import trapezoid_auc
+from ra_lens.tasks import ioi
+
+# eap-ig-20 stays out to keep the test cheap (the IG path is covered by the circuits tests).
+METHODS = "eap,exact,random"
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    out = tmp_path_factory.mktemp("study")
+    argv = ["--quick", "--methods", METHODS, "--n-pairs", "4", "--no-progress"]
+    assert main([*argv, "--json", str(out / "s.json"), "--markdown", str(out / "s.md")]) == 0
+    return json.loads((out / "s.json").read_text()), (out / "s.md").read_text()
+
+
+def test_explicit_flags_win_over_quick(saved):
+    study, _ = saved
+    assert study["config"]["n_pairs"] == 4 and list(study["config"]["methods"]) == METHODS.split(",")  # fmt: skip
+    assert study["config"]["n_boot"] == QUICK_SETTINGS["n_boot"]
+    assert study["tasks"]["toy"]["n_pairs"] == 4
+    truth = study["tasks"]["toy"]["truth"]  # --quick: head patching on 2 toy pairs
+    assert truth["pairs"] == 2 and list(truth["pearson"]) == METHODS.split(",")
+    assert all(-1 <= r <= 1 for r in truth["pearson"].values())
+
+
+def test_curves_run_from_zero_to_one_and_intervals_hold_the_estimates(saved):
+    study, _ = saved
+    task = study["tasks"]["toy"]
+    sizes = task["sizes"]
+    assert sizes[-1] == task["n_edges_total"] and sizes == sorted(set(sizes))
+    for label, entry in task["summary"]["methods"].items():
+        assert task["methods"][label]["n_edges"][-1] == task["n_edges_total"]
+        for ablation in ("patching", "mean"):
+            e = entry[ablation]
+            assert e["faithfulness"][-1] == pytest.approx(1.0, abs=1e-5), (label, ablation)
+            if sizes[0] == 0:
+                assert e["faithfulness"][0] == pytest.approx(0.0, abs=1e-9)
+            for name in ("cpr", "cmd", *[f"at:{c}" for c in e["at_edges"]]):
+                i = e["at_edges"][name[3:]] if name.startswith("at:") else e[name]
+                assert i["low"] - 1e-9 <= i["estimate"] <= i["high"] + 1e-9, (label, name)
+            for f, lo, hi in zip(e["faithfulness"], e["low"], e["high"]):
+                assert lo - 1e-9 <= f <= hi + 1e-9
+
+
+def test_cpr_and_cmd_are_mibs_trapezoids_of_the_curve(saved):
+    study, _ = saved
+    task = study["tasks"]["toy"]
+    fractions = study["config"]["fractions"]
+    columns = fraction_columns(task, fractions)
+    for entry in task["summary"]["methods"].values():
+        for e in entry.values():
+            curve = [e["faithfulness"][i] for i in columns]
+            assert e["cpr"]["estimate"] == pytest.approx(trapezoid_auc(fractions, curve))
+            cmd = trapezoid_auc(fractions, [abs(1 - v) for v in curve])
+            assert e["cmd"]["estimate"] == pytest.approx(cmd)
+
+
+def test_paired_differences(saved):
+    study, text = saved
+    task, cfg = study["tasks"]["toy"], study["config"]
+    same = paired_difference(task, "exact", "exact", "patching", cfg["fractions"], 50)
+    assert same["difference"]["estimate"] == same["difference"]["low"] == 0.0
+    assert same["difference"]["high"] == 0.0 and same["ratio"]["estimate"] == pytest.approx(1.0)
+    best = task["summary"]["best_ra_lens"]["patching"]
+    paired = task["summary"]["paired"]["patching"][f"{best} - eap"]
+    cpr = task["summary"]["methods"]
+    expected = cpr[best]["patching"]["cpr"]["estimate"] - cpr["eap"]["patching"]["cpr"]["estimate"]
+    assert paired["difference"]["estimate"] == pytest.approx(expected)
+    assert f"| toy | {best} - eap |" in text and "| toy (4) | random |" in text
+
+
+def test_the_curve_matches_faithfulness_curve(saved):
+    """The study's patching curve is `circuits.faithfulness_curve` of the same scores (patching:
+    the empty circuit is the corrupted run, so both normalise alike)."""
+    from ra_lens.toy_models import tiny_model
+
+    study, _ = saved
+    task, cfg = study["tasks"]["toy"], study["config"]
+    arch = cfg["model"].split()[0].removeprefix("tiny-")
+    model = tiny_model(arch, n_layers=2)
+    clean, corrupted, metric = ioi.paired_batch(model, task_pairs(model, "toy", 4))
+    scores = circuits.attribute(model, clean, corrupted, metric, method="eap", batch_size=4)
+    fractions = cfg["fractions"]
+    curve = circuits.faithfulness_curve(model, scores, clean, corrupted, metric, sizes=fractions)
+    ours = task["summary"]["methods"]["eap"]["patching"]["faithfulness"]
+    columns = fraction_columns(task, fractions)
+    assert curve.values == pytest.approx([ours[i] for i in columns], abs=1e-4)
+    assert torch.isfinite(torch.tensor(curve.values)).all()
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--methods", "eap,nope"], "unknown method nope"),
+        (["--tasks", "greater-than"], "unknown task greater-than"),
+        (["--n-pairs", "0"], "--n-pairs must be at least 1"),
+    ],
+)
+def test_user_errors_are_one_line(capsys, argv, message):
+    assert main(["--quick", "--no-progress", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("circuit_study: error: ") and message in err and "\n" not in err
+
+
+def test_random_scores_live_on_the_graph():
+    graph = circuits.Graph(n_layers=2, n_heads=4, n_kv_heads=2, d_model=8, parallel_attn_mlp=False)
+    scores = study_module.random_scores(graph).scores
+    assert bool((scores[~graph.real] == 0).all()) and bool((scores[graph.real] > 0).all())
+
+
+def test_head_patching_is_patching_every_outgoing_edge():
+    """The ground truth (a head's hook_z patched from clean into the corrupted run) equals edge
+    patching of all that head's outgoing edges, run on the corrupted prompts."""
+    from ra_lens.experiments.circuit_study import head_node_scores, head_patching
+    from ra_lens.toy_models import tiny_model
+    from tests.helpers import has_bridge
+
+    model = tiny_model("llama" if has_bridge() else "hooked", n_layers=2, dtype=torch.float64)
+    pairs = task_pairs(model, "toy", 3)
+    truth = head_patching(model, pairs)
+    clean, corrupted, metric = ioi.paired_batch(model, pairs)
+    graph = circuits.Graph.from_model(model)
+    for layer, head in [(0, 1), (1, 2)]:
+        edges = graph.real.clone()
+        edges[graph.writer_index[f"a{layer}.h{head}"]] = False
+        result = circuits.faithfulness(
+            model, circuits.Circuit(graph, edges), corrupted, clean, metric
+        )
+        effect = result.circuit_metric - result.clean_metric  # "clean" here: the corrupted run
+        assert float(truth[layer, head]) == pytest.approx(effect, abs=1e-9)
+    scores = circuits.attribute(model, clean, corrupted, metric, method="eap")
+    heads = head_node_scores(scores)
+    writer = graph.writer_index["a1.h2"]
+    assert float(heads[1, 2]) == pytest.approx(float(scores.scores[writer].sum()))
+
+
+def test_merging_studies_that_ran_side_by_side(saved, tmp_path):
+    """Two halves of one study (methods split) merge back into its summary."""
+    study, _ = saved
+    halves = []
+    for methods in (["eap"], ["exact", "random"]):
+        half = json.loads(json.dumps(study))
+        task = half["tasks"]["toy"]
+        task["methods"] = {m: task["methods"][m] for m in methods}
+        half["config"]["methods"] = {m: study["config"]["methods"][m] for m in methods}
+        (tmp_path / f"{methods[0]}.json").write_text(json.dumps(half))
+        halves.append(str(tmp_path / f"{methods[0]}.json"))
+    assert main(["--merge", *halves, "--json", str(tmp_path / "m.json")]) == 0
+    merged = json.loads((tmp_path / "m.json").read_text())
+    assert merged["tasks"]["toy"]["summary"] == study["tasks"]["toy"]["summary"]
+    assert merged["goals"] == study["goals"] and list(merged["config"]["methods"]) == METHODS.split(",")  # fmt: skip
+    other = json.loads(json.dumps(study))
+    other["config"]["n_boot"] += 1
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    assert main(["--merge", halves[0], str(tmp_path / "other.json")]) == 2

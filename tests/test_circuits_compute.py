@@ -264,6 +264,7 @@ def test_scores_are_zero_off_the_graph_and_leave_the_model(model, batches):
         scores = attribute(model, clean, corrupted, METRIC, method=method)
         assert bool(scores.scores[~scores.graph.real].eq(0).all())
         assert scores.scores[scores.graph.real].abs().sum() > 0
+        assert not scores.scores.requires_grad  # plain numbers, in both TL worlds
     after = snapshot(model)
     assert after[:2] == before[:2] and after[3] == before[3]
     assert all(g is None for g in after[2])

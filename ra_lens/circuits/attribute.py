@@ -158,7 +158,7 @@ def attribute(
                 total += step.scores(diffs, base.real_mask()).cpu() / n_steps
                 bar.update(1)
     bar.close()
-    scores = (total / n) * graph.real
+    scores = ((total / n) * graph.real).detach()  # TL 2: R read at hook_pattern carries a graph
     if level == "node":
         return NodeScores(graph, scores.sum(1), scores.sum(0), method, direction)
     return EdgeScores(graph, scores, method, direction)

@@ -62,7 +62,7 @@ def test_help_lists_subcommands(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
     text = capsys.readouterr().out
-    assert all(word in text for word in ("maps", "patch", "rank", "attribute"))
+    assert all(word in text for word in ("maps", "patch", "rank", "attribute", "circuit"))
 
 
 #: Single-token pairs for the tiny tokenizer (the example task of `attention_patching`).

@@ -22,8 +22,8 @@ from helpers import dropout_model, has_bridge, hook_count, module_modes
 from torch import Tensor
 
 import ra_lens
+from ra_lens import circuits, tasks
 from ra_lens import ranking as rk
-from ra_lens import tasks
 from ra_lens.capture import model_modules
 from ra_lens.experiments.attention_patching import attention_patching
 from ra_lens.experiments.head_ranking import head_ranking
@@ -94,6 +94,21 @@ def _head_ranking(model) -> Tensor:
     return torch.cat([s.flatten().double() for s in result.scores.values()])
 
 
+def _circuit_scores(method: str) -> Callable[..., Tensor]:
+    def run(model, metric=DIFF) -> Tensor:
+        return circuits.attribute(model, TOKENS, CORRUPTED, metric, method=method, steps=2).scores
+
+    return run
+
+
+def _faithfulness(model, metric=DIFF) -> Tensor:
+    graph = circuits.Graph.from_model(model)
+    half = circuits.Circuit(
+        graph, graph.real & (torch.arange(graph.real.numel()) % 2 == 0).view_as(graph.real)
+    )
+    return circuits.faithfulness(model, half, TOKENS, CORRUPTED, metric).circuit_per_pair
+
+
 #: (name, function(model) -> tensor): every public function that runs a model.
 CASES: list[tuple[str, Callable[..., Tensor]]] = [
     *[(f"ra-{m}-{k}", _ra(m, k)) for m in ("full", "layerwise") for k in ("maps", "norms", "rows")],
@@ -116,6 +131,8 @@ CASES: list[tuple[str, Callable[..., Tensor]]] = [
     ("ablation_curve", _ablation_curve),
     ("evaluate_ablated-mean", _mean_ablation),
     ("head_ranking", _head_ranking),
+    *[(f"circuits.attribute-{m}", _circuit_scores(m)) for m in ("eap", "eap-ig", "exact")],
+    ("circuits.faithfulness", _faithfulness),
 ]
 if has_bridge():  # edit_dynamics refuses HookedTransformer (see ra_lens.dynamics.SUPPORTED)
     CASES.append(("edit_dynamics", _dynamics))

@@ -7,6 +7,10 @@ import math
 
 import pytest
 import torch
+from helpers import TOY_CLEAN as CLEAN
+from helpers import TOY_CORRUPTED as CORRUPTED
+from helpers import TOY_TARGETS as TARGETS
+from helpers import TOY_TASK as TOY
 from helpers import arch_or_hooked, has_bridge, live_archs
 
 import ra_lens
@@ -19,29 +23,6 @@ from ra_lens.metrics import target_nll
 from ra_lens.patching import head_ablation_hooks, mean_head_outputs
 from ra_lens.tasks import Accuracy, shuffled_label_prompts, task_prompts
 from ra_lens.toy_models import tiny_model
-
-# Inputs and answers that are one token (with their leading space) for the tiny tokenizer, so
-# every n-shot prompt of this task has the same token length.
-TOY_PAIRS = [
-    ("b", "of"), ("c", "is"), ("d", "to"), ("l", "an"), ("o", "and"), ("s", "the"),
-    ("t", "cap"), ("F", "Par"), ("I", "Mar"), ("of", "Ital"), ("is", "Fran"), ("to", "Jo"),
-    ("an", "b"), ("and", "c"), ("the", "d"), ("cap", "l"), ("Par", "o"), ("Mar", "s"),
-    ("Ital", "t"), ("Fran", "F"),
-]  # fmt: skip
-TOY = tasks.Task(name="toy", pairs=TOY_PAIRS)
-
-# Different lengths on purpose: padding must not change any ranking.
-CLEAN = [
-    "Q: b\nA: of\n\nQ: c\nA: is\n\nQ: d\nA:",
-    "Q: c\nA: is\n\nQ: d\nA: to\n\nQ: b\nA:",
-    "Q: the city of\nA:",
-]
-CORRUPTED = [
-    "Q: b\nA: is\n\nQ: c\nA: of\n\nQ: d\nA:",
-    "Q: c\nA: to\n\nQ: d\nA: is\n\nQ: b\nA:",
-    "Q: the city to\nA:",
-]
-TARGETS = [5, 6, 7]
 
 
 @pytest.fixture(scope="module", params=live_archs())

@@ -28,7 +28,6 @@ import random
 import sys
 import time
 from collections.abc import Sequence
-from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +38,8 @@ from tqdm.auto import tqdm
 
 from ra_lens import capture, circuits
 from ra_lens.circuits.curve import MIB_FRACTIONS
-from ra_lens.ranking import Interval, bootstrap_indices
+from ra_lens.ranking import bootstrap_indices
+from ra_lens.ranking.statistics import percentile_interval
 from ra_lens.tasks import format_prompt, ioi, load
 from ra_lens.tasks.ioi import PromptPair
 from ra_lens.types import HookedModel
@@ -353,14 +353,8 @@ def areas(
 
 
 def interval(estimate: float, stats: Tensor, n: int, n_boot: int) -> dict[str, Any]:
-    """95 % percentile interval of bootstrap statistics (nan resamples dropped)."""
-    stats = stats.double()
-    stats = stats[~stats.isnan()]
-    if stats.numel() == 0:
-        return Interval(estimate, float("nan"), float("nan"), 0.95, n, n_boot, 0).to_dict()
-    q = torch.tensor([0.025, 0.975], dtype=torch.float64)
-    low, high = torch.quantile(stats, q).tolist()
-    return Interval(float(estimate), low, high, 0.95, n, n_boot, 0).to_dict()
+    """95 % percentile interval of bootstrap statistics (nan resamples dropped), as a dict."""
+    return percentile_interval(float(estimate), stats, 0.95, n, n_boot, 0).to_dict()
 
 
 def cpr_samples(
@@ -735,9 +729,10 @@ def main(argv: list[str] | None = None) -> int:
                     raise ValueError(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
                 settings[flag] = value
         if args.quick:
+            from ra_lens.models import bridge_available
             from ra_lens.toy_models import tiny_model
 
-            arch = "llama" if find_spec("transformer_lens.model_bridge") else "hooked"
+            arch = "llama" if bridge_available() else "hooked"
             model = tiny_model(arch, n_layers=2)
             model_name = f"tiny-{arch} (random weights)"
         else:

@@ -151,7 +151,14 @@ def bootstrap_indices(n: int, n_boot: int = 2000, seed: int = 0) -> Int[Tensor, 
     return torch.randint(0, n, (n_boot, n), generator=generator)
 
 
-def _interval(estimate: float, stats: Tensor, level: float, n: int, n_boot: int, seed: int):
+def percentile_interval(
+    estimate: float, stats: Tensor, level: float, n: int, n_boot: int, seed: int
+) -> Interval:
+    """`estimate` with the percentile interval of bootstrap statistics (nan resamples dropped).
+
+    >>> print(percentile_interval(0.5, torch.tensor([0.0, 1.0, float("nan")]), 0.95, 2, 3, 0))
+    0.500 [0.025, 0.975]
+    """
     if not 0 < level < 1:
         raise ValueError(f"level must lie in (0, 1), got {level}")
     stats = stats.double()
@@ -173,7 +180,7 @@ def bootstrap_mean(
     """
     values = values.detach().double().cpu().reshape(-1)
     index = bootstrap_indices(values.numel(), n_boot, seed)
-    return _interval(
+    return percentile_interval(
         float(values.mean()), values[index].mean(1), level, values.numel(), n_boot, seed
     )
 
@@ -232,7 +239,7 @@ def spearman_interval(
         sb = b[index_b[i]].mean(0) if index_b is not None else mean_b
         stats[i] = _spearman_flat(sa.flatten(), sb.flatten())
     n = max(a.shape[0] if a.ndim == 3 else 0, b.shape[0] if b.ndim == 3 else 0)
-    return _interval(estimate, stats, level, n, n_boot, seed)
+    return percentile_interval(estimate, stats, level, n, n_boot, seed)
 
 
 def trapezoid_auc(

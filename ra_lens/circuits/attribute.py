@@ -158,7 +158,7 @@ def attribute(
                 total += step.scores(diffs, base.real_mask()).cpu() / n_steps
                 bar.update(1)
     bar.close()
-    scores = ((total / n) * graph.real).detach()  # TL 2: R read at hook_pattern carries a graph
+    scores = (total / n) * graph.real
     if level == "node":
         return NodeScores(graph, scores.sum(1), scores.sum(0), method, direction)
     return EdgeScores(graph, scores, method, direction)
@@ -206,6 +206,7 @@ class _Step:
         self.resid = {la: x.detach() for la, x in run.resid.items()}
         self.acts, self.pattern_grads = acts, grads
 
+    @torch.no_grad()  # the recorded activations may still require grad: build no graph from them
     def scores(self, diffs: Tensor, real: Tensor) -> Float[Tensor, "writer reader"]:
         """Edge scores summed over the batch: diffs . gradient, and the exact softmax for q/k."""
         g = self.graph

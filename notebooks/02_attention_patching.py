@@ -43,7 +43,7 @@ import warnings
 import torch
 
 import ra_lens
-from ra_lens import tasks
+from ra_lens import ranking, tasks
 from ra_lens.experiments import attention_patching
 from ra_lens.tasks import evaluate, task_prompts
 
@@ -211,14 +211,12 @@ assert torch.allclose(row_sums["forward patch"], torch.tensor(1.0 + best_scale),
 
 # %%
 n_layers, n_heads = model.cfg.n_layers, model.cfg.n_heads
-norms = ra.head_norms().flatten()  # mean RA norm of each head over the training prompts
-by_norm = [divmod(int(i), n_heads) for i in norms.argsort(descending=True)]
+# (layer, head) by mean RA norm over the training prompts, largest first
+by_norm = ranking.head_order(ra.head_norms())
 
 
 def random_heads(k, seed):
-    generator = torch.Generator().manual_seed(seed)
-    chosen = torch.randperm(norms.numel(), generator=generator)[:k]
-    return [divmod(int(i), n_heads) for i in chosen]
+    return ranking.head_order(ranking.random_ranking(n_layers, n_heads, seed=seed))[:k]
 
 
 def patched_top3(heads):

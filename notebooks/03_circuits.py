@@ -48,7 +48,8 @@ from transformer_lens.patching import get_act_patch_attn_head_out_all_pos
 
 import ra_lens
 from ra_lens import ranking, tasks, viz
-from ra_lens.tasks import shuffled_label_prompts, task_prompts
+from ra_lens.experiments.timing import timed
+from ra_lens.tasks import task_prompts
 
 # tqdm warns once when ipywidgets is missing; progress bars still work as plain text
 warnings.filterwarnings("ignore", message="IProgress not found")
@@ -79,17 +80,15 @@ N_TEST = 12  # held-out prompts for the ablation curves
 # %%
 train, test = task_prompts(model, TASK, shots=SHOTS)
 test = test[:N_TEST]
-corrupted = shuffled_label_prompts(train, seed=0)
-lengths = tasks.prompt_lengths(model, train)
-same = [i for i, n in enumerate(tasks.prompt_lengths(model, corrupted)) if n == lengths[i]]
+pairs = tasks.shuffled_label_pairs(model, train, seed=0)  # (clean, corrupted), equal lengths
 
-candidates = same[:12]  # enough to find N_PAIRS that the model gets right
-clean_ranks = tasks.evaluate(model, [train[i] for i in candidates]).ranks
-chosen = [i for i, r in zip(candidates, clean_ranks.tolist()) if r == 0][:N_PAIRS]
+candidates = pairs[:12]  # enough to find N_PAIRS that the model gets right
+clean_ranks = tasks.evaluate(model, [clean for clean, _ in candidates]).ranks
+chosen = [pair for pair, r in zip(candidates, clean_ranks.tolist()) if r == 0][:N_PAIRS]
 assert len(chosen) == N_PAIRS, "too few correctly answered prompts: raise the candidates"
-clean_texts = [train[i].text for i in chosen]
-corrupted_texts = [corrupted[i].text for i in chosen]
-targets = torch.tensor([tasks.answer_token(model, train[i].answer) for i in chosen])
+clean_texts = [clean.text for clean, _ in chosen]
+corrupted_texts = [corrupted.text for _, corrupted in chosen]
+targets = torch.tensor([tasks.answer_token(model, clean.answer) for clean, _ in chosen])
 print("clean:    ", repr(clean_texts[0]))
 print("corrupted:", repr(corrupted_texts[0]))
 
@@ -119,15 +118,13 @@ assert p_corrupted < p_clean
 # %%
 scores, seconds = {}, {}
 
-began = time.perf_counter()
-scores["RA"] = ranking.ra_ranking(model, clean_texts, targets)
-seconds["RA"] = time.perf_counter() - began
+with timed(seconds, "RA"):
+    scores["RA"] = ranking.ra_ranking(model, clean_texts, targets)
 
 many = train[:N_RA]
 many_targets = [tasks.answer_token(model, p.answer) for p in many]
-began = time.perf_counter()
-scores[f"RA ({N_RA} prompts)"] = ranking.ra_ranking(model, [p.text for p in many], many_targets)
-seconds[f"RA ({N_RA} prompts)"] = time.perf_counter() - began
+with timed(seconds, f"RA ({N_RA} prompts)"):
+    scores[f"RA ({N_RA} prompts)"] = ranking.ra_ranking(model, [p.text for p in many], many_targets)
 
 stability = ranking.spearman(scores["RA"], scores[f"RA ({N_RA} prompts)"])
 print(
@@ -158,8 +155,7 @@ def counted_p_answer(logits):
     return p_answer(logits)
 
 
-began = time.perf_counter()
-with torch.no_grad():
+with timed(seconds, "activation patching"), torch.no_grad():
     _, clean_cache = model.run_with_cache(
         clean_tokens, names_filter=lambda name: name.endswith("attn.hook_z")
     )
@@ -167,7 +163,6 @@ with torch.no_grad():
         model, corrupted_tokens, clean_cache, counted_p_answer
     )
 scores["activation patching"] = (patched - p_corrupted).float()
-seconds["activation patching"] = time.perf_counter() - began
 print(
     f"activation patching: {len(patched_runs)} forward passes, "
     f"{seconds['activation patching']:.1f} s ({seconds['activation patching'] / seconds['RA']:.0f}x "
@@ -186,11 +181,10 @@ assert len(patched_runs) == n_layers * n_heads, "one patched forward pass per he
 # * **Forward-attention norm** (`ranking.forward_ranking`): the paper's naive baseline.
 
 # %%
-began = time.perf_counter()
-scores["attribution patching"] = ranking.attribution_patching(
-    model, clean_texts, corrupted_texts, targets
-)
-seconds["attribution patching"] = time.perf_counter() - began
+with timed(seconds, "attribution patching"):
+    scores["attribution patching"] = ranking.attribution_patching(
+        model, clean_texts, corrupted_texts, targets
+    )
 scores["forward norm"] = ranking.forward_ranking(model, clean_texts)
 print({name: round(s, 1) for name, s in seconds.items()}, "seconds")
 
@@ -303,16 +297,7 @@ for label, heads in groups.items():
 # of ablated heads is evaluated once and shared between curves.
 
 # %%
-memo = {}
-
-
-def evaluate(ablated):
-    key = tuple(ablated)
-    if key not in memo:
-        hooks = ra_lens.head_ablation_hooks(ablated) if ablated else []
-        memo[key] = tasks.evaluate(model, test, fwd_hooks=hooks)
-    return memo[key]
-
+evaluate = ranking.AblationEvaluator(model, test)  # each set of ablated heads runs once
 
 curve_scores = {
     "RA": scores[f"RA ({N_RA} prompts)"],

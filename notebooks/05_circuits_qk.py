@@ -38,14 +38,14 @@
 
 # %%
 # %matplotlib inline
-import time
 import warnings
 
 from IPython.display import HTML
 
 import ra_lens
 from ra_lens import viz
-from ra_lens.experiments.attention_attribution import patching_effects
+from ra_lens.experiments.attention_attribution import node_patching
+from ra_lens.experiments.timing import timed
 from ra_lens.ranking import pearson, top_recall
 from ra_lens.tasks import ioi
 
@@ -72,12 +72,10 @@ print(f"metric:    logit({pair.answer!r}) - logit({pair.wrong!r})")
 
 # %%
 seconds = {}
-began = time.perf_counter()
-exact = ra_lens.attention_attribution(model, clean, corrupted, metric)
-seconds["exact"] = time.perf_counter() - began
-began = time.perf_counter()
-linear = ra_lens.attention_attribution(model, clean, corrupted, metric, method="linear")
-seconds["linear"] = time.perf_counter() - began
+with timed(seconds, "exact"):
+    exact = ra_lens.attention_attribution(model, clean, corrupted, metric)
+with timed(seconds, "linear"):
+    linear = ra_lens.attention_attribution(model, clean, corrupted, metric, method="linear")
 ra = ra_lens.reversed_attention(model, clean, metric)  # RA of the same metric, clean prompt
 print(
     f"metric: clean {float(exact.clean_metric[0]):.2f}, corrupted {float(exact.corrupted_metric[0]):.2f}"
@@ -105,15 +103,9 @@ print(
 # patched runs against the estimate's one forward+backward pass.
 
 # %%
-jobs = [("query", la, h, None) for la in range(n_layers) for h in range(n_heads)]
-jobs += [("key", la, g, None) for la in range(n_layers) for g in range(n_kv)]
-began = time.perf_counter()
-effects = patching_effects(model, clean, corrupted, metric, jobs, max_rows=64)[:, 0]
-seconds["activation patching"] = time.perf_counter() - began
-truth = {
-    "query": effects[: n_layers * n_heads].reshape(n_layers, n_heads).float(),
-    "key": effects[n_layers * n_heads :].reshape(n_layers, n_kv).float(),
-}
+with timed(seconds, "activation patching"):  # {"query": [layer head], "key": [layer kv_head]}
+    truth = node_patching(model, clean, corrupted, metric, kinds=("query", "key"), max_rows=64)
+truth = {kind: effect.float() for kind, effect in truth.items()}
 print(
     f"activation patching: {seconds['activation patching']:.0f} s, "
     f"{seconds['activation patching'] / seconds['exact']:.0f}x the exact estimate"

@@ -39,7 +39,6 @@
 
 # %%
 # %matplotlib inline
-import time
 import warnings
 
 import torch
@@ -48,6 +47,7 @@ from matplotlib.figure import Figure
 
 import ra_lens
 from ra_lens import circuits
+from ra_lens.experiments.timing import timed
 from ra_lens.tasks import ioi
 
 # tqdm warns once when ipywidgets is missing; progress bars still work as plain text
@@ -78,9 +78,8 @@ print(
 methods = {"eap": {}, "eap-ig": {"steps": 2}, "exact": {}}
 scores, seconds = {}, {}
 for name, extra in methods.items():
-    began = time.perf_counter()
-    scores[name] = circuits.attribute(model, clean, corrupted, metric, method=name, **extra)
-    seconds[name] = time.perf_counter() - began
+    with timed(seconds, name):
+        scores[name] = circuits.attribute(model, clean, corrupted, metric, method=name, **extra)
     print(f"{name:>7}: {seconds[name]:.0f} s")
 
 qk = torch.tensor(["<q>" in r or "<k>" in r for r in graph.readers])

@@ -514,3 +514,22 @@ def test_experiment_measure_on_a_toy():
         assert data["stats"][kind]["pearson_exact"] > 0.99
         assert data["per_position"][kind]["max_abs_error_exact"] < 1e-5
     assert "| toy | query |" in experiment.markdown([result])
+
+
+@pytest.mark.parametrize("arch", multi_layer_archs())
+def test_node_patching_is_a_hand_written_patch_of_every_head(arch):
+    from ra_lens.experiments.attention_attribution import node_patching
+
+    model = toy(arch)
+    clean, corrupted = ra_lens.to_batch(model, CLEAN), ra_lens.to_batch(model, CORRUPTED)
+    truth = node_patching(model, clean, corrupted, METRIC, progress=False)
+    n_kv = capture.model_shape(model).n_kv_heads
+    assert truth["key"].shape == (2, n_kv) and truth["query"].shape == (2, 4)
+    before = base_metric(model, CORRUPTED)
+    for kind, values in truth.items():
+        for layer in range(values.shape[0]):
+            for head in range(values.shape[1]):
+                after, _ = patch_run(model, CORRUPTED, CLEAN, kind, layer, head, slice(None))
+                expected = float((after - before).double().mean())
+                assert values[layer, head].item() == pytest.approx(expected, rel=1e-9, abs=1e-15)
+    assert float(truth["query"].abs().max()) > 1e-7  # a tiny random model: small but real

@@ -137,6 +137,51 @@ def patching_effects(
     return out
 
 
+def node_patching(
+    model: HookedModel,
+    clean: Batch,
+    corrupted: Batch,
+    metric: MetricFn,
+    *,
+    kinds: Sequence[str] = KINDS,
+    max_rows: int = 64,
+    progress: bool = True,
+) -> dict[str, Float[Tensor, "layer head"]]:
+    """The ground truth `attention_attribution`'s head scores estimate: for every head, patching
+    its queries ("query"), its pattern ("pattern") or, per key/value head, its keys ("key") at
+    all positions from clean into corrupted, M(patched) - M(corrupted), mean over pairs.
+
+    Returns:
+        kind -> Float[Tensor, "layer head"] (float64; "key": [layer, n_key_value_heads]).
+
+    >>> from ra_lens import to_batch
+    >>> from ra_lens.metrics import logit_diff
+    >>> clean, corrupted = to_batch(model, ["I like Italy"]), to_batch(model, ["I like Paris"])
+    >>> truth = node_patching(model, clean, corrupted, logit_diff([5], [7]), progress=False)
+    >>> {kind: tuple(t.shape) for kind, t in truth.items()}
+    {'query': (2, 4), 'key': (2, 4), 'pattern': (2, 4)}
+    """
+    shape = capture.model_shape(model)
+    unknown = [kind for kind in kinds if kind not in KINDS]
+    if unknown:
+        raise ValueError(f"unknown node kind {unknown[0]!r}: choose from {KINDS}")
+    width = {kind: shape.n_kv_heads if kind == "key" else shape.n_heads for kind in kinds}
+    jobs: list[tuple[str, int, int, int | None]] = [
+        (kind, layer, head, None)
+        for kind in kinds
+        for layer in range(shape.n_layers)
+        for head in range(width[kind])
+    ]
+    effects = patching_effects(
+        model, clean, corrupted, metric, jobs, max_rows=max_rows, progress=progress
+    ).mean(1)
+    out: dict[str, Tensor] = {}
+    for kind in kinds:
+        size = shape.n_layers * width[kind]
+        out[kind], effects = effects[:size].reshape(shape.n_layers, width[kind]), effects[size:]
+    return out
+
+
 def metric_repeated(metric: MetricFn, logits: Tensor, lengths: Tensor, repeats: int) -> Tensor:
     """The metric of a batch repeated `repeats` times (its per-pair targets repeated too).
 
@@ -228,9 +273,7 @@ def measure(
     >>> pairs = ioi.usable(model, ioi.ioi_pairs(40))[:6]  # doctest: +SKIP
     >>> print(markdown([measure(model, pairs, "ioi")]))  # minutes  # doctest: +SKIP
     """
-    shape = capture.model_shape(model)
     clean, corrupted, metric = ioi.paired_batch(model, pairs)
-    layers = list(range(shape.n_layers))
     seconds: dict[str, float] = {}
 
     def timed(name: str, fn: Any) -> Any:
@@ -242,26 +285,12 @@ def measure(
         "linear", lambda: attention_attribution(model, clean, corrupted, metric, method="linear")
     )
     ra = timed("ra_norms", lambda: reversed_attention(model, clean, metric, keep="norms"))
-    n_kv = exact.n_kv_heads
-    jobs: list[tuple[str, int, int, int | None]] = [
-        (kind, la, h, None)
-        for kind in KINDS
-        for la in layers
-        for h in range(n_kv if kind == "key" else shape.n_heads)
-    ]
-    effects = timed(
+    truth = timed(
         "truth",
-        lambda: patching_effects(
-            model, clean, corrupted, metric, jobs, max_rows=max_rows, progress=progress
+        lambda: node_patching(
+            model, clean, corrupted, metric, max_rows=max_rows, progress=progress
         ),
     )
-    mean = effects.mean(1)
-    truth: dict[str, Tensor] = {}
-    offset = 0
-    for kind in KINDS:
-        heads = n_kv if kind == "key" else shape.n_heads
-        truth[kind] = mean[offset : offset + shape.n_layers * heads].reshape(shape.n_layers, heads)
-        offset += shape.n_layers * heads
     result = TaskMeasurement(
         task=task,
         n_pairs=len(pairs),
@@ -278,7 +307,8 @@ def measure(
         linear={k: linear.scores[k] for k in KINDS},
         ra_norms=ra.head_norms(),
         seconds=seconds,
-        n_forward_truth=-(-len(jobs) // max(1, max_rows // len(pairs))) + 2,
+        n_forward_truth=-(-sum(t.numel() for t in truth.values()) // max(1, max_rows // len(pairs)))
+        + 2,
     )
     result.per_position = _per_position(
         model, clean, corrupted, metric, exact, linear, truth,

@@ -497,15 +497,7 @@ def head_ranking(
     )
     if ablation == "mean":
         inputs.means = last_token_means(model, [p.text for p in means_from])
-    memo: dict[tuple[tuple[int, int], ...], Accuracy] = {}
-
-    def evaluate(ablated: list[tuple[int, int]]) -> Accuracy:
-        key = tuple(ablated)
-        if key not in memo:
-            memo[key] = rk.evaluate_ablated(
-                model, test, ablated, means=inputs.means, batch_size=eval_batch_size
-            )
-        return memo[key]
+    evaluate = rk.AblationEvaluator(model, test, means=inputs.means, batch_size=eval_batch_size)
 
     seconds: dict[str, float] = {}
     with timed(seconds, "unablated"):  # also warms the model up before anything is timed
@@ -598,21 +590,15 @@ def _intervals(
 def _patching_pairs(
     model: HookedModel, prompts: list[Prompt], targets: list[int], seed: int
 ) -> tuple[list[str], list[str], list[int]]:
-    """(clean texts, corrupted texts, targets) for the prompts whose shuffled-label twin has the
-    same token length."""
-    corrupted = shuffled_label_prompts(prompts, seed=seed)
-    clean_lengths = tasks.prompt_lengths(model, prompts)
-    corrupted_lengths = tasks.prompt_lengths(model, corrupted)
-    keep = [
-        i for i, (a, b) in enumerate(zip(clean_lengths, corrupted_lengths, strict=True)) if a == b
-    ]
-    if not keep:
-        raise ValueError(
-            "no prompt keeps its token length once its labels are shuffled: activation and "
-            "attribution patching need clean/corrupted pairs of equal length"
-        )
+    """(clean texts, corrupted texts, targets) of `tasks.shuffled_label_pairs`."""
+    kept = tasks.shuffled_label_pairs(model, prompts, seed=seed)
+    rows, j = [], 0  # kept is an ordered subsequence of prompts: find each pair's row
+    for i, prompt in enumerate(prompts):
+        if j < len(kept) and kept[j][0] is prompt:
+            rows.append(i)
+            j += 1
     return (
-        [prompts[i].text for i in keep],
-        [corrupted[i].text for i in keep],
-        [targets[i] for i in keep],
+        [clean.text for clean, _ in kept],
+        [corrupted.text for _, corrupted in kept],
+        [targets[i] for i in rows],
     )

@@ -148,8 +148,8 @@ def ablation_curve(
         reverse: keep the lowest-scored heads instead.
         mode, means: as in `ablation_hooks` ("mean" needs `means =
             last_token_means(model, held_out_tokens)` or `mean_head_outputs(...)`).
-        evaluate: optional `ablated heads -> Accuracy` replacing `tasks.evaluate` with
-            `head_ablation_hooks` (e.g. to memoise runs shared by several curves).
+        evaluate: optional `ablated heads -> Accuracy` replacing `evaluate_ablated`, e.g. one
+            `AblationEvaluator` shared by several curves (each head set runs once).
 
     Returns:
         AblationCurve with one `Accuracy` per fraction; `.auc` is the top-1 area.
@@ -215,6 +215,53 @@ def evaluate_ablated(
     return tasks.evaluate(
         model, list(prompts), fwd_hooks=hooks, batch_size=batch_size, by_length=aligned or None
     )
+
+
+class AblationEvaluator:
+    """`ablated heads -> tasks.Accuracy` on fixed prompts (`evaluate_ablated`), each set of heads
+    run once: curves of several rankings share their endpoints and many middle points, so pass one
+    evaluator as `ablation_curve(..., evaluate=evaluator)` to all of them.
+
+    Attributes:
+        runs: how many head sets were actually evaluated (the rest came from the cache).
+
+    >>> from ra_lens import tasks
+    >>> from ra_lens.ranking import random_ranking
+    >>> prompts = tasks.build_prompts([("b", "of"), ("c", "is"), ("d", "to")], shots=1, seed=0)
+    >>> evaluate = AblationEvaluator(model, prompts)
+    >>> curves = [
+    ...     ablation_curve(model, prompts, random_ranking(2, 4, seed=s), [0, 1], evaluate=evaluate)
+    ...     for s in range(3)
+    ... ]
+    >>> evaluate.runs  # all heads ablated, none ablated: once each for the three curves
+    2
+    >>> torch.equal(evaluate([(1, 2), (0, 1)]).ranks, evaluate_ablated(model, prompts, [(0, 1), (1, 2)]).ranks)
+    True
+    """
+
+    def __init__(
+        self,
+        model: HookedModel,
+        prompts: Sequence[Any],
+        *,
+        means: HeadMeans | None = None,
+        batch_size: int = 16,
+    ):
+        self.model, self.prompts = model, list(prompts)
+        self.means, self.batch_size = means, batch_size
+        self._seen: dict[tuple[tuple[int, int], ...], Any] = {}
+
+    @property
+    def runs(self) -> int:
+        return len(self._seen)
+
+    def __call__(self, ablated: Sequence[tuple[int, int]]) -> Any:
+        key = tuple(sorted((int(layer), int(head)) for layer, head in ablated))
+        if key not in self._seen:
+            self._seen[key] = evaluate_ablated(
+                self.model, self.prompts, list(key), means=self.means, batch_size=self.batch_size
+            )
+        return self._seen[key]
 
 
 def per_prompt_auc(curve: AblationCurve, k: int = 1) -> Float[Tensor, "n"]:

@@ -259,3 +259,41 @@ def shuffled_label_prompts(prompts: Sequence[Prompt], *, seed: int = 0) -> list[
         demos = tuple(zip(xs, new, strict=True))
         out.append(replace(prompt, text=format_prompt(demos, prompt.query), demos=demos))
     return out
+
+
+def shuffled_label_pairs(
+    model: Validated[HookedModel], prompts: Sequence[Prompt], *, seed: int = 0
+) -> list[tuple[Prompt, Prompt]]:
+    """(clean, corrupted) pairs for activation/attribution patching: each prompt with its
+    shuffled-label twin (`shuffled_label_prompts(prompts, seed=seed)`), kept where the twin has
+    the same token length (patching compares the two runs position by position). Order is kept.
+
+    Raises:
+        ValueError: no prompt keeps its token length once its labels are shuffled.
+
+    >>> pairs = [("hot", "cold"), ("up", "down"), ("big", "small"), ("fast", "slow")]
+    >>> prompts = build_prompts(pairs, shots=2, demos_from=pairs, seed=0)
+    >>> kept = shuffled_label_pairs(model, prompts)
+    >>> all(len(model.to_tokens(c.text)[0]) == len(model.to_tokens(d.text)[0]) for c, d in kept)
+    True
+    >>> all(c.answer == d.answer and c.query == d.query for c, d in kept)
+    True
+    """
+    _check_model(model, "shuffled_label_pairs(model, prompts)")
+    prompts = list(prompts)
+    corrupted = shuffled_label_prompts(prompts, seed=seed)
+    lengths = prompt_lengths(model, prompts)
+    kept = [
+        (clean, other)
+        for clean, other, n, m in zip(
+            prompts, corrupted, lengths, prompt_lengths(model, corrupted), strict=True
+        )
+        if n == m
+    ]
+    if not kept:
+        raise ValueError(
+            "no prompt keeps its token length once its labels are shuffled: activation and "
+            "attribution patching need clean/corrupted pairs of equal length (try another seed "
+            "or more prompts)"
+        )
+    return kept

@@ -408,7 +408,7 @@ for other in ("present-past", "capitalize"):
 # from ra_lens.experiments import head_ranking
 # result = head_ranking(model, "antonym", shots=5, n_prompts=25)
 # print(result.table())
-# result.plot("figures/")
+# result.plots("figures/")
 # ```
 #
 # or from the shell: `ra-lens rank --task antonym --out figures/`.

@@ -129,7 +129,7 @@ for name, s in scores.items():
 
 ax = Figure(figsize=(6, 4), layout="constrained").add_subplot()
 for name, curve in curves.items():
-    curve.plot(ax, label=name)
+    curve.plot(ax=ax, label=name)
 ax.set_title(f"IOI on SmolLM2-135M, {len(pairs)} pairs")
 display(ax.figure)
 for name, curve in curves.items():

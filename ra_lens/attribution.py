@@ -40,7 +40,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import einops
 import torch
@@ -53,6 +53,9 @@ from ra_lens.capture import PATTERN, RESID_PRE, Batch, HookedModel
 from ra_lens.core import metric_loss
 from ra_lens.result import read_safetensors, write_safetensors
 from ra_lens.types import MetricFn, Tokens
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 NodeKind = Literal["pattern", "query", "key"]
 Method = Literal["exact", "linear"]
@@ -413,6 +416,13 @@ class AttentionAttribution:
             for e in report["top_edges"]
         ]
         return "\n".join(lines)
+
+    def plot(self, save: str | Path | None = None) -> Figure:
+        """Layer x head heat maps of every node kind's scores: `viz.attribution_heatmaps`;
+        `save` also writes the figure (png, pdf, svg)."""
+        from ra_lens import viz
+
+        return viz.attribution_heatmaps(self, save=save)
 
     def save(self, path: str | Path) -> None:
         """Write every tensor to a safetensors file, the settings as JSON in its header (written

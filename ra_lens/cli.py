@@ -381,7 +381,7 @@ def _run_rank(args: argparse.Namespace) -> int:
         _say(args, result.table())
         if args.out is not None:
             out = args.out if len(args.task) == 1 else args.out / task
-            for path in result.plot(out):
+            for path in result.plots(out):
                 _say(args, f"wrote {path}")
     # One task: its result as before; several: {"results": [one per task]}.
     dicts = [r.to_dict() for r in results]
@@ -700,9 +700,8 @@ def _run_circuit(args: argparse.Namespace) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         files = [args.out / n for n in ("faithfulness_curve.png", "circuit.png", "circuit.json")]
         ax = Figure(figsize=(5.5, 3.8), layout="constrained").add_subplot()
-        curve.plot(ax)
         ax.set_title(f"{args.method} circuits, {len(pairs)} pairs")
-        ax.figure.savefig(files[0], dpi=120)
+        curve.plot(files[0], ax=ax)
         circuit.draw(
             files[1],
             title=f"{args.method}: {circuit.n_edges} edges, faithfulness {kept.value:.3f}",

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from jaxtyping import Float, Int
@@ -19,6 +19,9 @@ from torch import Tensor
 
 from ra_lens._typing import Validated
 from ra_lens.files import write_file
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 _TENSORS = (
     "maps",
@@ -187,6 +190,13 @@ class ReversedAttention:
                 f"{row['forward_norm']:>12.4f}"
             )
         return "\n".join(lines)
+
+    def plot(self, save: str | Path | None = None) -> Figure:
+        """Layer x head heat maps of the RA norms (and the forward norms where kept):
+        `viz.head_norm_heatmaps`; `save` also writes the figure (png, pdf, svg)."""
+        from ra_lens import viz
+
+        return viz.head_norm_heatmaps(self, save=save)
 
     def mean_maps(self) -> Float[Tensor, "layer head query key"]:
         """Maps averaged over the batch (prompts of equal length, as the paper averages them).

@@ -354,7 +354,7 @@ def test_draw_writes_png_and_svg_with_one_arrow_per_drawn_edge(tmp_path: Path) -
 # ---------------------------------------------------------------- curves
 
 
-def test_curve_areas_match_hand_computed_trapezoids() -> None:
+def test_curve_areas_match_hand_computed_trapezoids(tmp_path) -> None:
     curve = FaithfulnessCurve(
         sizes=[0.01, 0.1, 0.5, 1.0],
         n_edges=[1, 8, 41, 82],
@@ -369,7 +369,9 @@ def test_curve_areas_match_hand_computed_trapezoids() -> None:
     d = curve.to_dict()
     assert d["cpr"] == curve.cpr and d["values"] == [-0.5, 0.5, 1.5, 1.0]
     assert "| 50 | 41 | 1.5000 |" in curve.table()
-    ax = curve.plot()
+    fig = curve.plot(tmp_path / "curve.svg")
+    (ax,) = fig.axes
+    assert (tmp_path / "curve.svg").read_text().startswith("<?xml")
     assert ax.get_xscale() == "log" and list(ax.lines[0].get_xdata()) == [1.0, 10.0, 50.0, 100.0]
     with pytest.raises(ValueError, match="one of each per circuit"):
         FaithfulnessCurve([0.1], [1, 2], [0.5], n_total=10)

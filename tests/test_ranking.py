@@ -481,7 +481,7 @@ def test_head_ranking_end_to_end(llama, result, tmp_path):
     assert "causal_mediation" in table and "faster than causal mediation" in table
     result.save_json(tmp_path / "out" / "ranking.json")
     assert json.loads((tmp_path / "out" / "ranking.json").read_text())["task"] == "toy"
-    paths = result.plot(tmp_path / "figs")
+    paths = result.plots(tmp_path / "figs")
     names = {p.name for p in paths}
     assert {"ablation_curves.png", "ranking_maps.png"} <= names
     assert all(p.stat().st_size > 0 for p in paths)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from tqdm.auto import tqdm
@@ -34,6 +35,7 @@ from ra_lens.types import HookedModel, MetricFn, Tokens
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
 #: MIB's circuit sizes: 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 50 and 100 % of the graph's edges.
 MIB_FRACTIONS: tuple[float, ...] = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
@@ -93,8 +95,16 @@ class FaithfulnessCurve:
         )
         return "\n".join(rows)
 
-    def plot(self, ax: Axes | None = None, *, label: str | None = None) -> Axes:
-        """Faithfulness against the share of edges kept (log x), on `ax` or a new figure."""
+    def plot(
+        self,
+        save: str | Path | None = None,
+        *,
+        ax: Axes | None = None,
+        label: str | None = None,
+    ) -> Figure:
+        """Faithfulness against the share of edges kept (log x), on a new figure or, to compare
+        methods, on `ax` (one line per call); `save` also writes the figure (png, pdf, svg).
+        Returns the figure."""
         if ax is None:
             from matplotlib.figure import Figure
 
@@ -112,7 +122,9 @@ class FaithfulnessCurve:
         ax.set_xlabel(f"edges kept (% of {self.n_total})")
         ax.set_ylabel("faithfulness")
         ax.legend(fontsize=8)
-        return ax
+        from ra_lens.viz import save_figure
+
+        return save_figure(ax.figure, save)
 
 
 def faithfulness_curve(

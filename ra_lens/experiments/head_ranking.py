@@ -10,7 +10,7 @@ attribution patching.
     >>> from ra_lens.experiments import head_ranking
     >>> result = head_ranking(model, "antonym", shots=5, n_prompts=25)     # doctest: +SKIP
     >>> print(result.table())                                              # doctest: +SKIP
-    >>> result.save_json("ranking.json"); result.plot("figures/")          # doctest: +SKIP
+    >>> result.save_json("ranking.json"); result.plots("figures/")          # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -322,7 +322,7 @@ class HeadRankingResult:
         lines += [f"note: {note}" for note in self.notes]
         return "\n".join(lines)
 
-    def plot(self, out_dir: str | Path) -> list[Path]:
+    def plots(self, out_dir: str | Path) -> list[Path]:
         """Write ablation_curves.png (top-1, top heads kept), ablation_curves_top3.png,
         ablation_curves_reverse.png (bottom heads kept) and ranking_maps.png; returns the paths."""
         from ra_lens import viz
@@ -425,7 +425,7 @@ def head_ranking(
             its protocol-independent rankings are taken over, with their seconds, not recomputed.
 
     Returns:
-        HeadRankingResult (`.table()`, `.to_dict()`, `.save_json(path)`, `.plot(out_dir)`).
+        HeadRankingResult (`.table()`, `.to_dict()`, `.save_json(path)`, `.plots(out_dir)`).
 
     >>> import torch
     >>> from ra_lens.tasks import Task

@@ -147,7 +147,7 @@ class StudyResult:
         parts += [f"skipped: {why}" for why in self.skipped]
         return "\n\n".join(parts)
 
-    def plot(self, out_dir: str | Path) -> list[Path]:
+    def plots(self, out_dir: str | Path) -> list[Path]:
         """One figure per cell, `{task}_{shots}shot_{ablation}.png`: top-1 accuracy against the
         fraction of heads kept, top heads kept (left) and bottom heads kept (right)."""
         import matplotlib
@@ -299,7 +299,7 @@ def ranking_study(
         on_cell: called with the partial result after every cell (e.g. to save it as it goes).
 
     Returns:
-        StudyResult (`.to_dict()`, `.save_json(path)`, `.table()`, `.plot(out_dir)`).
+        StudyResult (`.to_dict()`, `.save_json(path)`, `.table()`, `.plots(out_dir)`).
     """
     names = check_rankings(rankings)
     for value, what in (
@@ -480,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
     save(result)
     print(result.table())
     if args.plots is not None:
-        for path in result.plot(args.plots):
+        for path in result.plots(args.plots):
             print(f"wrote {path}")
     if not result.cells:
         print(f"ranking_study: error: no cell ran ({len(result.skipped)} failed)", file=sys.stderr)

@@ -26,7 +26,7 @@ diverging map centred at zero with a symmetric range (vmin == -vmax); forward pa
 sequential map on [0, 1]. The causal (upper) triangle is masked and drawn grey.
 """
 
-from ra_lens.viz._base import visible_token
+from ra_lens.viz._base import save_figure, visible_token
 from ra_lens.viz.attribution import attribution_heatmaps, estimate_scatter, top_edges_on_tokens
 from ra_lens.viz.curves import ablation_curves, ablation_curves_pair, scale_sweep
 from ra_lens.viz.maps import head_norm_heatmaps, head_pair, ranking_maps, top_heads_grid
@@ -42,6 +42,7 @@ __all__ = [
     "head_norm_heatmaps",
     "head_pair",
     "ranking_maps",
+    "save_figure",
     "scale_sweep",
     "top_edges_on_tokens",
     "top_heads_grid",

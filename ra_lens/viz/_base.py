@@ -22,7 +22,7 @@ from torch import Tensor
 from ra_lens.attribution import AttentionAttribution
 from ra_lens.result import ReversedAttention
 
-__all__ = ["visible_token"]
+__all__ = ["save_figure", "visible_token"]
 
 PathLike = str | Path
 ArrayLike = Tensor | np.ndarray | Sequence[float]
@@ -62,7 +62,9 @@ def _new_figure(width: float, height: float) -> Figure:
     return Figure(figsize=(width, height), layout="constrained")
 
 
-def _save(fig: Figure, save: PathLike | None) -> Figure:
+def save_figure(fig: Figure, save: PathLike | None) -> Figure:
+    """Write `fig` to `save` (format from the suffix: png, pdf, svg; missing folders created) when
+    it is not None, as every figure of ra-lens does; returns `fig`."""
     if save is not None:
         path = Path(save)
         path.parent.mkdir(parents=True, exist_ok=True)

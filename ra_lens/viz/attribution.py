@@ -24,9 +24,9 @@ from ra_lens.viz._base import (
     _layer_head_panel,
     _new_figure,
     _numpy,
-    _save,
     _symmetric_limit,
     _token_fontsize,
+    save_figure,
 )
 
 __all__ = ["attribution_heatmaps", "estimate_scatter", "top_edges_on_tokens"]
@@ -60,7 +60,7 @@ def attribution_heatmaps(att: AttentionAttribution, *, save: PathLike | None = N
         _layer_head_panel(fig, ax, _numpy(att.scores[kind]), att.layers, title, signed=True)
         if kind == "key":
             ax.set_xlabel("key/value head", fontsize=9)
-    return _save(fig, save)
+    return save_figure(fig, save)
 
 
 def estimate_scatter(
@@ -97,7 +97,7 @@ def estimate_scatter(
         ax.set_title(kind, fontsize=10)
         ax.tick_params(labelsize=8)
         ax.legend(fontsize=7, loc="upper left")
-    return _save(fig, save)
+    return save_figure(fig, save)
 
 
 def top_edges_on_tokens(
@@ -138,4 +138,4 @@ def top_edges_on_tokens(
     ax.axis("off")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
     ax.set_title(f"top {len(top)} edges R * (A_other - A), {att.direction}", fontsize=10)
-    return _save(fig, save)
+    return save_figure(fig, save)

@@ -13,7 +13,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter
 
 from ra_lens.ranking import trapezoid_auc
-from ra_lens.viz._base import ArrayLike, PathLike, _legend, _new_figure, _numpy, _save
+from ra_lens.viz._base import ArrayLike, PathLike, _legend, _new_figure, _numpy, save_figure
 
 __all__ = ["ablation_curves", "ablation_curves_pair", "scale_sweep"]
 
@@ -88,7 +88,7 @@ def scale_sweep(
     ax.set_ylabel(ylabel, fontsize=9)
     ax.set_title(title, fontsize=11)
     _legend(ax, len(data) + (baseline is not None))
-    return _save(fig, save)
+    return save_figure(fig, save)
 
 
 def _fractions(fractions: ArrayLike) -> np.ndarray:
@@ -149,7 +149,7 @@ def ablation_curves(
     data = _check_curves(xs, curves)
     fig = _new_figure(6.5, 4.2)
     _ablation_axis(fig.subplots(), xs, data, ylabel, title)
-    return _save(fig, save)
+    return save_figure(fig, save)
 
 
 def ablation_curves_pair(
@@ -185,4 +185,4 @@ def ablation_curves_pair(
         _ablation_axis(ax, xs, data, ylabel, panel_title)
     if title:
         fig.suptitle(title, fontsize=12)
-    return _save(fig, save)
+    return save_figure(fig, save)

@@ -32,9 +32,9 @@ from ra_lens.viz._base import (
     _map_name,
     _new_figure,
     _numpy,
-    _save,
     _symmetric_limit,
     _token_fontsize,
+    save_figure,
 )
 
 __all__ = ["head_norm_heatmaps", "head_pair", "ranking_maps", "top_heads_grid"]
@@ -125,7 +125,7 @@ def head_norm_heatmaps(ra: ReversedAttention, *, save: PathLike | None = None) -
     ax_ra, ax_fwd = fig.subplots(1, 2)
     _layer_head_panel(fig, ax_ra, ra_norms, ra.layers, f"{_map_name(ra)} norm", signed=False)
     _layer_head_panel(fig, ax_fwd, fwd_norms, ra.layers, "Forward attention norm", signed=False)
-    return _save(fig, save)
+    return save_figure(fig, save)
 
 
 def head_pair(
@@ -162,7 +162,7 @@ def head_pair(
     width, height = _pair_size(_labels(ra, prompt))
     fig = _new_figure(width, height)
     _draw_pair(fig, ra, layer, head, prompt)
-    return _save(fig, save)
+    return save_figure(fig, save)
 
 
 def top_heads_grid(
@@ -191,7 +191,7 @@ def top_heads_grid(
     rows = fig.subfigures(len(heads), 1, squeeze=False)[:, 0]
     for row, (layer, head, _) in zip(rows, heads, strict=True):
         _draw_pair(row, ra, layer, head, prompt)
-    return _save(fig, save)
+    return save_figure(fig, save)
 
 
 def ranking_maps(
@@ -232,4 +232,4 @@ def ranking_maps(
     axes = fig.subplots(1, len(values), squeeze=False)[0]
     for ax, (name, grid) in zip(axes, values.items(), strict=True):
         _layer_head_panel(fig, ax, grid, labels, name)
-    return _save(fig, save)
+    return save_figure(fig, save)

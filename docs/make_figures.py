@@ -9,7 +9,7 @@ Everything runs on the embedded SmolLM2-135M-Instruct on the CPU, through the pu
   France. I visited the city of" -> " Florence"), the 3 heads with the largest RA norm beside their
   forward attention, and RA norms beside forward-pattern norms for all 270 heads (seconds).
 - antonym_scale_sweep.png: `experiments.attention_patching(model, "antonym", shots=0,
-  n_train=25)`, the README's patching table (about 2 minutes); its numbers go to
+  n_prompts=25)`, the README's patching table (about 2 minutes); its numbers go to
   antonym_patching.json beside it.
 - ranking_study_auc.png, ranking_study_curves.png: the head-ranking study (every ranking, 4
   tasks x 0/5 shots x zero/mean ablation) read from docs/results/ranking_study.json, which
@@ -53,7 +53,7 @@ def patching(model: Any, out: Path) -> list[Path]:
     """The zero-shot antonym scale sweep, RA against the forward-pattern baseline."""
     from ra_lens.experiments import attention_patching
 
-    result = attention_patching(model, "antonym", shots=0, n_train=25)
+    result = attention_patching(model, "antonym", shots=0, n_prompts=25)
     print(result.table())
     result.save_json(out / "antonym_patching.json")
     path = out / "antonym_scale_sweep.png"

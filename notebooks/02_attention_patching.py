@@ -91,7 +91,7 @@ print("example prompt:", repr(test[0].text), "  answer:", repr(test[0].answer))
 
 # %%
 SCALES = (2, 0, -4, -8, -16, -32, -64)
-result = attention_patching(model, "antonym", shots=0, n_train=12, scales=SCALES, progress=False)
+result = attention_patching(model, "antonym", shots=0, n_prompts=12, scales=SCALES, progress=False)
 print(result.table())
 print({name: round(seconds, 1) for name, seconds in result.seconds.items()}, "seconds")
 print(f"largest |entry| of the mean RA map: {result.ra_maps.mean_maps().abs().max():.3f}")

@@ -96,7 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _task_args(patch)
     patch.add_argument("--shots", type=int, default=0, help="demonstrations per prompt (0)")
-    patch.add_argument("--n-train", type=int, default=25, help="prompts whose RA is averaged (25)")
+    patch.add_argument(
+        "--n-prompts", type=int, default=25, help="prompts whose RA is averaged (25)"
+    )
     patch.add_argument("--n-test", type=int, default=None, help="cap on test prompts (all)")
     patch.add_argument(
         "--scales",
@@ -344,7 +346,12 @@ def _run_patch(args: argparse.Namespace) -> int:
     scales = DEFAULT_SCALES if args.scales is None else _floats(args.scales)
     model = _load(args.model, args.backend)
     result = attention_patching(
-        model, args.task, shots=args.shots, n_train=args.n_train, scales=scales, n_test=args.n_test
+        model,
+        args.task,
+        shots=args.shots,
+        n_prompts=args.n_prompts,
+        scales=scales,
+        n_test=args.n_test,
     )
     _say(args, result.table())
     if args.out is not None:

@@ -78,17 +78,17 @@ def test_patch_end_to_end_matches_the_api(tmp_path, capsys, monkeypatch):
     (tmp_path / "toy.json").write_text(json.dumps({"name": "toy", "pairs": TOY_PAIRS}))
     monkeypatch.setattr(_task, "_data_dir", lambda: tmp_path)
     out = tmp_path / "out"
-    args = ["--task", "toy", "--shots", "1", "--n-train", "4", "--scales", "0,-4"]
+    args = ["--task", "toy", "--shots", "1", "--n-prompts", "4", "--scales", "0,-4"]
     code = main(["patch", *args, "--model", f"tiny-{ARCH}", "--out", str(out),
                  "--json", str(out / "patch.json")])  # fmt: skip
     assert code == 0
     report = json.loads((out / "patch.json").read_text())
     expected = attention_patching(
-        tiny_model(ARCH), "toy", shots=1, n_train=4, scales=[0.0, -4.0], progress=False
+        tiny_model(ARCH), "toy", shots=1, n_prompts=4, scales=[0.0, -4.0], progress=False
     ).to_dict()
     report.pop("seconds"), expected.pop("seconds")
     assert report == expected
-    assert report["n_train"] == 4 and report["scales"] == [0.0, -4.0]
+    assert report["n_prompts"] == 4 and report["scales"] == [0.0, -4.0]
     assert (out / "patching_toy_1shot.png").stat().st_size > 1000
     printed = capsys.readouterr().out
     assert "toy, 1-shot: RA averaged over 4 training prompts" in printed

@@ -179,7 +179,13 @@ def test_bridge_and_hooked_backends_agree(smollm2, other_env_python, tmp_path, c
 
 def test_attention_patching_lifts_zero_shot_antonyms(smollm2):
     result = attention_patching(
-        smollm2, "antonym", shots=0, n_train=12, scales=[0.0, -10.0, 2.0], n_test=20, progress=False
+        smollm2,
+        "antonym",
+        shots=0,
+        n_prompts=12,
+        scales=[0.0, -10.0, 2.0],
+        n_test=20,
+        progress=False,
     )
     unpatched, patched, positive = result.ra
     assert unpatched.top3 == result.unpatched.top3

@@ -272,8 +272,8 @@ def test_top_heads_refuses_a_non_positive_k(model, k):
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"n_train": -1}, "n_train must be a whole number >= 2"),
-        ({"n_train": 1}, "n_train must be a whole number >= 2"),
+        ({"n_prompts": -1}, "n_prompts must be a whole number >= 2"),
+        ({"n_prompts": 1}, "n_prompts must be a whole number >= 2"),
         ({"n_test": -1}, "n_test must be a whole number >= 1"),
         ({"n_test": 0}, "n_test must be a whole number >= 1"),
         ({"scales": []}, "non-empty sequence of finite numbers"),
@@ -284,7 +284,7 @@ def test_top_heads_refuses_a_non_positive_k(model, k):
 def test_attention_patching_refuses_bad_counts(model, kwargs, message):
     from ra_lens.experiments import attention_patching
 
-    arguments = {"shots": 1, "n_train": 2, "scales": [-4.0], "progress": False} | kwargs
+    arguments = {"shots": 1, "n_prompts": 2, "scales": [-4.0], "progress": False} | kwargs
     with pytest.raises(ValueError, match=message):
         attention_patching(model, "antonym", **arguments)
 

@@ -60,7 +60,7 @@ def _attribution(method: str) -> Callable[..., Tensor]:
 
 
 def _patching(model) -> Tensor:
-    result = attention_patching(model, TOY, shots=1, n_train=2, scales=[-4.0], progress=False)
+    result = attention_patching(model, TOY, shots=1, n_prompts=2, scales=[-4.0], progress=False)
     accs = [result.unpatched, *result.ra, *result.forward]
     return torch.cat([result.ra_maps.maps.flatten()] + [a.ranks.double() for a in accs])
 
@@ -160,7 +160,7 @@ def test_train_mode_gives_the_eval_answer_and_restores_modes(model, run):
     torch.testing.assert_close(second, reference, rtol=0, atol=1e-12)
 
 
-def test_the_dropout_model_is_random_in_train_mode(model):
+def test_the_dropout_model_is_random_in_prompts_mode(model):
     if not has_bridge():
         pytest.skip("TransformerLens 2's HookedTransformer has no dropout")
     model.train()

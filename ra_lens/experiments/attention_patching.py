@@ -40,7 +40,7 @@ class PatchingResult:
     >>> def acc(*ranks): return Accuracy.from_ranks(torch.tensor(ranks))
     >>> result = PatchingResult("toy", 0, scales=[1.0, -1.0], ra=[acc(0, 9), acc(0, 0)],
     ...                         forward=[acc(9, 9), acc(0, 9)], unpatched=acc(0, 9),
-    ...                         n_train=4, n_test=2)
+    ...                         n_prompts=4, n_test=2)
     >>> result.best(1), result.best(1, "forward"), result.to_dict()["best_ra_top3"]
     ((-1.0, 1.0), (-1.0, 0.5), {'scale': -1.0, 'top3': 1.0})
     """
@@ -51,7 +51,7 @@ class PatchingResult:
     ra: list[Accuracy]
     forward: list[Accuracy]
     unpatched: Accuracy
-    n_train: int
+    n_prompts: int
     n_test: int
     seconds: dict[str, float] = field(default_factory=dict)
     ra_maps: ReversedAttention | None = field(default=None, repr=False)
@@ -77,7 +77,7 @@ class PatchingResult:
             "unpatched": {f"top{k}": self.unpatched.top(k) for k in (1, 2, 3)},
             "best_ra_top3": dict(zip(("scale", "top3"), self.best(3, "ra"))),
             "best_forward_top3": dict(zip(("scale", "top3"), self.best(3, "forward"))),
-            "n_train": self.n_train,
+            "n_prompts": self.n_prompts,
             "n_test": self.n_test,
             "seconds": self.seconds,
         }
@@ -89,7 +89,7 @@ class PatchingResult:
         """A plain-text table: one row per scale, top-1/top-3 for RA and forward patching."""
         u = self.unpatched
         lines = [
-            f"{self.task}, {self.shots}-shot: RA averaged over {self.n_train} training prompts, "
+            f"{self.task}, {self.shots}-shot: RA averaged over {self.n_prompts} training prompts, "
             f"{self.n_test} test prompts; unpatched top-1 {u.top1:.0%}, top-3 {u.top3:.0%}",
             f"{'scale':>8} | {'RA top-1':>8} {'RA top-3':>8} | {'fwd top-1':>9} {'fwd top-3':>9}",
         ]
@@ -145,20 +145,20 @@ def attention_patching(
     model: HookedModel,
     task: str | Task,
     shots: Validated[int] = 0,
-    n_train: Validated[int] = 25,
+    n_prompts: Validated[int] = 25,
     scales: Validated[Sequence[float]] = DEFAULT_SCALES,
     *,
     n_test: Validated[int] | None = None,
     seed: int = 42,
     progress: bool = True,
 ) -> PatchingResult:
-    """Average RA over `n_train` training prompts, patch it into held-out prompts at each scale.
+    """Average RA over `n_prompts` training prompts, patch it into held-out prompts at each scale.
 
     Args:
         model: a TransformerLens model whose hook_pattern is live (checked).
         task: a task name from `ra_lens.tasks.available()` or a Task.
         shots: demonstrations per prompt (0 = zero-shot).
-        n_train: training prompts whose maps are averaged (all of one token length).
+        n_prompts: training prompts whose maps are averaged (all of one token length).
         scales: patching scales; negative = the gradient-descent direction.
         n_test: cap on test prompts (default: the whole test split).
 
@@ -166,15 +166,15 @@ def attention_patching(
         PatchingResult with top-1/2/3 accuracy per scale for RA and the forward baseline.
 
     Raises:
-        ValueError: shots < 0, n_train < 2, n_test < 1, no scales or a non-finite one.
+        ValueError: shots < 0, n_prompts < 2, n_test < 1, no scales or a non-finite one.
 
     >>> import torch
     >>> from ra_lens.tasks import Task
     >>> toy = Task("toy", [("b", "of"), ("c", "is"), ("d", "to"), ("l", "an"), ("o", "and"),
     ...                    ("s", "the"), ("t", "cap"), ("F", "Par"), ("I", "Mar"), ("of", "b")])
-    >>> result = attention_patching(model, toy, shots=1, n_train=4, scales=[0.0, -4.0],
+    >>> result = attention_patching(model, toy, shots=1, n_prompts=4, scales=[0.0, -4.0],
     ...                             progress=False)
-    >>> result.n_train, result.n_test, result.scales
+    >>> result.n_prompts, result.n_test, result.scales
     (4, 2, [0.0, -4.0])
     >>> torch.equal(result.ra[0].ranks, result.unpatched.ranks)  # scale 0 adds nothing
     True
@@ -185,11 +185,11 @@ def attention_patching(
 
     >>> result = attention_patching(ra_lens.load_model(), "antonym", shots=0)  # doctest: +SKIP
     """
-    scales = _check_counts(shots, n_train, n_test, scales)
+    scales = _check_counts(shots, n_prompts, n_test, scales)
     seconds: dict[str, float] = {}
     name = task if isinstance(task, str) else task.name
     train, test = task_prompts(model, task, shots, seed=seed)
-    train, test = train[:n_train], test if n_test is None else test[:n_test]
+    train, test = train[:n_prompts], test if n_test is None else test[:n_test]
     if len(train) < 2:
         raise ValueError(f"only {len(train)} equal-length training prompts for {name!r}")
     with timed(seconds, "reversed_attention"):
@@ -214,7 +214,7 @@ def attention_patching(
         ra=results["ra"],
         forward=results["forward"],
         unpatched=unpatched,
-        n_train=len(train),
+        n_prompts=len(train),
         n_test=len(test),
         seconds=seconds,
         ra_maps=ra,
@@ -225,15 +225,15 @@ def _is_count(value: Any, least: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= least
 
 
-def _check_counts(shots: Any, n_train: Any, n_test: Any, scales: Any) -> list[float]:
+def _check_counts(shots: Any, n_prompts: Any, n_test: Any, scales: Any) -> list[float]:
     """The scales as floats, after refusing counts that would silently use fewer prompts
     (a negative slice end drops prompts from the end) and an empty or non-finite sweep."""
     if not _is_count(shots, 0):
         raise ValueError(f"shots must be a whole number >= 0, got {shots!r}")
-    if not _is_count(n_train, 2):
+    if not _is_count(n_prompts, 2):
         raise ValueError(
-            f"n_train must be a whole number >= 2 (RA is averaged over the training prompts), "
-            f"got {n_train!r}"
+            f"n_prompts must be a whole number >= 2 (RA is averaged over the training prompts), "
+            f"got {n_prompts!r}"
         )
     if n_test is not None and not _is_count(n_test, 1):
         raise ValueError(f"n_test must be a whole number >= 1 or None (all), got {n_test!r}")

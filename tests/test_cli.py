@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from helpers import TOY_PAIRS
 
 import ra_lens
 from ra_lens.cli import main
@@ -65,17 +66,14 @@ def test_help_lists_subcommands(capsys):
     assert all(word in text for word in ("maps", "patch", "rank", "attribute", "circuit"))
 
 
-#: Single-token pairs for the tiny tokenizer (the example task of `attention_patching`).
-TOY_PAIRS = [["b", "of"], ["c", "is"], ["d", "to"], ["l", "an"], ["o", "and"], ["s", "the"],
-             ["t", "cap"], ["F", "Par"], ["I", "Mar"], ["of", "b"]]  # fmt: skip
-
-
 def test_patch_end_to_end_matches_the_api(tmp_path, capsys, monkeypatch):
     from ra_lens.experiments import attention_patching
     from ra_lens.tasks import _task
 
     # A bundled-task folder holding one task the tiny tokenizer spells in single tokens.
-    (tmp_path / "toy.json").write_text(json.dumps({"name": "toy", "pairs": TOY_PAIRS}))
+    (tmp_path / "toy.json").write_text(
+        json.dumps({"name": "toy", "pairs": [list(p) for p in TOY_PAIRS]})
+    )
     monkeypatch.setattr(_task, "_data_dir", lambda: tmp_path)
     out = tmp_path / "out"
     args = ["--task", "toy", "--shots", "1", "--n-prompts", "4", "--scales", "0,-4"]

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from helpers import dropout_model, has_bridge, hook_count, module_modes
+from helpers import TOY_TASK, dropout_model, has_bridge, hook_count, module_modes
 from torch import Tensor
 
 import ra_lens
@@ -35,11 +35,6 @@ CORRUPTED = torch.tensor([[0, 5, 17, 14, 20, 61, 7, 41, 12], [0, 8, 3, 19, 25, 3
 TARGETS = [30, 31]
 NLL = target_nll(TARGETS)
 DIFF = logit_diff([30, 31], [32, 33])
-TOY = tasks.Task(
-    "toy",
-    [("b", "of"), ("c", "is"), ("d", "to"), ("l", "an"), ("o", "and"), ("s", "the")]
-    + [("t", "cap"), ("F", "Par"), ("I", "Mar"), ("of", "b")],
-)
 
 
 def _ra(memory: str, keep: str) -> Callable[..., Tensor]:
@@ -60,7 +55,9 @@ def _attribution(method: str) -> Callable[..., Tensor]:
 
 
 def _patching(model) -> Tensor:
-    result = attention_patching(model, TOY, shots=1, n_prompts=2, scales=[-4.0], progress=False)
+    result = attention_patching(
+        model, TOY_TASK, shots=1, n_prompts=2, scales=[-4.0], progress=False
+    )
     accs = [result.unpatched, *result.ra, *result.forward]
     return torch.cat([result.ra_maps.maps.flatten()] + [a.ranks.double() for a in accs])
 
@@ -71,24 +68,26 @@ def _dynamics(model, metric=NLL) -> Tensor:
 
 
 def _evaluate(model) -> Tensor:
-    return tasks.evaluate(model, tasks.build_prompts(TOY, shots=1, seed=0)).ranks.double()
+    return tasks.evaluate(model, tasks.build_prompts(TOY_TASK, shots=1, seed=0)).ranks.double()
 
 
 def _ablation_curve(model) -> Tensor:
     scores = rk.layer_ranking(model.cfg.n_layers, model.cfg.n_heads)
-    curve = rk.ablation_curve(model, tasks.build_prompts(TOY, shots=1, seed=0), scores, (0, 0.5, 1))
+    curve = rk.ablation_curve(
+        model, tasks.build_prompts(TOY_TASK, shots=1, seed=0), scores, (0, 0.5, 1)
+    )
     return torch.cat([a.ranks.double() for a in curve.accuracies])
 
 
 def _mean_ablation(model) -> Tensor:
-    prompts = tasks.build_prompts(TOY, shots=1, seed=0)
+    prompts = tasks.build_prompts(TOY_TASK, shots=1, seed=0)
     means = last_token_means(model, TOKENS)
     return rk.evaluate_ablated(model, prompts, [(0, 1), (1, 2)], means=means).ranks.double()
 
 
 def _head_ranking(model) -> Tensor:
     result = head_ranking(
-        model, TOY, shots=1, n_prompts=2, rankings=["forward"], fractions=[0.0, 1.0], n_boot=5,
+        model, TOY_TASK, shots=1, n_prompts=2, rankings=["forward"], fractions=[0.0, 1.0], n_boot=5,
         progress=False,
     )  # fmt: skip
     return torch.cat([s.flatten().double() for s in result.scores.values()])

@@ -21,7 +21,13 @@ and backward pass on the run that gets patched plus one forward pass on the othe
   per-link terms.
 
 `method="linear"` gives the first-order estimate through the softmax instead (what linear tools
-compute; it equals dM/dq . (q' - q) and dM/dk . (k' - k)). Rotary models use the rotated q and k
+compute; it equals dM/dq . (q' - q) and dM/dk . (k' - k)). `method="exact-ig"` averages the exact
+estimate over `steps` runs whose embeddings lie on the straight line from the other run's to
+the patched run's (point k = other + (k / steps)(patched - other), k = 1..steps, as EAP-IG
+"inputs"): at each point the node is moved by the same difference (q' - q, k' - k, A' - A) and
+the rows are recomputed with that point's q, k, A and R, so the nonlinearity after the node (the
+metric's, later layers') is averaged along the path as integrated gradients do; steps=1 is
+"exact". Rotary models use the rotated q and k
 (`hook_rot_q`, `hook_rot_k`); the attention scale s is read from the model.
 
 In the examples, `model` is a tiny random 2-layer x 4-head model (`ra_lens.toy_models.tiny_model`):
@@ -58,10 +64,10 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 NodeKind = Literal["pattern", "query", "key"]
-Method = Literal["exact", "linear"]
+Method = Literal["exact", "exact-ig", "linear"]
 Direction = Literal["denoise", "noise"]
 NODES: tuple[str, ...] = ("pattern", "query", "key")
-METHODS: tuple[str, ...] = ("exact", "linear")
+METHODS: tuple[str, ...] = ("exact", "exact-ig", "linear")
 DIRECTIONS: tuple[str, ...] = ("denoise", "noise")
 
 
@@ -167,6 +173,7 @@ class _Run:
     keys: dict[int, Tensor]
     grads: dict[int, Tensor]
     metric: Tensor
+    embed: Tensor | None = None  # what entered the first block (exact-ig interpolates it)
 
 
 # --------------------------------------------------------------------------------------------
@@ -586,6 +593,7 @@ def attention_attribution(
     nodes: Sequence[str] = NODES,
     method: Validated[Method] = "exact",
     direction: Validated[Direction] = "denoise",
+    steps: int = 5,
 ) -> AttentionAttribution:
     """Attribution of every head's query, key and pattern, with an exact softmax.
 
@@ -598,12 +606,14 @@ def attention_attribution(
             `reversed_attention` (e.g. `metrics.logit_diff(correct, incorrect)`).
         layers: layers to attribute (default all).
         nodes: any of "pattern", "query", "key".
-        method: "exact" (the real softmax of the changed rows, AtP*'s fix) or "linear" (first
-            order through the softmax, what linear attribution tools compute). Pattern nodes are
-            the same for both.
+        method: "exact" (the real softmax of the changed rows, AtP*'s fix), "exact-ig" (the same
+            averaged along the path between the two runs' embeddings, module docstring) or
+            "linear" (first order through the softmax, what linear attribution tools compute).
+            Pattern nodes are the same for "exact" and "linear".
         direction: "denoise" (gradient on the corrupted run, node moved corrupted -> clean, as in
             TransformerLens 4) or "noise" (gradient on the clean run, node moved clean ->
             corrupted, as in AtP*).
+        steps: points on the path ("exact-ig" only; one forward and backward pass each).
 
     Returns:
         AttentionAttribution: `.scores[kind]` Float[Tensor, "layer head"] (key: "layer
@@ -632,6 +642,9 @@ def attention_attribution(
     True
     """
     nodes = _check_choices(nodes, method, direction)
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be a positive int, got {steps!r}")
+    n_steps = steps if method == "exact-ig" else 1
     shape = capture.model_shape(model)
     chosen = capture.check_layers(layers, shape.n_layers)
     clean_b, corrupted_b = capture.to_batch(model, clean), capture.to_batch(model, corrupted)
@@ -641,19 +654,31 @@ def attention_attribution(
     with capture.preserved_state(model):
         patched = _capture(model, base, chosen, metric, backward=True)
         source = _capture(model, other, chosen, metric, backward=False)
+        assert patched.embed is not None and source.embed is not None
+        points = [
+            _capture(
+                model, base, chosen, metric, backward=True,
+                embed=source.embed + (k / n_steps) * (patched.embed - source.embed),
+            )
+            for k in range(1, n_steps)
+        ]  # fmt: skip
 
-    per_layer = [
-        _layer_estimates(
-            patched,
-            source,
-            layer,
-            capture.attention_scale(model, layer),
-            base.lengths,
-            nodes,
-            method,
-        )
-        for layer in chosen
-    ]
+    def estimates(layer: int, at: _Run | None = None) -> dict[str, Tensor]:
+        return _layer_estimates(
+            patched, source, layer, capture.attention_scale(model, layer), base.lengths, nodes,
+            "exact" if method == "exact-ig" else method, at=at,
+        )  # fmt: skip
+
+    per_layer = [estimates(layer) for layer in chosen]
+    if points:  # exact-ig: the estimates averaged over the path (the patched run is its end)
+        averaged = [kind for kind in (*nodes, "key_by_head", "edges") if kind in per_layer[0]]
+        for out, layer in zip(per_layer, chosen, strict=True):
+            for point in points:
+                at_point = estimates(layer, at=point)
+                for kind in averaged:
+                    out[kind] = out[kind] + at_point[kind]
+            for kind in averaged:
+                out[kind] = out[kind] / n_steps
 
     def stack(key: str, dtype: torch.dtype = torch.float32) -> Tensor:
         return torch.stack([out[key] for out in per_layer], dim=1).to("cpu", dtype)
@@ -716,9 +741,16 @@ def _check_pairs(clean: Batch, corrupted: Batch) -> None:
 
 
 def _capture(
-    model: HookedModel, batch: Batch, layers: list[int], metric: MetricFn, backward: bool
+    model: HookedModel,
+    batch: Batch,
+    layers: list[int],
+    metric: MetricFn,
+    backward: bool,
+    embed: Tensor | None = None,
 ) -> _Run:
-    """Forward pass saving A, q and k of every chosen layer; with backward, R = dM/dA too."""
+    """Forward pass saving A, q and k of every chosen layer and what entered the first block;
+    with backward, R = dM/dA too. `embed` replaces what enters the first block (a point of the
+    exact-ig path)."""
     patterns = [PATTERN.format(layer) for layer in layers]
     queries = [capture.query_hook_name(model, layer) for layer in layers]
     keys = [capture.key_hook_name(model, layer) for layer in layers]
@@ -727,11 +759,20 @@ def _capture(
     # R is read on the raw input of hook_pattern: a tensor hook on this forward's own tensor,
     # so it still fires after the module hooks are gone.
     keep_grad = {name: partial(_keep, grads, name) for name in patterns} if backward else {}
+    entered: dict[str, Tensor] = {}
+
+    def first_block(value: Tensor, hook: Any) -> Tensor:
+        if embed is not None:
+            value = embed.to(value.device, value.dtype)
+        entered["embed"] = value.detach()
+        return value
+
+    # In this order: the input is replaced before the gradient leaf is taken (layers[0] == 0).
+    hooks = [(RESID_PRE.format(0), first_block)]
+    hooks.append((RESID_PRE.format(layers[0]), capture.gradient_leaf_hook(leaf)))
     with torch.enable_grad():
         with (
-            model.hooks(
-                fwd_hooks=[(RESID_PRE.format(layers[0]), capture.gradient_leaf_hook(leaf))]
-            ),
+            model.hooks(fwd_hooks=hooks),
             capture.recorded(model, patterns + queries + keys) as acts,
             capture.raw_input_hooks(model, {}, keep_grad),
         ):
@@ -763,6 +804,7 @@ def _capture(
         by_layer(keys, acts),
         by_layer(patterns, grads),
         values.detach(),
+        entered.get("embed"),
     )
 
 
@@ -778,10 +820,17 @@ def _layer_estimates(
     lengths: Tensor,
     nodes: list[str],
     method: str,
+    at: _Run | None = None,
 ) -> dict[str, Tensor]:
-    """Every estimate of one layer, in float64 on the model's device."""
-    q, k = patched.queries[layer].double(), patched.keys[layer].double()
+    """Every estimate of one layer, in float64 on the model's device. With `at` (a point of the
+    exact-ig path), the node moves by the same difference (other - patched) from that run's q, k
+    and A, weighted by its R."""
+    run = patched if at is None else at
+    q, k = run.queries[layer].double(), run.keys[layer].double()
     q_other, k_other = source.queries[layer].double(), source.keys[layer].double()
+    if at is not None:
+        q_other = q + (q_other - patched.queries[layer].double())
+        k_other = k + (k_other - patched.keys[layer].double())
     n_heads, n_kv = q.shape[2], k.shape[2]
     group = n_heads // n_kv
 
@@ -798,20 +847,20 @@ def _layer_estimates(
 
     logits = logits_of(q, k)
     log_pattern = logits.log_softmax(dim=-1)
-    pattern = patched.patterns[layer].double()
+    pattern = run.patterns[layer].double()
     real = torch.arange(n_pos, device=q.device)[None, :] < lengths.to(q.device)[:, None]
     rows = real[:, None, :, None]
     mismatch = float(((log_pattern.exp() - pattern).abs() * rows).max())
-    if mismatch > _RECOMPUTE_TOLERANCE.get(patched.patterns[layer].dtype, _HALF_TOLERANCE):
+    if mismatch > _RECOMPUTE_TOLERANCE.get(run.patterns[layer].dtype, _HALF_TOLERANCE):
         raise ValueError(
             f"layer {layer}: softmax(q k^T / {scale:.4g} + causal mask) differs from hook_pattern "
             f"by {mismatch:.2g}: this attention (soft-capping, ALiBi, a sliding window, q/k "
             "edited by another hook?) is not modelled; attention_attribution supports plain "
             "causal softmax attention"
         )
-    grad = patched.grads[layer].double().masked_fill(~causal, 0.0) * rows
+    grad = run.grads[layer].double().masked_fill(~causal, 0.0) * rows
     other_pattern = source.patterns[layer].double()
-    edges = grad * (other_pattern - pattern)
+    edges = grad * (other_pattern - patched.patterns[layer].double())  # the same A' - A on the path
     out: dict[str, Tensor] = {
         "edges": edges,
         "pattern_a": pattern,

@@ -533,3 +533,69 @@ def test_node_patching_is_a_hand_written_patch_of_every_head(arch):
                 expected = float((after - before).double().mean())
                 assert values[layer, head].item() == pytest.approx(expected, rel=1e-9, abs=1e-15)
     assert float(truth["query"].abs().max()) > 1e-7  # a tiny random model: small but real
+
+
+# --------------------------------------------------------------------------------------------
+# exact-ig: the exact estimate averaged along the embedding path
+
+
+@pytest.mark.parametrize("arch", multi_layer_archs())
+def test_exact_ig_with_one_step_is_exact_and_converges(arch):
+    model = toy(arch)
+    exact = ra_lens.attention_attribution(model, CLEAN, CORRUPTED, METRIC)
+    one = ra_lens.attention_attribution(model, CLEAN, CORRUPTED, METRIC, method="exact-ig", steps=1)
+    for kind in ("query", "key", "pattern"):
+        assert torch.equal(one.by_position[kind], exact.by_position[kind])
+
+    def ig(steps):
+        att = ra_lens.attention_attribution(
+            model, CLEAN, CORRUPTED, METRIC, method="exact-ig", steps=steps
+        )
+        return torch.cat([att.by_position[k].double().flatten() for k in ("query", "key")])
+
+    coarse, fine, finer = ig(2), ig(8), ig(16)
+    assert float((fine - finer).abs().max()) < 0.2 * float((coarse - finer).abs().max())
+
+
+@pytest.mark.parametrize("kind", one_layer_kinds())
+def test_exact_ig_query_node_is_the_hand_written_path_average(kind):
+    """steps=2: the mean of the exact estimate on the corrupted run and of the same query shift
+    (q_clean - q_corrupted) applied at the embedding midpoint, with that run's q, k, A and R."""
+    model = one_layer(kind, q_gain=30.0)
+    att = ra_lens.attention_attribution(
+        model, CLEAN, CORRUPTED, metric_all, method="exact-ig", steps=2
+    )
+    exact = ra_lens.attention_attribution(model, CLEAN, CORRUPTED, metric_all)
+    q_name, k_name = qk_name(model, "query", 0), qk_name(model, "key", 0)
+    embed = {tag: activation(model, tokens, capture.RESID_PRE.format(0))
+             for tag, tokens in (("clean", CLEAN), ("corrupted", CORRUPTED))}  # fmt: skip
+    q_clean, q_corrupted = activation(model, CLEAN, q_name), activation(model, CORRUPTED, q_name)
+    seen = {}
+
+    def keep(name):
+        def hook(x, hook):
+            seen[name] = x
+            return x
+
+        return hook
+
+    middle = embed["clean"] + 0.5 * (embed["corrupted"] - embed["clean"])
+    hooks = [(capture.RESID_PRE.format(0), lambda x, hook: middle.clone().requires_grad_(True))]
+    hooks += [(name, keep(name)) for name in (q_name, k_name, capture.PATTERN.format(0))]
+    with torch.enable_grad(), model.hooks(fwd_hooks=hooks):
+        value = metric_all(model(CORRUPTED)).sum()
+        (R,) = torch.autograd.grad(value, seen[capture.PATTERN.format(0)])
+    q, k, A = (seen[n].detach() for n in (q_name, k_name, capture.PATTERN.format(0)))
+    group = q.shape[2] // k.shape[2]
+    k = k.repeat_interleave(group, dim=2)
+    shifted = q + (q_clean - q_corrupted)
+    n = q.shape[1]
+    mask = torch.ones(n, n, dtype=torch.bool).tril()
+    logits = torch.einsum("bqhd,bkhd->bhqk", shifted, k) / capture.attention_scale(model, 0)
+    new = logits.masked_fill(~mask, float("-inf")).softmax(-1)
+    at_middle = ((new - A) * R).sum(-1)  # [batch head query]
+    expected = 0.5 * (at_middle + exact.by_position["query"][:, 0].double())
+    got = att.by_position["query"][:, 0].double()
+    assert float(at_middle.abs().max()) > 1e-2
+    assert torch.allclose(got, expected, atol=1e-6 * float(expected.abs().max()))
+    assert not torch.allclose(got, exact.by_position["query"][:, 0].double(), atol=1e-3)

@@ -113,6 +113,7 @@ CASES: list[tuple[str, Callable[..., Tensor]]] = [
     *[(f"ra-{m}-{k}", _ra(m, k)) for m in ("full", "layerwise") for k in ("maps", "norms", "rows")],
     ("attribution-exact", _attribution("exact")),
     ("attribution-linear", _attribution("linear")),
+    ("attribution-exact-ig", _attribution("exact-ig")),
     ("attention_patching", _patching),
     ("evaluate", _evaluate),
     ("ra_ranking", lambda m: rk.ra_ranking(m, TOKENS, TARGETS, per_prompt=True)),

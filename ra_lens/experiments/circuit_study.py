@@ -12,7 +12,8 @@ pairs, the same resamples for every method, so paired differences between method
 their own interval. The per-pair metrics are saved, so every number recomputes from the JSON.
 Ground truth for head scores: each head's output patched from clean into the corrupted run
 (`head_patching`) on the first pairs of the `--truth-tasks`, against each method's head scores
-(its outgoing edges summed), Pearson r.
+(its outgoing edges summed), Pearson r. The statistics, goals and tables are computed in
+`circuit_study_report`; this module builds the pairs, runs the methods and saves the metrics.
 
     python -m ra_lens.experiments.circuit_study --quick                      # tiny model, seconds
     python -m ra_lens.experiments.circuit_study --json docs/results/circuit_study.json \\
@@ -38,8 +39,12 @@ from tqdm.auto import tqdm
 
 from ra_lens import capture, circuits
 from ra_lens.circuits.curve import MIB_FRACTIONS
-from ra_lens.ranking import bootstrap_indices
-from ra_lens.ranking.statistics import percentile_interval
+
+# The statistics live in circuit_study_report; fraction_columns, paired_difference re-exported.
+from ra_lens.experiments.circuit_study_report import fraction_columns as fraction_columns
+from ra_lens.experiments.circuit_study_report import goals, markdown, summarise
+from ra_lens.experiments.circuit_study_report import paired_difference as paired_difference
+from ra_lens.ranking.statistics import pearson
 from ra_lens.tasks import format_prompt, ioi, load
 from ra_lens.tasks.ioi import PromptPair
 from ra_lens.types import HookedModel
@@ -53,18 +58,12 @@ METHODS: dict[str, tuple[str, int]] = {
     "exact-ig-5": ("exact-ig", 5),
     "random": ("random", 1),
 }
-#: The ra-lens methods (the best of them is compared with the field's) and the references.
-RA_METHODS: tuple[str, ...] = ("exact", "exact-ig-5")
-REFERENCES: tuple[str, ...] = ("eap-ig-20", "eap")
 TASKS: tuple[str, ...] = ("ioi", "country-capital", "antonym")
 ABLATIONS: tuple[str, ...] = ("patching", "mean")
 #: Edge counts reported beside the fractions, to compare with EAP-IG's own numbers (issue 22).
 EDGE_COUNTS: tuple[int, ...] = (100, 500, 2000)
 #: Antonym pairs: one fixed 3-shot context, the query swapped between clean and corrupted.
 ANTONYM_SHOTS = 3
-#: Goals of issue 22: CPR at least EAP's times this; IOI faithfulness at 2,000 edges (moonshot).
-EAP_RATIO_GOAL = 1.3
-MOONSHOT = 0.8
 
 # --quick: a tiny random model and pairs its tokenizer writes with one-token words; its graph
 # (about 300 edges) is small, so the fractions are coarse and the edge counts small.
@@ -198,13 +197,6 @@ def head_node_scores(
     return writers[torch.tensor(index)]
 
 
-def pearson(a: Tensor, b: Tensor) -> float:
-    """Pearson correlation of two flattened tensors."""
-    x, y = a.flatten().double(), b.flatten().double()
-    x, y = x - x.mean(), y - y.mean()
-    return float((x * y).sum() / (x.norm() * y.norm()))
-
-
 def edge_sizes(n_edges: int, fractions: Sequence[float], counts: Sequence[int]) -> list[int]:
     """Edges asked for: int(k * n_edges) for MIB's fractions (rounded down, as MIB) and the
     fixed counts that fit, sorted, without repeats.
@@ -317,231 +309,6 @@ def run_task(
         if on_method is not None:
             on_method(out)
     return out
-
-
-# --------------------------------------------------------------------------------------------
-# statistics, all from the saved per-pair metrics
-
-
-def curves(
-    task: dict[str, Any], method: str, ablation: str, index: Tensor | None = None
-) -> Float[Tensor, "boot size"]:
-    """Faithfulness at each size from the metrics' means over pairs, on the pairs as observed
-    (index None: one row) or on each bootstrap resample of pairs (index [boot, n])."""
-    ref = task["reference"][ablation]
-    circuit = torch.tensor(task["methods"][method]["circuit"][ablation], dtype=torch.float64).T
-    clean = torch.tensor(ref["clean"], dtype=torch.float64)
-    empty = torch.tensor(ref["empty"], dtype=torch.float64)
-    if index is None:
-        index = torch.arange(len(clean))[None]
-    clean_m, empty_m = clean[index].mean(1), empty[index].mean(1)
-    return (circuit[index].mean(1) - empty_m[:, None]) / (clean_m - empty_m)[:, None]
-
-
-def fraction_columns(task: dict[str, Any], fractions: Sequence[float]) -> list[int]:
-    """The size index of each fraction."""
-    return [task["sizes"].index(int(k * task["n_edges_total"])) for k in fractions]
-
-
-def areas(
-    fractions: Sequence[float], values: Float[Tensor, "boot size"], *, absolute: bool
-) -> Float[Tensor, "boot"]:
-    """Trapezoid areas over the fractions: CPR of f, or CMD of |1 - f| (absolute)."""
-    x = torch.tensor(list(fractions), dtype=torch.float64)
-    y = (1 - values).abs() if absolute else values
-    return ((x[1:] - x[:-1]) * (y[:, 1:] + y[:, :-1]) / 2).sum(-1)
-
-
-def interval(estimate: float, stats: Tensor, n: int, n_boot: int) -> dict[str, Any]:
-    """95 % percentile interval of bootstrap statistics (nan resamples dropped), as a dict."""
-    return percentile_interval(float(estimate), stats, 0.95, n, n_boot, 0).to_dict()
-
-
-def cpr_samples(
-    task: dict[str, Any], method: str, ablation: str, fractions: Sequence[float], n_boot: int
-) -> tuple[float, Tensor]:
-    """CPR as observed and on each resample (the same resamples for every method)."""
-    columns = fraction_columns(task, fractions)
-    index = bootstrap_indices(task["n_pairs"], n_boot, seed=0)
-    point = areas(fractions, curves(task, method, ablation)[:, columns], absolute=False)
-    boot = areas(fractions, curves(task, method, ablation, index)[:, columns], absolute=False)
-    return float(point[0]), boot
-
-
-def paired_difference(
-    task: dict[str, Any], a: str, b: str, ablation: str, fractions: Sequence[float], n_boot: int
-) -> dict[str, Any]:
-    """CPR(a) - CPR(b) with its interval over the same resamples, and CPR(a) / CPR(b)."""
-    point_a, boot_a = cpr_samples(task, a, ablation, fractions, n_boot)
-    point_b, boot_b = cpr_samples(task, b, ablation, fractions, n_boot)
-    n = task["n_pairs"]
-    return {
-        "difference": interval(point_a - point_b, boot_a - boot_b, n, n_boot),
-        "ratio": interval(point_a / point_b, boot_a / boot_b, n, n_boot),
-    }
-
-
-def summarise(task: dict[str, Any], fractions: Sequence[float], n_boot: int) -> dict[str, Any]:
-    """Per method and ablation: the curve with bands, CPR, CMD, faithfulness at the fixed edge
-    counts; the paired differences of the best ra-lens method against the references."""
-    n = task["n_pairs"]
-    index = bootstrap_indices(n, n_boot, seed=0)
-    columns = fraction_columns(task, fractions)
-    out: dict[str, Any] = {"methods": {}, "paired": {}, "best_ra_lens": {}}
-    for ablation in task["reference"]:
-        for label in task["methods"]:
-            point, boot = curves(task, label, ablation), curves(task, label, ablation, index)
-            band = [interval(float(point[0, i]), boot[:, i], n, n_boot) for i in range(len(task["sizes"]))]  # fmt: skip
-            entry = out["methods"].setdefault(label, {})
-            entry[ablation] = {
-                "faithfulness": point[0].tolist(),
-                "low": [b["low"] for b in band],
-                "high": [b["high"] for b in band],
-                "cpr": interval(
-                    float(areas(fractions, point[:, columns], absolute=False)[0]),
-                    areas(fractions, boot[:, columns], absolute=False), n, n_boot,
-                ),
-                "cmd": interval(
-                    float(areas(fractions, point[:, columns], absolute=True)[0]),
-                    areas(fractions, boot[:, columns], absolute=True), n, n_boot,
-                ),
-                "at_edges": {str(c): band[task["sizes"].index(c)] for c in task["edge_counts"]},
-            }  # fmt: skip
-        ours = [m for m in RA_METHODS if m in task["methods"]]
-        if not ours:
-            continue
-        best = max(ours, key=lambda m: out["methods"][m][ablation]["cpr"]["estimate"])
-        out["best_ra_lens"][ablation] = best
-        for ref in REFERENCES:
-            if ref in task["methods"]:
-                out["paired"].setdefault(ablation, {})[f"{best} - {ref}"] = paired_difference(
-                    task, best, ref, ablation, fractions, n_boot
-                )
-    return out
-
-
-def goals(study: dict[str, Any]) -> dict[str, Any]:
-    """Issue 22's goals per task under patching: best ra-lens CPR >= EAP-IG-20's (the paired
-    interval says how sure), >= 1.3 x EAP's, in no more time than EAP-IG-20; IOI moonshot."""
-    out: dict[str, Any] = {}
-    for name, task in study["tasks"].items():
-        summary = task["summary"]
-        best = summary["best_ra_lens"].get("patching")
-        if best is None:
-            continue
-        paired = summary["paired"].get("patching", {})
-        row: dict[str, Any] = {"best_ra_lens": best}
-        if f"{best} - eap-ig-20" in paired:
-            diff = paired[f"{best} - eap-ig-20"]["difference"]
-            row["cpr_minus_eap_ig_20"] = diff
-            row["at_or_above_eap_ig_20"] = diff["estimate"] >= 0
-            row["seconds"] = task["methods"][best]["seconds"]
-            row["eap_ig_20_seconds"] = task["methods"]["eap-ig-20"]["seconds"]
-            row["no_slower_than_eap_ig_20"] = row["seconds"] <= row["eap_ig_20_seconds"]
-        if f"{best} - eap" in paired:
-            ratio = paired[f"{best} - eap"]["ratio"]
-            row["cpr_over_eap"] = ratio
-            row["at_least_1.3x_eap"] = ratio["estimate"] >= EAP_RATIO_GOAL
-        at = summary["methods"][best]["patching"]["at_edges"].get("2000")
-        if name == "ioi" and at is not None:
-            row["faithfulness_2000"] = at
-            row["moonshot_met"] = at["estimate"] >= MOONSHOT
-        out[name] = row
-    return out
-
-
-# --------------------------------------------------------------------------------------------
-# reporting
-
-
-def _ci(entry: dict[str, Any], digits: int = 3) -> str:
-    if entry["estimate"] is None:
-        return "n/a"
-    return f"{entry['estimate']:.{digits}f} [{entry['low']:.{digits}f}, {entry['high']:.{digits}f}]"
-
-
-def markdown(study: dict[str, Any]) -> str:
-    """The study's tables: per task x method CPR, CMD (95 % intervals), seconds, faithfulness at
-    100/500/2,000 edges; the paired differences; the goals."""
-    cfg = study["config"]
-    lines = [
-        f"Model {cfg['model']}, {cfg['device']}; top-n by |score| then pruned; edge patching "
-        f"(`circuits.faithfulness`); {cfg['n_boot']} bootstrap resamples over pairs, 95 % "
-        f"percentile intervals; fractions {', '.join(f'{100 * k:g}%' for k in cfg['fractions'])}"
-        f" of the edges. Seconds: attribution only. Study ran {study['runtime_seconds']:.0f} s.",
-        "",
-    ]
-    counts = [str(c) for c in cfg["edge_counts"]]
-    for ablation in cfg["ablations"]:
-        lines += [
-            f"### Ablation: {ablation}",
-            "",
-            "| task (pairs) | method | CPR (higher better) | CMD (lower better) | seconds | "
-            + " | ".join(f"f @ {c} edges" for c in counts)
-            + " |",
-            "|---|---|---|---|---:|" + "---|" * len(counts),
-        ]
-        for name, task in study["tasks"].items():
-            for label, entry in task["summary"]["methods"].items():
-                if ablation not in entry:
-                    continue
-                e = entry[ablation]
-                at = [_ci(e["at_edges"][c], 2) if c in e["at_edges"] else "-" for c in counts]
-                lines.append(
-                    f"| {name} ({task['n_pairs']}) | {label} | {_ci(e['cpr'])} | {_ci(e['cmd'])}"
-                    f" | {task['methods'][label]['seconds']:.0f} | " + " | ".join(at) + " |"
-                )
-        lines.append("")
-        rows = [
-            (name, key, value)
-            for name, task in study["tasks"].items()
-            for key, value in task["summary"]["paired"].get(ablation, {}).items()
-        ]
-        if rows:
-            lines += [
-                f"Paired CPR differences ({ablation}), same resamples:",
-                "",
-                "| task | best ra-lens - reference | CPR difference | CPR ratio |",
-                "|---|---|---|---|",
-            ]
-            lines += [f"| {n} | {k} | {_ci(v['difference'])} | {_ci(v['ratio'], 2)} |" for n, k, v in rows]  # fmt: skip
-            lines.append("")
-    truths = [(n, t["truth"]) for n, t in study["tasks"].items() if "truth" in t]
-    if truths:
-        lines += [
-            "Head scores (each head's outgoing edges summed) against head activation patching "
-            "(denoise, hook_z, all positions), Pearson r:",
-            "",
-            "| task (pairs patched) | " + " | ".join(truths[0][1]["pearson"]) + " |",
-            "|---|" + "---|" * len(truths[0][1]["pearson"]),
-        ]
-        for name, truth in truths:
-            values = " | ".join(f"{r:.3f}" for r in truth["pearson"].values())
-            lines.append(f"| {name} ({truth['pairs']}) | {values} |")
-        lines.append("")
-    if study.get("goals"):
-        lines += ["### Goals (patching)", ""]
-        for name, row in study["goals"].items():
-            parts = [f"best ra-lens method {row['best_ra_lens']}"]
-            if "cpr_minus_eap_ig_20" in row:
-                parts.append(
-                    f"CPR - EAP-IG-20 {_ci(row['cpr_minus_eap_ig_20'])} "
-                    f"({'met' if row['at_or_above_eap_ig_20'] else 'missed'}); "
-                    f"{row['seconds']:.0f} s vs EAP-IG-20 {row['eap_ig_20_seconds']:.0f} s "
-                    f"({'met' if row['no_slower_than_eap_ig_20'] else 'missed'})"
-                )
-            if "cpr_over_eap" in row:
-                parts.append(
-                    f"CPR / EAP {_ci(row['cpr_over_eap'], 2)} "
-                    f"({'met' if row['at_least_1.3x_eap'] else 'missed'})"
-                )
-            if "faithfulness_2000" in row:
-                parts.append(
-                    f"faithfulness at 2,000 edges {_ci(row['faithfulness_2000'])} "
-                    f"(moonshot >= {MOONSHOT}: {'met' if row['moonshot_met'] else 'missed'})"
-                )
-            lines.append(f"- {name}: " + "; ".join(parts))
-    return "\n".join(lines)
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,0 +1,101 @@
+"""What every `ra-lens` command shares: loading the model of --model, checking --out / --json
+before the work, the --json writer, printing next to a JSON report, and parsing numbers."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from ra_lens.files import is_stream, write_file
+from ra_lens.types import HookedModel
+
+
+def _load(name: str, backend: str = "auto") -> HookedModel:
+    """The model behind --model: a tiny random one (``tiny-ARCH``) or `load_model`'s."""
+    if name.startswith("tiny-"):
+        from ra_lens.toy_models import tiny_model
+
+        return tiny_model(name.removeprefix("tiny-"))
+    from ra_lens.models import load_model
+
+    return load_model(name, backend=backend, device="cpu")
+
+
+def _model(args: argparse.Namespace) -> HookedModel:
+    """The model of --model and --backend, loaded by `ra_lens.cli._load`, looked up there on every
+    call: tests hand a command a model they already have by replacing that attribute."""
+    from ra_lens import cli
+
+    return cli._load(args.model, args.backend)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return value
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    """Fail before the computation (which can take many minutes), not after it, when --out or
+    --json cannot be written."""
+    out: Path | None = getattr(args, "out", None)
+    if out is not None:
+        if out.exists() and not out.is_dir():
+            raise ValueError(f"--out {out} is a file: give a folder (it is created if missing)")
+        _check_writable_folder(out, "--out")
+    target = getattr(args, "json", None)
+    if target is not None and target != "-" and not is_stream(target):
+        path = Path(os.path.realpath(target))  # a symlink is written through: check its target
+        if path.exists() and not path.is_file():
+            raise ValueError(
+                f"--json {target} is a folder: give a file name such as {target}/out.json"
+            )
+        _check_writable_folder(path.parent, "--json")
+
+
+def _check_writable_folder(folder: Path, flag: str) -> None:
+    existing = folder
+    while not existing.exists():  # the nearest existing ancestor decides whether mkdir works
+        existing = existing.parent
+    try:  # a real write: os.access says yes to root even on read-only file systems
+        if not existing.is_dir():
+            raise NotADirectoryError(existing)
+        tempfile.TemporaryFile(dir=existing).close()
+    except OSError:
+        raise ValueError(
+            f"{flag}: cannot write into {existing}: choose a writable folder"
+        ) from None
+
+
+def _emit_json(target: str | None, payload: dict[str, Any]) -> None:
+    """Print the report (`-`), or write it with the library's one writer: through symlinks,
+    keeping an existing file's mode, directly into a FIFO or /dev/stdout, atomically otherwise."""
+    if target is None:
+        return
+    text = json.dumps(payload, indent=2)
+    if target == "-":
+        print(text)
+        return
+    sys.stdout.flush()  # /dev/stdout may be the terminal the tables went to: keep the order
+    write_file(target, text + "\n", make_folders=True)
+
+
+def _say(args: argparse.Namespace, message: str) -> None:
+    # With --json - the JSON owns stdout; everything else goes to stderr.
+    print(message, file=sys.stderr if args.json == "-" else sys.stdout)
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"expected comma-separated numbers, got {text!r}") from None

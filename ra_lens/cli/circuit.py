@@ -1,0 +1,125 @@
+"""`ra-lens circuit`: edge scores over the component graph, the faithfulness curve of circuits of
+increasing size, and one circuit drawn and saved as EAP-IG/MIB JSON."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+
+from ra_lens.cli._shared import _emit_json, _floats, _model, _say
+from ra_lens.cli.pairs import PAIR_KEYS, _circuit_pairs, _read_pairs
+
+
+def _run_circuit(args: argparse.Namespace) -> int:
+    from matplotlib.figure import Figure
+
+    from ra_lens import circuits
+    from ra_lens.tasks import ioi
+
+    sizes = None if args.sizes is None else _floats(args.sizes)
+    file_pairs = [] if args.pairs is None else _read_pairs(args.pairs)  # before the model loads
+    seconds: dict[str, float] = {}
+    start = time.perf_counter()
+    model = _model(args)
+    seconds["load_model"] = time.perf_counter() - start
+    pairs = _circuit_pairs(args, model, file_pairs)
+    clean, corrupted, metric = ioi.paired_batch(model, pairs)
+    progress = sys.stderr.isatty()
+
+    start = time.perf_counter()
+    scores = circuits.attribute(
+        model,
+        clean,
+        corrupted,
+        metric,
+        method=args.method,
+        direction=args.direction,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        progress=progress,
+    )
+    seconds["attribute"] = time.perf_counter() - start
+    assert isinstance(scores, circuits.EdgeScores)
+    start = time.perf_counter()
+    curve = circuits.faithfulness_curve(
+        model,
+        scores,
+        clean,
+        corrupted,
+        metric,
+        sizes=sizes,
+        ablation=args.ablation,
+        selection=args.selection,
+        progress=progress,
+    )
+    seconds["faithfulness_curve"] = time.perf_counter() - start
+    n_edges = min(args.edges, scores.graph.n_edges)
+    circuit = scores.top(n_edges) if args.selection == "top" else scores.greedy(n_edges)
+    kept = circuits.faithfulness(
+        model, circuit, clean, corrupted, metric, ablation=args.ablation, batch_size=32
+    )
+
+    source = f"--task {args.task}" if args.pairs is None else f"--pairs {args.pairs}"
+    _say(
+        args,
+        f"model: {args.model}   {source}: {len(pairs)} pairs   metric: logit(answer) - "
+        f"logit(wrong)   clean {kept.clean_metric:.3f}, corrupted {kept.corrupted_metric:.3f}",
+    )
+    _say(
+        args,
+        f"scores: {args.method} ({args.direction}) over {scores.graph.n_edges} edges in "
+        f"{seconds['attribute']:.1f} s\n",
+    )
+    _say(args, curve.table())
+    _say(
+        args,
+        f"\ncircuit ({args.selection} {n_edges}, pruned): {circuit.n_edges} edges, "
+        f"{len(circuit.nodes)} nodes, faithfulness {kept.value:.4f}",
+    )
+
+    files = []
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        files = [args.out / n for n in ("faithfulness_curve.png", "circuit.png", "circuit.json")]
+        ax = Figure(figsize=(5.5, 3.8), layout="constrained").add_subplot()
+        ax.set_title(f"{args.method} circuits, {len(pairs)} pairs")
+        curve.plot(files[0], ax=ax)
+        circuit.draw(
+            files[1],
+            title=f"{args.method}: {circuit.n_edges} edges, faithfulness {kept.value:.3f}",
+        )
+        circuit.to_json(files[2])
+        for f in files:
+            _say(args, f"wrote {f}")
+    _emit_json(
+        args.json,
+        {
+            "model": args.model,
+            "task": args.task,
+            "pairs_file": None if args.pairs is None else str(args.pairs),
+            "pairs": [{key: getattr(p, key) for key in PAIR_KEYS} for p in pairs],
+            "method": args.method,
+            "direction": args.direction,
+            "steps": args.steps if args.method.endswith("-ig") else None,
+            "metric": "logit(answer) - logit(wrong)",
+            "clean_metric": kept.clean_metric,
+            "corrupted_metric": kept.corrupted_metric,
+            "n_edges_total": scores.graph.n_edges,
+            "curve": curve.to_dict(),
+            "circuit": {
+                "edges_asked": n_edges,
+                "n_edges": circuit.n_edges,
+                "nodes": circuit.nodes,
+                "faithfulness": kept.value,
+                # nan (a pair whose clean and corrupted metrics are equal) is not JSON: null
+                "faithfulness_per_pair": [
+                    None if math.isnan(v) else v for v in kept.per_pair.tolist()
+                ],
+            },
+            "seconds": seconds,
+            "files": [str(f) for f in files],
+        },
+    )
+    return 0

@@ -1,0 +1,93 @@
+"""`ra-lens maps`: Reversed Attention of every head for one prompt and target, as a table, plots
+and a circuitsvis page."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from ra_lens.cli._shared import _emit_json, _model, _say
+
+
+def _run_maps(args: argparse.Namespace) -> int:
+    import torch
+
+    from ra_lens import metrics, reversed_attention, to_batch
+
+    seconds: dict[str, float] = {}
+    start = time.perf_counter()
+    model = _model(args)
+    seconds["load_model"] = time.perf_counter() - start
+
+    prompt_tokens = to_batch(model, args.prompt).tokens  # refuses text longer than n_ctx
+    target_ids = model.to_tokens(args.target, prepend_bos=False)[0].tolist()
+    if not target_ids:
+        raise ValueError("--target is empty: give the text the model should produce")
+    if args.completion:
+        tokens, metric = metrics.completion(model, args.prompt, args.target)
+    else:
+        tokens, metric = prompt_tokens, metrics.target_nll([target_ids[0]])
+    start = time.perf_counter()
+    ra = reversed_attention(model, tokens, metric, convention=args.convention)
+    seconds["reversed_attention"] = time.perf_counter() - start
+
+    with torch.no_grad():
+        probs = model(prompt_tokens)[0, -1].float().softmax(-1)
+    top_p, top_ids = probs.topk(5)
+    predictions = [
+        {"token": model.tokenizer.decode([i]), "id": i, "prob": p}
+        for i, p in zip(top_ids.tolist(), top_p.tolist())
+    ]
+    target_prob = float(probs[target_ids[0]])
+    report = ra.to_dict(k=args.top)
+
+    first = model.tokenizer.decode([target_ids[0]])
+    _say(args, f"model: {args.model}   prompt: {args.prompt!r}   target: {args.target!r}")
+    _say(
+        args,
+        f"metric: -log p({first!r}) = {report['metric']:.3f}"
+        if not args.completion
+        else f"metric: mean NLL of {args.target!r} = {report['metric']:.3f}",
+    )
+    _say(
+        args,
+        "top predictions: "
+        + ", ".join(f"{p['token']!r} {p['prob']:.1%}" for p in predictions)
+        + f"   (target {first!r}: {target_prob:.1%})",
+    )
+    _say(args, "\n" + ra.table(args.top))
+    _say(
+        args,
+        f"\nRA of {ra.norms.shape[1] * ra.norms.shape[2]} heads in "
+        f"{seconds['reversed_attention']:.2f} s (one forward + one backward pass)",
+    )
+
+    files = []
+    if args.out is not None:
+        from ra_lens import viz
+
+        args.out.mkdir(parents=True, exist_ok=True)
+        viz.head_norm_heatmaps(ra, save=args.out / "head_norms.png")
+        viz.top_heads_grid(ra, k=min(4, args.top), save=args.out / "top_heads.png")
+        viz.circuitsvis_heads(
+            ra, ra.top_heads(min(8, args.top)), save=args.out / "reversed_attention.html"
+        )
+        files = [
+            args.out / n for n in ("head_norms.png", "top_heads.png", "reversed_attention.html")
+        ]
+        for f in files:
+            _say(args, f"wrote {f}")
+    _emit_json(
+        args.json,
+        {
+            "model": args.model,
+            "prompt": args.prompt,
+            "target": args.target,
+            **report,
+            "target_prob": target_prob,
+            "predictions": predictions,
+            "seconds": seconds,
+            "files": [str(f) for f in files],
+        },
+    )
+    return 0

@@ -1,0 +1,65 @@
+"""`ra-lens patch` and `ra-lens rank`: the paper's ICL experiments (attention patching, head
+ranking) on one or several tasks."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from ra_lens.cli._shared import _emit_json, _floats, _model, _say
+
+
+def _run_patch(args: argparse.Namespace) -> int:
+    from ra_lens.experiments import DEFAULT_SCALES, attention_patching
+
+    scales = DEFAULT_SCALES if args.scales is None else _floats(args.scales)
+    model = _model(args)
+    result = attention_patching(
+        model,
+        args.task,
+        shots=args.shots,
+        n_prompts=args.n_prompts,
+        scales=scales,
+        n_test=args.n_test,
+    )
+    _say(args, result.table())
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        path = args.out / f"patching_{args.task}_{args.shots}shot.png"
+        result.plot(save=path)
+        _say(args, f"wrote {path}")
+    _emit_json(args.json, result.to_dict())
+    return 0
+
+
+def _run_rank(args: argparse.Namespace) -> int:
+    from ra_lens.experiments import head_ranking
+    from ra_lens.experiments.head_ranking import check_rankings
+
+    extra: dict[str, Any] = {} if args.fractions is None else {"fractions": _floats(args.fractions)}
+    if args.rankings is not None:
+        extra["rankings"] = check_rankings(
+            [n.strip() for n in args.rankings.split(",") if n.strip()]
+        )
+    model = _model(args)
+    results = []
+    for task in args.task:
+        result = head_ranking(
+            model,
+            task,
+            shots=args.shots,
+            n_prompts=args.n_prompts,
+            n_test=args.n_test,
+            ablation=args.ablation,
+            **extra,
+        )
+        results.append(result)
+        _say(args, result.table())
+        if args.out is not None:
+            out = args.out if len(args.task) == 1 else args.out / task
+            for path in result.plots(out):
+                _say(args, f"wrote {path}")
+    # One task: its result as before; several: {"results": [one per task]}.
+    dicts = [r.to_dict() for r in results]
+    _emit_json(args.json, dicts[0] if len(dicts) == 1 else {"results": dicts})
+    return 0

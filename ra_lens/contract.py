@@ -1,0 +1,191 @@
+"""The model contract's fixed part: what ra-lens reads from a model without running it.
+
+Every TransformerLens hook name ra-lens uses (the constants below), the `HookedModel` protocol,
+the attention geometry (`model_shape`, `attention_scale`, the query/key hook of a layer) and
+checked layer lists. Running a model (state, hooks, recording, tokenising) is `ra_lens.capture`'s
+job, which re-exports every name here.
+
+In the examples, `model` is a tiny random 2-layer x 4-head model (`ra_lens.toy_models.tiny_model`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import Tensor
+
+from ra_lens._typing import Validated
+
+# Every TransformerLens hook name ra-lens uses; format with the layer index.
+PATTERN = "blocks.{}.attn.hook_pattern"
+SCORES = "blocks.{}.attn.hook_attn_scores"
+Z = "blocks.{}.attn.hook_z"
+V = "blocks.{}.attn.hook_v"
+Q = "blocks.{}.attn.hook_q"
+K = "blocks.{}.attn.hook_k"
+ROT_Q = "blocks.{}.attn.hook_rot_q"  # rotary models: q and k after the rotation
+ROT_K = "blocks.{}.attn.hook_rot_k"
+COS = "blocks.{}.attn.hook_cos"  # TransformerBridge rotary tables
+SIN = "blocks.{}.attn.hook_sin"
+ATTN_IN = "blocks.{}.attn.hook_in"  # TransformerBridge: input of the attention block
+Q_IN = "blocks.{}.attn.q.hook_in"  # TransformerBridge: input of the q / k projections
+K_IN = "blocks.{}.attn.k.hook_in"
+RESID_PRE = "blocks.{}.hook_resid_pre"
+
+
+@runtime_checkable
+class HookedModel(Protocol):
+    """What ra-lens needs of a model: a TransformerLens HookedRootModule with a config.
+
+    HookedTransformer (TL 2.x/3.x) and TransformerBridge (TL 3.x/4.x) both qualify.
+
+    >>> isinstance(model, HookedModel), isinstance(torch.nn.Linear(2, 2), HookedModel)
+    (True, False)
+    """
+
+    hook_dict: dict[str, Any]
+    cfg: Any
+
+    def hooks(self, *args: Any, **kwargs: Any) -> Any: ...
+
+    def to_tokens(self, *args: Any, **kwargs: Any) -> Tensor: ...
+
+    def parameters(self, recurse: bool = True) -> Iterator[torch.nn.Parameter]: ...
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
+
+
+_NOT_TL = (
+    "ra_lens needs a TransformerLens model (HookedTransformer or TransformerBridge), "
+    "e.g. ra_lens.load_model() or TransformerBridge.boot_transformers(name)"
+)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The attention geometry of a model, read from its config."""
+
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    d_head: int
+    n_ctx: int | None
+
+
+def model_shape(model: Validated[HookedModel]) -> ModelShape:
+    """Read the attention geometry and check that the hooks ra-lens needs exist.
+
+    Raises:
+        TypeError: the model is not a TransformerLens model or lacks attention hooks.
+
+    >>> model_shape(model)
+    ModelShape(n_layers=2, n_heads=4, n_kv_heads=4, d_head=8, n_ctx=64)
+    """
+    hook_dict = getattr(model, "hook_dict", None)
+    cfg = getattr(model, "cfg", None)
+    if hook_dict is None or cfg is None or not hasattr(model, "hooks"):
+        raise TypeError(f"{type(model).__name__} has no hook_dict/cfg/hooks(): {_NOT_TL}")
+    n_layers = int(cfg.n_layers)
+    for layer in range(n_layers):
+        for name in (PATTERN.format(layer), RESID_PRE.format(layer)):
+            if name not in hook_dict:
+                raise TypeError(f"model has no hook {name!r}: {_NOT_TL}")
+    n_heads = int(cfg.n_heads)
+    n_kv = getattr(cfg, "n_key_value_heads", None) or n_heads
+    n_ctx = getattr(cfg, "n_ctx", None)
+    return ModelShape(n_layers, n_heads, int(n_kv), int(cfg.d_head), int(n_ctx) if n_ctx else None)
+
+
+def query_hook_name(model: HookedModel, layer: int) -> str:
+    """The hook point of the queries this layer's attention uses: `hook_rot_q` (after the
+    rotation) on rotary models, `hook_q` otherwise.
+
+    >>> query_hook_name(model, 1)                            # GPT-2: no rotary embedding
+    'blocks.1.attn.hook_q'
+    """
+    rotated = ROT_Q.format(layer)
+    return rotated if rotated in model.hook_dict else Q.format(layer)
+
+
+def key_hook_name(model: HookedModel, layer: int) -> str:
+    """The hook point of the keys this layer's attention uses: `hook_rot_k` on rotary models,
+    `hook_k` otherwise.
+
+    >>> key_hook_name(model, 0)                              # GPT-2: no rotary embedding
+    'blocks.0.attn.hook_k'
+    """
+    rotated = ROT_K.format(layer)
+    return rotated if rotated in model.hook_dict else K.format(layer)
+
+
+def check_layers(layers: Validated[Sequence[int]] | None, n_layers: int) -> list[int]:
+    """The chosen layer indices, checked; None means all layers.
+
+    Raises:
+        TypeError, ValueError: see `check_layer_list`; also a layer outside 0..n_layers-1.
+
+    >>> check_layers(None, 3), check_layers([0, 2], 3)
+    ([0, 1, 2], [0, 2])
+    >>> check_layers([2, 0], 3)
+    Traceback (most recent call last):
+    ValueError: layers [2, 0] are not in increasing order: pass [0, 2]
+    """
+    if layers is None:
+        return list(range(n_layers))
+    chosen = check_layer_list(layers)
+    bad = [layer for layer in chosen if not 0 <= layer < n_layers]
+    if bad:
+        raise ValueError(f"layers {chosen} out of range: the model has layers 0..{n_layers - 1}")
+    return chosen
+
+
+def check_layer_list(layers: Validated[Sequence[int]]) -> list[int]:
+    """Layer indices as given, refused rather than silently fixed when they are not ints, empty,
+    repeated or out of order (results are laid out in the order given, and the backward pass
+    stops at the first layer)."""
+    if isinstance(layers, (int, str)) or isinstance(layers, Tensor) and layers.ndim == 0:
+        raise TypeError(f"layers must be a sequence of ints, e.g. [{layers}], got {layers!r}")
+    chosen = [layer.item() if isinstance(layer, Tensor) else layer for layer in layers]
+    not_int = [la for la in chosen if isinstance(la, bool) or not isinstance(la, int)]
+    if not_int:
+        raise TypeError(f"layers must be ints, got {not_int}: pass e.g. [0, 3, 5]")
+    if not chosen:
+        raise ValueError(
+            "layers=[] is out of range (empty): pass at least one layer, or None for all"
+        )
+    if len(set(chosen)) != len(chosen):
+        raise ValueError(f"layers {chosen} repeat a layer: pass each layer once")
+    if chosen != sorted(chosen):
+        raise ValueError(f"layers {chosen} are not in increasing order: pass {sorted(chosen)}")
+    return chosen
+
+
+def attention_scale(model: HookedModel, layer: int) -> float:
+    """The divisor s in S = QK^T / s for one layer, read from the model rather than assumed.
+
+    TL 2 keeps it as `attn.attn_scale`; TL-native bridges as `attn.original_component.scale`;
+    HuggingFace attention modules as the multiplier `scaling`.
+
+    >>> math.isclose(attention_scale(model, 0), math.sqrt(model.cfg.d_head))  # GPT-2: sqrt(d_head)
+    True
+    """
+    attn = model.blocks[layer].attn
+    if isinstance(getattr(attn, "attn_scale", None), (int, float)):
+        return float(attn.attn_scale)
+    inner = getattr(attn, "original_component", None)
+    if isinstance(getattr(inner, "scale", None), (int, float)):
+        return float(inner.scale)
+    if isinstance(getattr(inner, "scaling", None), (int, float)):
+        scale = 1.0 / float(inner.scaling)
+        if getattr(getattr(inner, "config", None), "scale_attn_by_inverse_layer_idx", False):
+            scale *= layer + 1
+        return scale
+    cfg = model.cfg
+    if getattr(cfg, "use_attn_scale", True) is False:
+        return 1.0
+    attn_scale = float(getattr(cfg, "attn_scale", -1.0))
+    return attn_scale if attn_scale > 0 else math.sqrt(cfg.d_head)

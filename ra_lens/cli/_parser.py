@@ -113,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     attribute.add_argument(
         "--wrong", default=None, help="a wrong answer: metric = logit(target) - logit(wrong)"
     )
-    attribute.add_argument("--method", default="exact", choices=["exact", "linear"])
+    attribute.add_argument("--method", default="exact", choices=["exact", "exact-ig", "linear"])
     attribute.add_argument("--direction", default="denoise", choices=["denoise", "noise"])
     attribute.add_argument(
         "--top", type=_positive_int, default=10, metavar="K", help="rows per table (10)"

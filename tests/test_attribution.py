@@ -496,7 +496,8 @@ def test_attention_that_is_not_plain_softmax_is_refused():
 @pytest.mark.tl4  # the experiment runs on TL 4 bridges (toy Llama here)
 def test_experiment_measure_on_a_toy():
     from ra_lens.experiments import attention_attribution as experiment
-    from ra_lens.tasks.ioi import PromptPair
+    from ra_lens.ranking.statistics import pearson
+    from ra_lens.tasks.ioi import PromptPair, paired_batch
 
     model = toy("llama")
     pairs = [
@@ -513,6 +514,14 @@ def test_experiment_measure_on_a_toy():
     for kind in ("query", "key"):
         assert data["stats"][kind]["pearson_exact"] > 0.99
         assert data["per_position"][kind]["max_abs_error_exact"] < 1e-5
+    clean, corrupted, metric = paired_batch(model, pairs)
+    ig = ra_lens.attention_attribution(model, clean, corrupted, metric, method="exact-ig", steps=5)
+    assert data["ig_steps"] == 5
+    for kind in ("query", "key", "pattern"):
+        assert data["scores"]["exact_ig"][kind] == ig.scores[kind].tolist()
+        assert data["stats"][kind]["pearson_exact_ig"] == pearson(
+            ig.scores[kind], result.truth[kind]
+        )
     assert "| toy | query |" in experiment.markdown([result])
 
 

@@ -36,6 +36,7 @@ from ra_lens.attribution import AttentionAttribution, attention_attribution
 from ra_lens.capture import PATTERN, Batch, HookedModel
 from ra_lens.core import reversed_attention
 from ra_lens.experiments import timing
+from ra_lens.files import write_file
 from ra_lens.ranking.statistics import pearson, spearman, top_recall
 from ra_lens.tasks import ioi
 from ra_lens.types import MetricFn
@@ -217,18 +218,21 @@ class TaskMeasurement:
     n_forward_truth: int
     per_position: dict[str, dict[str, float]] = field(default_factory=dict)
     blind_spot: list[dict[str, Any]] = field(default_factory=list)
+    exact_ig: dict[str, Tensor] = field(default_factory=dict)
+    ig_steps: int = 0
 
     def stats(self) -> dict[str, dict[str, float]]:
-        out = {}
+        out: dict[str, dict[str, float]] = {}
+        methods = [("exact", self.exact), ("linear", self.linear)]
+        if self.exact_ig:
+            methods.append(("exact_ig", self.exact_ig))
         for kind, truth in self.truth.items():
-            out[kind] = {
-                "pearson_exact": pearson(self.exact[kind], truth),
-                "pearson_linear": pearson(self.linear[kind], truth),
-                "spearman_exact": spearman(self.exact[kind], truth),
-                "spearman_linear": spearman(self.linear[kind], truth),
-                "top20_recall_exact": top_recall(self.exact[kind], truth),
-                "top20_recall_linear": top_recall(self.linear[kind], truth),
-            }
+            out[kind] = {}
+            for statistic, fn in (
+                ("pearson", pearson), ("spearman", spearman), ("top20_recall", top_recall)
+            ):  # fmt: skip
+                for name, scores in methods:
+                    out[kind][f"{statistic}_{name}"] = fn(scores[kind], truth)
         return out
 
     def to_dict(self) -> dict[str, Any]:
@@ -250,8 +254,11 @@ class TaskMeasurement:
                     ("truth", self.truth),
                     ("exact", self.exact),
                     ("linear", self.linear),
+                    ("exact_ig", self.exact_ig),
                 )
+                if table
             },
+            "ig_steps": self.ig_steps,
             "ra_norms": self.ra_norms.tolist(),
         }
 
@@ -265,6 +272,7 @@ def measure(
     n_position_heads: int = 4,
     max_rows: int = 64,
     progress: bool = True,
+    ig_steps: int = 5,
 ) -> TaskMeasurement:
     """Truth, estimates, their agreement and timings on `pairs` (see the module docstring).
 
@@ -283,6 +291,12 @@ def measure(
     exact = timed("exact", lambda: attention_attribution(model, clean, corrupted, metric))
     linear = timed(
         "linear", lambda: attention_attribution(model, clean, corrupted, metric, method="linear")
+    )
+    exact_ig = timed(
+        "exact_ig",
+        lambda: attention_attribution(
+            model, clean, corrupted, metric, method="exact-ig", steps=ig_steps
+        ),
     )
     ra = timed("ra_norms", lambda: reversed_attention(model, clean, metric, keep="norms"))
     truth = timed(
@@ -305,6 +319,8 @@ def measure(
         truth={k: v.float() for k, v in truth.items()},
         exact={k: exact.scores[k] for k in KINDS},
         linear={k: linear.scores[k] for k in KINDS},
+        exact_ig={k: exact_ig.scores[k] for k in KINDS},
+        ig_steps=ig_steps,
         ra_norms=ra.head_norms(),
         seconds=seconds,
         n_forward_truth=-(-sum(t.numel() for t in truth.values()) // max(1, max_rows // len(pairs)))
@@ -421,15 +437,16 @@ def _blind_spot(
 def markdown(results: Sequence[TaskMeasurement]) -> str:
     """The README table."""
     lines = [
-        "| task | node | Pearson exact | Pearson linear | Spearman exact | Spearman linear "
-        "| top-20 recall exact | top-20 recall linear |",
-        "|---|---|---|---|---|---|---|---|",
+        "| task | node | Pearson exact | Pearson linear | Pearson exact-ig | Spearman exact "
+        "| Spearman linear | top-20 recall exact | top-20 recall linear |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         for kind, s in r.stats().items():
+            ig = f"{s['pearson_exact_ig']:.3f}" if "pearson_exact_ig" in s else "-"
             lines.append(
                 f"| {r.task} | {kind} | {s['pearson_exact']:.3f} | {s['pearson_linear']:.3f} | "
-                f"{s['spearman_exact']:.3f} | {s['spearman_linear']:.3f} | "
+                f"{ig} | {s['spearman_exact']:.3f} | {s['spearman_linear']:.3f} | "
                 f"{s['top20_recall_exact']:.0%} | {s['top20_recall_linear']:.0%} |"
             )
     return "\n".join(lines)
@@ -440,21 +457,36 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--n-truth", type=int, default=6, help="pairs per task for the truth")
     parser.add_argument("--json", default="docs/results/attribution.json")
     parser.add_argument("--max-rows", type=int, default=64)
+    parser.add_argument("--ig-steps", type=int, default=5, help="points of exact-ig's path (5)")
+    parser.add_argument(
+        "--tasks", default="ioi,country-capital",
+        help="comma-separated; other tasks already in --json are kept",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     from ra_lens.models import load_model
 
     model = load_model(device="cpu")
-    tasks = {
-        "ioi": ioi.usable(model, ioi.ioi_pairs(40)),
-        "country-capital": ioi.usable(model, ioi.capital_pairs(model)),
+    builders = {
+        "ioi": lambda: ioi.usable(model, ioi.ioi_pairs(40)),
+        "country-capital": lambda: ioi.usable(model, ioi.capital_pairs(model)),
     }
-    results, summary = [], {"n_usable_pairs": {k: len(v) for k, v in tasks.items()}}
-    for name, pairs in tasks.items():
-        result = measure(model, pairs[: args.n_truth], name, max_rows=args.max_rows)
+    names = [name.strip() for name in args.tasks.split(",") if name.strip()]
+    unknown = [name for name in names if name not in builders]
+    if unknown:
+        raise SystemExit(f"unknown task {unknown[0]!r}: choose from {sorted(builders)}")
+    path = Path(args.json)
+    summary = json.loads(path.read_text()) if path.is_file() else {}
+    summary.setdefault("n_usable_pairs", {})
+    results = []
+    for name in names:
+        pairs = builders[name]()
+        summary["n_usable_pairs"][name] = len(pairs)
+        result = measure(
+            model, pairs[: args.n_truth], name, max_rows=args.max_rows, ig_steps=args.ig_steps
+        )
         results.append(result)
         summary[name] = result.to_dict()
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(summary, indent=1))
+        write_file(path, json.dumps(summary, indent=1), make_folders=True)
     print(markdown(results))
     for r in results:
         print(r.task, {k: round(v, 2) for k, v in r.seconds.items()}, r.per_position)

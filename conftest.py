@@ -23,7 +23,7 @@ HAS_BRIDGE = bridge_available()
 TL4_ONLY = {
     "ra_lens.dynamics.EditDynamics": "edit_dynamics refuses HookedTransformer",
     "ra_lens.dynamics.edit_dynamics": "edit_dynamics refuses HookedTransformer",
-    "ra_lens.attribution.AttentionAttribution.to_transformer_lens": "AttributionResult is "
+    "ra_lens.attribution.result.AttentionAttribution.to_transformer_lens": "AttributionResult is "
     "TransformerLens 4's",
 }
 

@@ -113,7 +113,7 @@ def attention_attribution(
     shape = capture.model_shape(model)
     chosen = capture.check_layers(layers, shape.n_layers)
     clean_b, corrupted_b = capture.to_batch(model, clean), capture.to_batch(model, corrupted)
-    _check_pairs(clean_b, corrupted_b)
+    check_pairs(clean_b, corrupted_b)
     capture.require_live_patterns(model, chosen, "attention_attribution needs R = dM/dA there")
     base, other = (corrupted_b, clean_b) if direction == "denoise" else (clean_b, corrupted_b)
     with capture.preserved_state(model):
@@ -188,7 +188,9 @@ def _check_choices(nodes: Sequence[str], method: str, direction: str) -> list[st
     return [n for n in NODES if n in nodes]
 
 
-def _check_pairs(clean: Batch, corrupted: Batch) -> None:
+def check_pairs(clean: Batch, corrupted: Batch) -> None:
+    """Refuse pairs that cannot be patched position by position: different counts, or a pair
+    whose two prompts have different token lengths (the error names the pair and the fix)."""
     if clean.tokens.shape[0] != corrupted.tokens.shape[0]:
         raise ValueError(
             f"{clean.tokens.shape[0]} clean but {corrupted.tokens.shape[0]} corrupted prompts: "

@@ -9,7 +9,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from ra_lens import capture
-from ra_lens.attribution import _check_pairs
+from ra_lens.attribution.compute import check_pairs
 from ra_lens.capture import Batch, HookedModel
 from ra_lens.core import _call_metric
 from ra_lens.metrics import Metric
@@ -19,7 +19,7 @@ from ra_lens.types import MetricFn, Tokens
 def paired(model: HookedModel, clean: Tokens, corrupted: Tokens) -> tuple[Batch, Batch]:
     """Both sides as Batches, checked: one corrupted prompt per clean one, same token length."""
     clean_b, corrupted_b = capture.to_batch(model, clean), capture.to_batch(model, corrupted)
-    _check_pairs(clean_b, corrupted_b)
+    check_pairs(clean_b, corrupted_b)
     return clean_b, corrupted_b
 
 

@@ -165,7 +165,7 @@ def circuit_study(out: Path, source: Path = CIRCUIT_JSON) -> list[Path]:
     ablations = data["config"]["ablations"]
     order = list(data["config"]["methods"])
     fig, axes = plt.subplots(
-        len(ablations), len(tasks), figsize=(4.6 * len(tasks), 3.6 * len(ablations)),
+        len(ablations), len(tasks), figsize=(4.6 * len(tasks), 4.6 * len(ablations)),
         sharey=True, squeeze=False,
     )  # fmt: skip
     for col, name in enumerate(tasks):
@@ -199,7 +199,10 @@ def circuit_study(out: Path, source: Path = CIRCUIT_JSON) -> list[Path]:
             ax.set_title(f"{name} ({task['n_pairs']} pairs), {ablation}", fontsize=9)
             ax.set_xlabel(f"edges kept (top-n by |score|, pruned; of {task['n_edges_total']:,})")
             ax.grid(alpha=0.3)
-            ax.legend(fontsize=6.5, loc="upper left", title="95% bootstrap bands", title_fontsize=7)
+            ax.legend(  # below the panel: the curves fill the upper left
+                fontsize=6.5, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2,
+                title="95% bootstrap bands", title_fontsize=7,
+            )  # fmt: skip
     for ax in axes[:, 0]:
         ax.set_ylabel("faithfulness")
     fig.suptitle(f"Circuit faithfulness on {data['config']['model']} (edge patching)", fontsize=10)

@@ -48,13 +48,15 @@ test-tl2: setup-tl2
 # The edit-test loop: the tests and doctests on the tiny offline models, without the real model
 # (`real_model`, given to every test using the smollm2 fixture), the notebooks (`notebook`) and the
 # end-to-end script runs (`slow`, listed in tests/conftest.py).
-# TransformerLens 4 only: the TL 2 run repeats the same checks on HookedTransformer and would
-# double the time; `make test-fast-tl2` runs it, `make test` runs both in full.
+# Two pytest-xdist workers of one thread each (OMP_NUM_THREADS=1: two multi-threaded torch
+# processes on two cores would fight). TransformerLens 4 only: the TL 2 run repeats the same checks
+# on HookedTransformer and would double the time; `make test-fast-tl2` runs it, `make test` runs
+# both in full.
 test-fast: setup
-	$(PY) -m pytest -q -m "not real_model and not notebook and not slow" tests ra_lens
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 -m "not real_model and not notebook and not slow" tests ra_lens
 
 test-fast-tl2: setup-tl2
-	$(PY_TL2) -m pytest -q -m "not real_model and not notebook and not slow and not tl4" tests ra_lens
+	OMP_NUM_THREADS=1 $(PY_TL2) -m pytest -q -n 2 -m "not real_model and not notebook and not slow and not tl4" tests ra_lens
 
 demo: setup
 	$(VENV)/bin/ra-lens maps --prompt "I like Italy and France. I visited the city of" \

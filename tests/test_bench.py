@@ -224,3 +224,15 @@ def test_live_tensor_bytes_counts_temporaries_and_frees(bench):
     assert tracker.live == 40
     del w
     assert tracker.live == 0
+
+
+def test_circuits_benchmark_times_every_method_and_the_evaluator_agrees(bench):
+    bench_circuits = importlib.import_module("bench_circuits")
+    threads = torch.get_num_threads()
+    result = bench_circuits.run(tiny=True, n_pairs=4, threads=threads, log=lambda line: None)
+    assert torch.get_num_threads() == threads
+    assert set(result["seconds"]) == {*bench_circuits.METHODS, "faithfulness_per_call", "faithfulness_evaluator"}  # fmt: skip
+    assert all(s > 0 for s in result["seconds"].values())
+    assert result["evaluator_max_difference"] < 1e-6
+    assert result["ratios"]["exact/eap"] == pytest.approx(result["seconds"]["exact"] / result["seconds"]["eap"])  # fmt: skip
+    assert len(result["curve"]["faithfulness"]) == len(bench_circuits.FRACTIONS)

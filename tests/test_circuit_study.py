@@ -172,3 +172,28 @@ def test_merging_studies_that_ran_side_by_side(saved, tmp_path):
     other["config"]["n_boot"] += 1
     (tmp_path / "other.json").write_text(json.dumps(other))
     assert main(["--merge", halves[0], str(tmp_path / "other.json")]) == 2
+
+
+def test_merging_parts_with_other_ablations_pools_each_methods_ablations(saved, tmp_path):
+    """A part measured under "patching" and a part under "mean" (same methods) merge into the
+    study that measured both."""
+    study, _ = saved
+    parts = []
+    for ablation in study["config"]["ablations"]:
+        part = json.loads(json.dumps(study))
+        task = part["tasks"]["toy"]
+        task["reference"] = {ablation: task["reference"][ablation]}
+        for result in task["methods"].values():
+            result["circuit"] = {ablation: result["circuit"][ablation]}
+        part["config"]["ablations"] = [ablation]
+        (tmp_path / f"{ablation}.json").write_text(json.dumps(part))
+        parts.append(str(tmp_path / f"{ablation}.json"))
+    assert len(parts) == 2
+    assert main(["--merge", *parts, "--json", str(tmp_path / "m.json")]) == 0
+    merged = json.loads((tmp_path / "m.json").read_text())
+    assert merged["tasks"]["toy"]["summary"] == study["tasks"]["toy"]["summary"]
+    assert merged["config"]["ablations"] == study["config"]["ablations"]
+    bent = json.loads((tmp_path / "mean.json").read_text())
+    bent["tasks"]["toy"]["methods"]["eap"]["n_edges"][-1] -= 1
+    (tmp_path / "mean.json").write_text(json.dumps(bent))
+    assert main(["--merge", *parts, "--json", str(tmp_path / "m.json")]) == 2

@@ -12,7 +12,7 @@ from ra_lens.capture import to_batch
 from ra_lens.circuits import _edges
 from ra_lens.circuits.attribute import NodeScores, attribute
 from ra_lens.circuits.circuit import Circuit
-from ra_lens.circuits.faithfulness import faithfulness
+from ra_lens.circuits.faithfulness import FaithfulnessEvaluator, faithfulness
 from ra_lens.circuits.graph import Graph
 from ra_lens.metrics import logit_diff
 from ra_lens.toy_models import tiny_model, tiny_tokenizer_dir
@@ -219,6 +219,29 @@ def test_mean_and_zero_ablation(model, batches):
     hook = ("blocks.0.hook_mlp_out", lambda x, hook: average[None].expand_as(x).clone())
     expected = _metric_with(model, clean, [hook])
     assert torch.allclose(mean.circuit_per_pair, expected.double(), atol=1e-10)
+
+
+@pytest.mark.parametrize("ablation", ["patching", "mean", "zero"])
+def test_evaluator_gives_faithfulness_of_each_circuit_in_turn(model, batches, ablation):
+    # The evaluator takes the clean and corrupted runs once; every circuit after that must get
+    # what a fresh faithfulness call gives, and the model must be left as it was.
+    clean, corrupted = batches
+    graph = Graph.from_model(model)
+    before = snapshot(model)
+    evaluate = FaithfulnessEvaluator(
+        model, clean, corrupted, METRIC, ablation=ablation, batch_size=1
+    )
+    generator = torch.Generator().manual_seed(0)
+    for keep in (0.1, 0.5, 0.9):
+        edges = graph.real & (torch.rand(graph.real.shape, generator=generator) < keep)
+        circuit = Circuit(graph, edges)
+        got = evaluate(circuit)
+        fresh = faithfulness(model, circuit, clean, corrupted, METRIC, ablation=ablation)
+        assert torch.allclose(got.circuit_per_pair, fresh.circuit_per_pair, atol=1e-10)
+        assert got.value == pytest.approx(fresh.value, abs=1e-9)
+        assert got.n_edges == fresh.n_edges and got.ablation == ablation
+    assert abs(got.value - evaluate(Circuit(graph, graph.real.clone())).value) > 1e-6
+    assert snapshot(model)[:2] == before[:2] and snapshot(model)[3] == before[3]
 
 
 def test_faithfulness_refuses_bad_input(model, batches):

@@ -107,8 +107,7 @@ def attention_attribution(
     True
     """
     nodes = _check_choices(nodes, method, direction)
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps must be a positive int, got {steps!r}")
+    capture.check_positive_int(steps, "steps")
     n_steps = steps if method == "exact-ig" else 1
     shape = capture.model_shape(model)
     chosen = capture.check_layers(layers, shape.n_layers)

@@ -4,7 +4,7 @@ faithfulness, in files EAP-IG and MIB read."""
 from ra_lens.circuits.attribute import NodeScores, attribute
 from ra_lens.circuits.circuit import Circuit, EdgeScores
 from ra_lens.circuits.curve import MIB_FRACTIONS, FaithfulnessCurve, faithfulness_curve
-from ra_lens.circuits.faithfulness import Faithfulness, faithfulness
+from ra_lens.circuits.faithfulness import Faithfulness, FaithfulnessEvaluator, faithfulness
 from ra_lens.circuits.graph import Graph
 
 __all__ = [
@@ -13,6 +13,7 @@ __all__ = [
     "EdgeScores",
     "Faithfulness",
     "FaithfulnessCurve",
+    "FaithfulnessEvaluator",
     "Graph",
     "NodeScores",
     "attribute",

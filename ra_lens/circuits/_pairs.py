@@ -25,8 +25,7 @@ def paired(model: HookedModel, clean: Tokens, corrupted: Tokens) -> tuple[Batch,
 
 def chunks(n: int, batch_size: int) -> list[slice]:
     """Consecutive slices of at most batch_size pairs."""
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    capture.check_positive_int(batch_size, "batch_size")
     return [slice(i, min(i + batch_size, n)) for i in range(0, n, batch_size)]
 
 

@@ -119,8 +119,7 @@ def attribute(
         raise ValueError(f"unknown level {level!r}: choose one of {LEVELS}")
     if direction not in DIRECTIONS:
         raise ValueError(f"unknown direction {direction!r}: choose one of {DIRECTIONS}")
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps must be a positive int, got {steps!r}")
+    capture.check_positive_int(steps, "steps")
     _edges.check_supported(model)
     graph = Graph.from_model(model)
     clean_b, corrupted_b = _pairs.paired(model, clean, corrupted)
@@ -211,12 +210,13 @@ class _Step:
         """Edge scores summed over the batch: diffs . gradient, and the exact softmax for q/k."""
         g = self.graph
         out = torch.zeros(len(g.writers), len(g.readers), dtype=torch.float64, device=diffs.device)
+        # The dot products run in the model's precision (float32 at least), summed in float64.
+        dtype = torch.float64 if diffs.dtype == torch.float64 else torch.float32
+        flat = diffs.to(dtype).flatten(1)
         for first, grad in zip(self.firsts, self.grads):
             n_before = int(g.real[:, first].sum())  # writers feeding this block of readers
-            block = torch.einsum(
-                "wbpd,rbpd->wr", diffs[:n_before].double(), grad.double().to(diffs.device)
-            )
-            out[:n_before, first : first + grad.shape[0]] = block
+            block = flat[:n_before] @ grad.to(diffs.device, dtype).flatten(1).T
+            out[:n_before, first : first + grad.shape[0]] = block.double()
         if self.exact:
             for layer in range(g.n_layers):
                 self._exact_layer(layer, diffs, real, out)
@@ -240,7 +240,7 @@ class _Step:
         if grad is None:  # the metric does not depend on this layer's attention
             grad = torch.zeros_like(pattern)
         grad = grad.double()
-        rotate = _rotation(model, layer, acts)
+        turn = _rotation(model, layer, acts)
         scale = capture.attention_scale(model, layer)
         group = g.n_heads // g.n_kv_heads
         n_pos = q.shape[1]
@@ -258,21 +258,27 @@ class _Step:
                 "window?) is not modelled; the exact methods need plain causal softmax attention"
             )
         weight = grad.masked_fill(~causal, 0.0) * rows  # R on real rows only
-        x = self.resid[layer].double()
-        normed = w.ln1(x.to(self.resid[layer].dtype)).double()
+        # The projections of every writer's change are most of the cost: they run in the
+        # model's precision (float32 at least), with the rotary embedding folded into W_Q and
+        # W_K per position; the logit changes and the softmax then run in float64.
+        x = self.resid[layer]
+        dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+        w_q, w_k = _rotated_weight(w.W_Q, turn, dtype), _rotated_weight(w.W_K, turn, dtype)
+        q_low, k_low = q.to(dtype), k_rep.to(dtype)
+        normed = w.ln1(x)
         first = layer * (g.n_heads + 2 * g.n_kv_heads + 1)
         n_before = int(g.real[:, first].sum())
         for start in range(0, n_before, _WRITER_CHUNK):
-            chunk = diffs[start : min(start + _WRITER_CHUNK, n_before)].to(x.device)
-            moved = w.ln1((x[None] + chunk.double()).to(self.resid[layer].dtype)).double()
-            change = moved - normed[None]
-            dq = rotate(torch.einsum("wbpd,hde->wbphe", change, w.W_Q.double()))
-            dlog = torch.einsum("wbthe,bshe->wbhts", dq, k_rep) / scale
+            chunk = diffs[start : min(start + _WRITER_CHUNK, n_before)].to(x.device, x.dtype)
+            change = (w.ln1(x[None] + chunk) - normed[None]).to(dtype)
+            dq = _project(change, w_q)
+            dlog = torch.einsum("wbthe,bshe->wbhts", dq, k_low).double() / scale
             new = (logits[None] + dlog).softmax(-1)
             query = ((new - base_pattern[None]) * weight[None]).sum((-1, -2)).sum(1)  # [w h]
-            dk = rotate(torch.einsum("wbpd,gde->wbpge", change, w.W_K.double()))
-            dlog = torch.einsum("bthe,wbshe->wbhts", q, dk.repeat_interleave(group, dim=3))
-            new = (logits[None] + dlog / scale).softmax(-1)
+            dk = _project(change, w_k)
+            dk = dk.repeat_interleave(group, dim=3)
+            dlog = torch.einsum("bthe,wbshe->wbhts", q_low, dk).double() / scale
+            new = (logits[None] + dlog).softmax(-1)
             key = ((new - base_pattern[None]) * weight[None]).sum((-1, -2)).sum(1)
             key = einops.reduce(key, "w (g r) -> w g", "sum", r=group)
             writers = slice(start, start + chunk.shape[0])
@@ -280,12 +286,31 @@ class _Step:
             out[writers, first + g.n_heads : first + g.n_heads + g.n_kv_heads] = key.to(out.device)
 
 
-def _rotation(model: HookedModel, layer: int, acts: dict[str, Tensor]):
-    """The layer's rotary embedding as a function of [..., batch, pos, head, d_head] (identity
-    without one), checked against the model's own rotated queries."""
+def _project(
+    change: Float[Tensor, "writer batch pos d_model"], weight: Tensor
+) -> Float[Tensor, "writer batch pos head d_head"]:
+    """change @ W at every position, W from `_rotated_weight`."""
+    if weight.shape[0] == 1:
+        return torch.einsum("wbpd,dhe->wbphe", change, weight[0])
+    return torch.einsum("wbpd,pdhe->wbphe", change, weight)
+
+
+def _rotated_weight(
+    weight: Float[Tensor, "head d_model d_head"], turn: Tensor | None, dtype: torch.dtype
+) -> Float[Tensor, "n d_model head d_head"]:
+    """W_Q (W_K) followed by the rotary embedding at each position (no rotary: one copy)."""
+    if turn is None:
+        return einops.rearrange(weight, "h d e -> 1 d h e").to(dtype)
+    return torch.einsum("hde,pef->pdhf", weight.double(), turn).to(dtype)
+
+
+def _rotation(model: HookedModel, layer: int, acts: dict[str, Tensor]) -> Tensor | None:
+    """The layer's rotary embedding as one d_head x d_head matrix per position, Float[Tensor,
+    "pos d_head d_head"] (rotate(v) at position p is v @ M[p]; None without one), checked
+    against the model's own rotated queries."""
     rotated = capture.ROT_Q.format(layer)
     if rotated not in acts:
-        return lambda x: x
+        return None
     cos_name, sin_name = capture.COS.format(layer), capture.SIN.format(layer)
     if cos_name in acts:  # TransformerBridge: HuggingFace's rotate-half with its cos/sin tables
         cos, sin = acts[cos_name][0].double(), acts[sin_name][0].double()  # [pos rot_dims]
@@ -314,4 +339,8 @@ def _rotation(model: HookedModel, layer: int, acts: dict[str, Tensor]):
             f"layer {layer}: the rotary embedding could not be reproduced (error {error:.2g}): "
             "the exact methods support rotate-half rotary embeddings; use method='eap'"
         )
-    return rotate
+    # It is linear, so its matrix is read off by rotating the unit vectors at every position.
+    d_head, n_pos = q.shape[-1], q.shape[-3]
+    eye = torch.eye(d_head, dtype=torch.float64, device=q.device)
+    units = einops.repeat(eye, "i e -> i 1 p 1 e", p=n_pos)
+    return einops.rearrange(rotate(units)[:, 0, :, 0], "i p e -> p i e")

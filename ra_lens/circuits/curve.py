@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from tqdm.auto import tqdm
 
 from ra_lens._typing import Validated
-from ra_lens.circuits.circuit import EdgeScores
+from ra_lens.circuits.circuit import Circuit, EdgeScores
 from ra_lens.circuits.graph import Graph
 from ra_lens.ranking import trapezoid_auc
 from ra_lens.types import HookedModel, MetricFn, Tokens
@@ -144,8 +144,8 @@ def faithfulness_curve(
     increasing; default MIB's 0.1 % .. 100 %), by `EdgeScores.top` or `.greedy`.
 
     Each circuit is measured by `evaluate(model, circuit, clean, corrupted, metric,
-    ablation=ablation)` (default `circuits.faithfulness`), whose result has a `.value`; sizes that
-    give the same circuit are measured once.
+    ablation=ablation)` (default: one `circuits.FaithfulnessEvaluator`, which takes the clean and
+    corrupted runs once), whose result has a `.value`; sizes that give the same circuit are measured once.
     """
     graph = Graph.from_model(model)
     if graph != scores.graph:
@@ -153,8 +153,13 @@ def faithfulness_curve(
     if selection not in ("top", "greedy"):
         raise ValueError(f"selection={selection!r}: expected 'top' or 'greedy'")
     fractions = _check_sizes(MIB_FRACTIONS if sizes is None else sizes)
-    if evaluate is None:
-        from ra_lens.circuits.faithfulness import faithfulness as evaluate
+    if evaluate is None:  # one evaluator: the clean and corrupted runs are taken once
+        from ra_lens.circuits.faithfulness import FaithfulnessEvaluator
+
+        evaluator = FaithfulnessEvaluator(model, clean, corrupted, metric, ablation=ablation)
+
+        def evaluate(model: HookedModel, circuit: Circuit, *args: Any, **kwargs: Any) -> Any:
+            return evaluator(circuit)
 
     n_edges, values, seconds = [], [], []
     done: dict[bytes, float] = {}

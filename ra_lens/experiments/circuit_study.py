@@ -235,13 +235,16 @@ def run_task(
     graph = circuits.Graph.from_model(model)
     sizes = edge_sizes(graph.n_edges, fractions, edge_counts)
     measured: dict[tuple[bytes, str], list[float]] = {}  # a circuit two methods share runs once
+    evaluators: dict[str, circuits.FaithfulnessEvaluator] = {}
 
     def measure(circuit: circuits.Circuit, ablation: str) -> list[float]:
         key = (circuit.edges.numpy().tobytes(), ablation)
         if key not in measured:
-            result = circuits.faithfulness(
-                model, circuit, clean, corrupted, metric, ablation=ablation, batch_size=batch_size
-            )
+            if ablation not in evaluators:
+                evaluators[ablation] = circuits.FaithfulnessEvaluator(
+                    model, clean, corrupted, metric, ablation=ablation, batch_size=batch_size
+                )
+            result = evaluators[ablation](circuit)
             measured[key] = result.circuit_per_pair.tolist()
             if circuit.n_edges == 0:
                 reference[ablation] = {
@@ -389,9 +392,10 @@ def circuit_study(
 
 
 def merge_saved(studies: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Studies that ran side by side (other methods or tasks, same settings) as one: a task in
-    several must have the same pairs and sizes; its methods are pooled, summaries and goals
-    recomputed from the per-pair metrics. Runtime: the longest part (they ran in parallel)."""
+    """Studies that ran side by side (other methods, tasks or ablations, same settings) as one: a
+    task in several must have the same pairs and sizes; its methods (and a method's ablations)
+    are pooled, summaries and goals recomputed from the per-pair metrics. Runtime: the sum of the
+    parts' (they may have run one after another)."""
     if not studies:
         raise ValueError("merge needs at least one saved study")
     keys = ("model", "n_pairs", "batch_size", "n_boot", "fractions", "edge_counts", "direction")
@@ -411,7 +415,8 @@ def merge_saved(studies: Sequence[dict[str, Any]]) -> dict[str, Any]:
                 raise ValueError(f"task {name!r}: the studies used different pairs or sizes")
             for ablation, ref in task["reference"].items():
                 have["reference"].setdefault(ablation, ref)
-            have["methods"].update(task["methods"])
+            for label, result in task["methods"].items():
+                _merge_method(have["methods"], label, result, name)
             if "truth" in task and "truth" not in have:
                 have["truth"] = task["truth"]
     config = merged["config"]
@@ -421,10 +426,23 @@ def merge_saved(studies: Sequence[dict[str, Any]]) -> dict[str, Any]:
     for task in merged["tasks"].values():
         task["methods"] = {m: task["methods"][m] for m in METHODS if m in task["methods"]}
         task["summary"] = summarise(task, config["fractions"], config["n_boot"])
-    merged["runtime_seconds"] = max(s.get("runtime_seconds", 0.0) for s in studies)
+    merged["runtime_seconds"] = sum(s.get("runtime_seconds", 0.0) for s in studies)
     merged["merged_from"] = len(studies)
     merged["goals"] = goals(merged)
     return merged
+
+
+def _merge_method(have: dict[str, Any], label: str, result: dict[str, Any], task: str) -> None:
+    """Pool one method's results into `have`: a method measured under other ablations in another
+    part adds those ablations (its circuits must be the same; the attribution seconds stay the
+    first part's)."""
+    if label not in have:
+        have[label] = json.loads(json.dumps(result))
+        return
+    if have[label]["n_edges"] != result["n_edges"]:
+        raise ValueError(f"task {task!r}, method {label!r}: the parts chose different circuits")
+    for ablation, values in result["circuit"].items():
+        have[label]["circuit"].setdefault(ablation, values)
 
 
 def _names(text: str, allowed: Sequence[str], what: str) -> list[str]:

@@ -197,3 +197,17 @@ def test_merging_parts_with_other_ablations_pools_each_methods_ablations(saved, 
     bent["tasks"]["toy"]["methods"]["eap"]["n_edges"][-1] -= 1
     (tmp_path / "mean.json").write_text(json.dumps(bent))
     assert main(["--merge", *parts, "--json", str(tmp_path / "m.json")]) == 2
+
+
+def test_greedy_selection_is_recorded_and_does_not_merge_with_top(saved, tmp_path):
+    study, _ = saved
+    argv = ["--quick", "--methods", "eap", "--n-pairs", "4", "--truth-tasks", "", "--no-progress"]
+    path = tmp_path / "greedy.json"
+    assert main([*argv, "--ablations", "patching", "--selection", "greedy", "--json", str(path)]) == 0  # fmt: skip
+    greedy = json.loads(path.read_text())
+    assert greedy["config"]["selection"] == "greedy" and study["config"]["selection"] == "top"
+    task = greedy["tasks"]["toy"]
+    assert all(n <= size for n, size in zip(task["methods"]["eap"]["n_edges"], task["sizes"]))
+    assert task["methods"]["eap"]["n_edges"][-1] == task["n_edges_total"]
+    (tmp_path / "top.json").write_text(json.dumps(study))
+    assert main(["--merge", str(path), str(tmp_path / "top.json")]) == 2

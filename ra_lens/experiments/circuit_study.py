@@ -2,8 +2,8 @@
 
 For each task (IOI, country-capital, antonym word pairs with a swapped query), every method scores
 all edges of the model's graph (`circuits.attribute`; "random" draws uniform scores), circuits of
-MIB's sizes (and of 100, 500, 2,000 edges) are taken from the scores (top-n by |score|, pruned)
-and measured by edge patching (`circuits.faithfulness`) under each ablation. Faithfulness at a
+MIB's sizes (and of 100, 500, 2,000 edges) are taken from the scores (top-n by |score|, pruned;
+`--selection greedy`: grown from the logits, `EdgeScores.greedy`) and measured by edge patching (`circuits.faithfulness`) under each ablation. Faithfulness at a
 size is (m(circuit) - m(empty)) / (m(clean) - m(empty)), m the metric's mean over pairs and
 "empty" the empty circuit under that ablation (the corrupted run for "patching", every edge
 mean-ablated for "mean"), so every curve runs from 0 (no edge) to 1 (every edge). CPR and CMD are
@@ -79,6 +79,7 @@ QUICK_SETTINGS: dict[str, Any] = {
     "edge_counts": (10, 50),
     "truth_tasks": ["toy"],
     "truth_pairs": 2,
+    "selection": "top",
 }
 FULL_SETTINGS: dict[str, Any] = {
     "tasks": list(TASKS),
@@ -91,6 +92,7 @@ FULL_SETTINGS: dict[str, Any] = {
     "edge_counts": EDGE_COUNTS,
     "truth_tasks": ["ioi"],
     "truth_pairs": 8,
+    "selection": "top",
 }
 
 
@@ -220,6 +222,7 @@ def run_task(
     progress: bool = True,
     on_method: Any = None,
     truth_pairs: int = 0,
+    selection: str = "top",
 ) -> dict[str, Any]:
     """Score, choose and measure: the raw per-pair metrics of one task, JSON-ready.
 
@@ -299,7 +302,7 @@ def run_task(
             heads = head_node_scores(subset)
             out["truth"]["pearson"][label] = pearson(heads, truth)
             out["truth"].setdefault("head_scores", {})[label] = heads.tolist()
-        chosen = [scores.top(n) for n in sizes]
+        chosen = [scores.top(n) if selection == "top" else scores.greedy(n) for n in sizes]
         begin = time.perf_counter()
         per_ablation = {a: [measure(c, a) for c in chosen] for a in ablations}
         out["methods"][label] = {
@@ -334,6 +337,7 @@ def circuit_study(
     on_task: Any = None,
     truth_tasks: Sequence[str] = (),
     truth_pairs: int = 8,
+    selection: str = "top",
 ) -> dict[str, Any]:
     """Run every task; `on_task(study)` after each method of each task (to save partial
     results). Head activation patching (ground truth for head scores) on the first
@@ -351,7 +355,7 @@ def circuit_study(
             "n_boot": n_boot,
             "fractions": list(fractions),
             "edge_counts": list(edge_counts),
-            "selection": "top (by |score|), pruned to input -> logits paths",
+            "selection": selection,
             "direction": "denoise",
             "truth_tasks": list(truth_tasks),
             "truth_pairs": truth_pairs,
@@ -384,6 +388,7 @@ def circuit_study(
                 progress=progress,
                 on_method=keep,
                 truth_pairs=truth_pairs if name in truth_tasks else 0,
+                selection=selection,
             )
         )
     study["runtime_seconds"] = time.perf_counter() - start
@@ -398,7 +403,7 @@ def merge_saved(studies: Sequence[dict[str, Any]]) -> dict[str, Any]:
     parts' (they may have run one after another)."""
     if not studies:
         raise ValueError("merge needs at least one saved study")
-    keys = ("model", "n_pairs", "batch_size", "n_boot", "fractions", "edge_counts", "direction")
+    keys = ("model", "n_pairs", "batch_size", "n_boot", "fractions", "edge_counts", "direction", "selection")  # fmt: skip
     first = studies[0]["config"]
     for other in studies[1:]:
         bad = [k for k in keys if other["config"].get(k) != first.get(k)]
@@ -484,6 +489,10 @@ def main(argv: list[str] | None = None) -> int:
         "--merge", type=Path, nargs="+", default=None, metavar="JSON",
         help="merge saved studies (run side by side) into --json / --markdown",
     )  # fmt: skip
+    parser.add_argument(
+        "--selection", choices=("top", "greedy"), default=None,
+        help="circuits: top-n by |score| then pruned (top), or grown from the logits (greedy)",
+    )  # fmt: skip
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
     settings = dict(QUICK_SETTINGS if args.quick else FULL_SETTINGS)
@@ -507,6 +516,8 @@ def main(argv: list[str] | None = None) -> int:
             settings["truth_tasks"] = (
                 _names(args.truth_tasks, (*TASKS, "toy"), "task") if args.truth_tasks else []
             )
+        if args.selection is not None:
+            settings["selection"] = args.selection
         for flag in ("n_pairs", "batch_size", "n_boot", "truth_pairs"):
             value = getattr(args, flag)
             if value is not None:

@@ -404,12 +404,12 @@ def merge_saved(studies: Sequence[dict[str, Any]]) -> dict[str, Any]:
     if not studies:
         raise ValueError("merge needs at least one saved study")
     keys = ("model", "n_pairs", "batch_size", "n_boot", "fractions", "edge_counts", "direction", "selection")  # fmt: skip
-    first = studies[0]["config"]
-    for other in studies[1:]:
-        bad = [k for k in keys if other["config"].get(k) != first.get(k)]
+    configs = [dict(s["config"], selection=_selection(s["config"])) for s in studies]
+    for other in configs[1:]:
+        bad = [k for k in keys if other.get(k) != configs[0].get(k)]
         if bad:
             raise ValueError(f"studies with different settings ({', '.join(bad)}) cannot merge")
-    merged: dict[str, Any] = {"config": json.loads(json.dumps(first)), "tasks": {}}
+    merged: dict[str, Any] = {"config": json.loads(json.dumps(configs[0])), "tasks": {}}
     for study in studies:
         for name, task in study["tasks"].items():
             if name not in merged["tasks"]:
@@ -435,6 +435,11 @@ def merge_saved(studies: Sequence[dict[str, Any]]) -> dict[str, Any]:
     merged["merged_from"] = len(studies)
     merged["goals"] = goals(merged)
     return merged
+
+
+def _selection(config: dict[str, Any]) -> str:
+    """ "top" or "greedy"; files written before `--selection` existed say "top (by |score|), ..."."""
+    return "greedy" if config.get("selection") == "greedy" else "top"
 
 
 def _merge_method(have: dict[str, Any], label: str, result: dict[str, Any], task: str) -> None:

@@ -169,8 +169,13 @@ def markdown(study: dict[str, Any]) -> str:
     """The study's tables: per task x method CPR, CMD (95 % intervals), seconds, faithfulness at
     100/500/2,000 edges; the paired differences; the goals."""
     cfg = study["config"]
+    chosen = (
+        "grown from the logits by |score| (`EdgeScores.greedy`) then pruned"
+        if cfg.get("selection") == "greedy"
+        else "top-n by |score| then pruned"
+    )
     lines = [
-        f"Model {cfg['model']}, {cfg['device']}; top-n by |score| then pruned; edge patching "
+        f"Model {cfg['model']}, {cfg['device']}; {chosen}; edge patching "
         f"(`circuits.faithfulness`); {cfg['n_boot']} bootstrap resamples over pairs, 95 % "
         f"percentile intervals; fractions {', '.join(f'{100 * k:g}%' for k in cfg['fractions'])}"
         f" of the edges. Seconds: attribution only. Study ran {study['runtime_seconds']:.0f} s.",

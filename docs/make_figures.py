@@ -192,17 +192,22 @@ def circuit_study(out: Path, source: Path = CIRCUIT_JSON) -> list[Path]:
                 )  # fmt: skip
             ax.axhline(1.0, color="grey", lw=0.8, ls=":")
             ax.axhline(0.0, color="grey", lw=0.8, ls=":")
+            if not ax.lines[:-2]:  # this task was not run under this ablation
+                ax.text(0.5, 0.5, "not measured", transform=ax.transAxes, ha="center", color="grey")
             ax.set_xscale("log")
+            ax.set_xlim(min(x) / 1.25, max(x) * 1.25)
             ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}"))
             ax.xaxis.set_minor_formatter(NullFormatter())
             ax.set_ylim(-0.4, 1.4)  # bands of tiny circuits can be wider: clipped
             ax.set_title(f"{name} ({task['n_pairs']} pairs), {ablation}", fontsize=9)
-            ax.set_xlabel(f"edges kept (top-n by |score|, pruned; of {task['n_edges_total']:,})")
+            chosen = "greedy" if data["config"].get("selection") == "greedy" else "top-n by |score|"
+            ax.set_xlabel(f"edges kept ({chosen}, pruned; of {task['n_edges_total']:,})")
             ax.grid(alpha=0.3)
-            ax.legend(  # below the panel: the curves fill the upper left
-                fontsize=6.5, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2,
-                title="95% bootstrap bands", title_fontsize=7,
-            )  # fmt: skip
+            if ax.lines[:-2]:
+                ax.legend(  # below the panel: the curves fill the upper left
+                    fontsize=6.5, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2,
+                    title="95% bootstrap bands", title_fontsize=7,
+                )  # fmt: skip
     for ax in axes[:, 0]:
         ax.set_ylabel("faithfulness")
     fig.suptitle(f"Circuit faithfulness on {data['config']['model']} (edge patching)", fontsize=10)

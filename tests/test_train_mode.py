@@ -108,6 +108,15 @@ def _faithfulness(model, metric=DIFF) -> Tensor:
     return circuits.faithfulness(model, half, TOKENS, CORRUPTED, metric).circuit_per_pair
 
 
+def _evaluator_mean(model, metric=DIFF) -> Tensor:
+    graph = circuits.Graph.from_model(model)
+    half = circuits.Circuit(
+        graph, graph.real & (torch.arange(graph.real.numel()) % 2 == 1).view_as(graph.real)
+    )
+    evaluate = circuits.FaithfulnessEvaluator(model, TOKENS, CORRUPTED, metric, ablation="mean")
+    return evaluate(half).circuit_per_pair
+
+
 #: (name, function(model) -> tensor): every public function that runs a model.
 CASES: list[tuple[str, Callable[..., Tensor]]] = [
     *[(f"ra-{m}-{k}", _ra(m, k)) for m in ("full", "layerwise") for k in ("maps", "norms", "rows")],
@@ -133,6 +142,7 @@ CASES: list[tuple[str, Callable[..., Tensor]]] = [
     ("head_ranking", _head_ranking),
     *[(f"circuits.attribute-{m}", _circuit_scores(m)) for m in ("eap", "eap-ig", "exact")],
     ("circuits.faithfulness", _faithfulness),
+    ("circuits.FaithfulnessEvaluator", _evaluator_mean),
 ]
 if has_bridge():  # edit_dynamics refuses HookedTransformer (see ra_lens.dynamics.SUPPORTED)
     CASES.append(("edit_dynamics", _dynamics))

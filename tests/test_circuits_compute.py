@@ -244,6 +244,25 @@ def test_evaluator_gives_faithfulness_of_each_circuit_in_turn(model, batches, ab
     assert snapshot(model)[:2] == before[:2] and snapshot(model)[3] == before[3]
 
 
+def test_small_circuits_sum_the_kept_side(model, batches, monkeypatch):
+    # A reader that keeps few edges gets (all writers' diffs) - (its kept ones'): the same
+    # delta as summing the patched ones directly, which is the only path forced here.
+    clean, corrupted = batches
+    graph = Graph.from_model(model)
+    generator = torch.Generator().manual_seed(1)
+    circuits_ = [Circuit(graph, graph.real & (torch.rand(graph.real.shape, generator=generator) < keep))
+                 for keep in (0.0, 0.3, 0.45)]  # fmt: skip
+    evaluate = FaithfulnessEvaluator(model, clean, corrupted, METRIC, ablation="mean")
+    fast = [evaluate(c).circuit_per_pair for c in circuits_]
+    monkeypatch.setattr(
+        _edges.EdgeRun, "_patched_sum", lambda run, cols, readers: run._weighted(cols)
+    )
+    for circuit, got in zip(circuits_, fast, strict=True):
+        direct = evaluate(circuit).circuit_per_pair
+        assert torch.allclose(got, direct, atol=1e-10)
+    assert not torch.allclose(fast[1], fast[2], atol=1e-6)  # the circuits differ
+
+
 def test_faithfulness_refuses_bad_input(model, batches):
     clean, corrupted = batches
     graph = Graph.from_model(model)

@@ -162,6 +162,10 @@ class EdgeRun:
     resid: dict[int, Tensor] = field(default_factory=dict)
     _deltas: dict[int, dict[int, Tensor]] = field(default_factory=dict)
     attn_only: bool = False
+    # Edge patching: every writer's (output - reference) so far, filled in as writers fire, and
+    # their running sum (the delta of a reader that keeps no edge).
+    _diffs: Tensor | None = None
+    _diff_total: Tensor | None = None
 
     # ---- writers
 
@@ -170,6 +174,15 @@ class EdgeRun:
 
     def _add_writers(self, outputs: Tensor) -> None:
         """outputs: [n_writers_here, batch, pos, d_model] in graph.writers order."""
+        if self.reference is not None and self.mask is not None:
+            first, reference = self._writer_count(), self.reference
+            if self._diffs is None:
+                self._diffs = reference.new_empty(reference.shape)
+            diffs = outputs.detach().to(reference.device, reference.dtype)
+            diffs = diffs - reference[first : first + outputs.shape[0]]
+            self._diffs[first : first + outputs.shape[0]] = diffs
+            total = diffs.sum(0)
+            self._diff_total = total if self._diff_total is None else self._diff_total + total
         self.chunks.append(outputs.detach())
 
     def outputs(self) -> Float[Tensor, "writer batch pos d_model"]:
@@ -191,20 +204,40 @@ class EdgeRun:
         out: dict[int, Tensor] = {}
         n = self._writer_count()
         if self.reference is not None and self.mask is not None:
-            cols = self.mask[:n, readers].to(like.device)
+            cols = self.mask[:n, readers]
             needed = cols.any(0)
             if bool(needed.any()):
-                current = torch.cat([c.to(like.device) for c in self.chunks])
-                diffs = current - self.reference[:n].to(like.device, like.dtype)
                 picked = [r for r, need in zip(readers, needed.tolist()) if need]
-                deltas = torch.einsum("wbpd,wr->rbpd", diffs, cols[:, needed].to(like.dtype))
-                out = dict(zip(picked, deltas))
+                out = dict(zip(picked, self._patched_sum(cols[:, needed], picked).to(like)))
         if self.leaves:
             block = like.new_zeros((len(readers), *like.shape)).requires_grad_(True)
             self.leaf[readers[0]] = block
             for i, r in enumerate(readers):
                 out[r] = out[r] - block[i] if r in out else -block[i]
         return out
+
+    def _patched_sum(self, cols: Tensor, readers: list[int]) -> Tensor:
+        """[readers batch pos d_model]: sum of the diffs of the writers in cols (writers so far x
+        readers). A small circuit patches almost every edge, so when the circuit's own edges are
+        fewer the sum is taken as (all writers' diffs) - (the circuit's): the cost follows the
+        smaller side."""
+        assert self._diffs is not None and self._diff_total is not None
+        real = self.graph.real[: cols.shape[0], readers]
+        kept = real & ~cols
+        if bool(real.all()) and int(kept.sum()) < int(cols.sum()):
+            return self._diff_total[None] - self._weighted(kept)
+        return self._weighted(cols)
+
+    def _weighted(self, select: Tensor) -> Tensor:
+        """sum over writers w of select[w, r] * diff_w, reading only the writers in use."""
+        assert self._diffs is not None
+        rows = select.any(1).nonzero().squeeze(1)
+        shape = (select.shape[1], *self._diffs.shape[1:])
+        if rows.numel() == 0:
+            return self._diffs.new_zeros(shape)
+        used = self._diffs.index_select(0, rows.to(self._diffs.device)).flatten(1)
+        weights = select[rows].T.to(used.device, used.dtype)
+        return (weights @ used).view(shape)
 
     # ---- hooks
 

@@ -120,7 +120,8 @@ class FaithfulnessEvaluator:
     each circuit then costs one forward pass per batch instead of three (four with "mean").
 
     It holds every writer's output on the corrupted prompts: writers x pairs x pos x d_model
-    floats (about 110 MB per 8 SmolLM2 pairs of 20 tokens). The model must not change between
+    floats (about 110 MB per 8 SmolLM2 pairs of 20 tokens), and during a call as much again for
+    one batch (each writer's difference from it). The model must not change between
     calls (its weights are read once, here).
 
     >>> from ra_lens.circuits.graph import Graph

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -523,6 +524,14 @@ def test_experiment_measure_on_a_toy():
             ig.scores[kind], result.truth[kind]
         )
     assert "| toy | query |" in experiment.markdown([result])
+    # The truth of an earlier run is taken as it is for the same pairs, refused for others.
+    again = experiment.measure(model, pairs, "toy", n_position_heads=2, progress=False,
+                               stored=json.loads(json.dumps(data)))  # fmt: skip
+    assert again.truth_reused and not result.truth_reused
+    assert again.to_dict()["stats"] == data["stats"]
+    assert again.seconds["truth"] == result.seconds["truth"]
+    with pytest.raises(ValueError, match="other pairs"):
+        experiment.measure(model, pairs[::-1], "toy", progress=False, stored=data)
 
 
 @pytest.mark.parametrize("arch", multi_layer_archs())

@@ -251,7 +251,10 @@ class TaskMeasurement:
             "stats": self.stats(),
             "per_position": self.per_position,
             "seconds": self.seconds,
-            "speedup_exact": self.seconds["truth"] / self.seconds["exact"],
+            # A reused truth was timed in another run: no ratio across runs.
+            "speedup_exact": None
+            if self.truth_reused
+            else self.seconds["truth"] / self.seconds["exact"],
             "n_forward_truth": self.n_forward_truth,
             "truth_reused": self.truth_reused,
             "blind_spot": self.blind_spot,

@@ -6,8 +6,8 @@ call per circuit along a faithfulness curve.
     python benchmarks/bench_circuits.py --tiny --json out.json   # seconds: tiny model, smoke test
 
 Ratios are measured in one run (never against numbers from another run): each method's seconds
-over eap's, the exact methods' over eap-ig-5's and eap-ig-20's, and the per-call faithfulness seconds over the evaluator's for
-the same circuits (whose values must agree).
+over eap's, the exact methods' over eap-ig-5's and eap-ig-20's, and the per-call faithfulness
+seconds over the evaluator's for the same circuits (whose values must agree).
 """
 
 from __future__ import annotations

@@ -100,21 +100,21 @@ def _circuit_scores(method: str) -> Callable[..., Tensor]:
     return run
 
 
-def _faithfulness(model, metric=DIFF) -> Tensor:
+def _half_circuit(model, parity: int) -> circuits.Circuit:
+    """Every other edge of the model's graph (those whose flat index has this parity)."""
     graph = circuits.Graph.from_model(model)
-    half = circuits.Circuit(
-        graph, graph.real & (torch.arange(graph.real.numel()) % 2 == 0).view_as(graph.real)
-    )
-    return circuits.faithfulness(model, half, TOKENS, CORRUPTED, metric).circuit_per_pair
+    every_other = (torch.arange(graph.real.numel()) % 2 == parity).view_as(graph.real)
+    return circuits.Circuit(graph, graph.real & every_other)
+
+
+def _faithfulness(model, metric=DIFF) -> Tensor:
+    circuit = _half_circuit(model, 0)
+    return circuits.faithfulness(model, circuit, TOKENS, CORRUPTED, metric).circuit_per_pair
 
 
 def _evaluator_mean(model, metric=DIFF) -> Tensor:
-    graph = circuits.Graph.from_model(model)
-    half = circuits.Circuit(
-        graph, graph.real & (torch.arange(graph.real.numel()) % 2 == 1).view_as(graph.real)
-    )
     evaluate = circuits.FaithfulnessEvaluator(model, TOKENS, CORRUPTED, metric, ablation="mean")
-    return evaluate(half).circuit_per_pair
+    return evaluate(_half_circuit(model, 1)).circuit_per_pair
 
 
 #: (name, function(model) -> tensor): every public function that runs a model.

@@ -531,7 +531,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         summary["n_usable_pairs"][name] = len(pairs)
         result = measure(
             model, pairs[: args.n_truth], name, max_rows=args.max_rows, ig_steps=args.ig_steps,
-            stored=earlier.get(name) if args.truth_from is not None else None,
+            stored=earlier.get(name),
         )  # fmt: skip
         results.append(result)
         summary[name] = result.to_dict()

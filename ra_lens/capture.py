@@ -44,11 +44,13 @@ from ra_lens.contract import (  # noqa: F401
     V,
     Z,
     attention_scale,
+    attention_softcap,
     check_layer_list,
     check_layers,
     check_positive_int,
     key_hook_name,
     model_shape,
+    output_softcap,
     query_hook_name,
 )
 

@@ -183,7 +183,13 @@ def attention_scale(model: HookedModel, layer: int) -> float:
     """The divisor s in S = QK^T / s for one layer, read from the model rather than assumed.
 
     TL 2 keeps it as `attn.attn_scale`; TL-native bridges as `attn.original_component.scale`;
-    HuggingFace attention modules as the multiplier `scaling`.
+    HuggingFace attention modules as the multiplier `scaling` (transformers >= 5 folds GPT-2's
+    `scale_attn_by_inverse_layer_idx` and Gemma's `query_pre_attn_scalar` into it) or
+    `inv_norm_factor` (BLOOM, Falcon). GPT-Neo's attention has no scale at all (s = 1).
+
+    Raises:
+        NotImplementedError: a HuggingFace attention module whose scale ra-lens cannot read
+            (nothing is assumed: a wrong s would scale every "qk" map silently).
 
     >>> math.isclose(attention_scale(model, 0), math.sqrt(model.cfg.d_head))  # GPT-2: sqrt(d_head)
     True
@@ -194,13 +200,54 @@ def attention_scale(model: HookedModel, layer: int) -> float:
     inner = getattr(attn, "original_component", None)
     if isinstance(getattr(inner, "scale", None), (int, float)):
         return float(inner.scale)
-    if isinstance(getattr(inner, "scaling", None), (int, float)):
-        scale = 1.0 / float(inner.scaling)
-        if getattr(getattr(inner, "config", None), "scale_attn_by_inverse_layer_idx", False):
-            scale *= layer + 1
-        return scale
-    cfg = model.cfg
-    if getattr(cfg, "use_attn_scale", True) is False:
+    if inner is None:  # no HuggingFace module behind the hooks: the config says
+        cfg = model.cfg
+        if getattr(cfg, "use_attn_scale", True) is False:
+            return 1.0
+        attn_scale = float(getattr(cfg, "attn_scale", -1.0))
+        return attn_scale if attn_scale > 0 else math.sqrt(cfg.d_head)
+    for name in ("scaling", "inv_norm_factor"):
+        value = getattr(inner, name, None)
+        if isinstance(value, (int, float)) and value > 0:
+            return 1.0 / float(value)
+    if type(inner).__name__ in _UNSCALED_ATTENTION:
         return 1.0
-    attn_scale = float(getattr(cfg, "attn_scale", -1.0))
-    return attn_scale if attn_scale > 0 else math.sqrt(cfg.d_head)
+    raise NotImplementedError(
+        f"cannot read the attention scale of {type(inner).__name__} (layer {layer}): it has no "
+        "`scaling` or `inv_norm_factor` attribute, and ra-lens does not assume sqrt(d_head); "
+        "the 'scores' convention (dL/d pre-softmax scores) needs no scale"
+    )
+
+
+#: HuggingFace attention modules that compute QK^T without any scale (GPT-Neo's softmax reads
+#: the raw dot products, in float32).
+_UNSCALED_ATTENTION = ("GPTNeoSelfAttention",)
+
+
+def attention_softcap(model: HookedModel, layer: int) -> float | None:
+    """The attention logit soft-cap c of one layer (S = c tanh(QK^T / (s c)), Gemma-2), or None.
+
+    Read from the HuggingFace module's `attn_logit_softcapping` (TransformerBridge) or the TL 2
+    config's `attn_scores_soft_cap` (HookedTransformer; <= 0 means none).
+
+    >>> attention_softcap(model, 0) is None  # GPT-2 has no soft-cap
+    True
+    """
+    inner = getattr(model.blocks[layer].attn, "original_component", None)
+    value = getattr(inner, "attn_logit_softcapping", None)
+    if value is None and inner is None:
+        value = getattr(model.cfg, "attn_scores_soft_cap", None)
+    if value is None or float(value) <= 0:
+        return None
+    return float(value)
+
+
+def output_softcap(model: HookedModel) -> float | None:
+    """The final logit soft-cap c (logits = c tanh(unembed(x) / c), Gemma-2), or None: TL 2's
+    and TL 4's config both call it `output_logits_soft_cap` (<= 0 means none).
+
+    >>> output_softcap(model) is None
+    True
+    """
+    value = getattr(model.cfg, "output_logits_soft_cap", None)
+    return float(value) if value is not None and float(value) > 0 else None

@@ -251,3 +251,82 @@ def output_softcap(model: HookedModel) -> float | None:
     """
     value = getattr(model.cfg, "output_logits_soft_cap", None)
     return float(value) if value is not None and float(value) > 0 else None
+
+
+@dataclass(frozen=True)
+class AttentionFacts:
+    """What turns one layer's q k^T into its softmax input: S = c tanh(q k^T / (s c)) (without a
+    soft-cap c: q k^T / s), -inf outside the causal mask and outside a sliding window of w keys
+    (key s visible from query t iff t - w < s <= t). Read by `attention_facts`; `logits` is the
+    one recomputation of attention scores that attribution, circuits and dynamics share."""
+
+    scale: float
+    softcap: float | None = None
+    window: int | None = None
+    qk_norm: bool = False  # q/k normalised after the projection (Qwen3, Gemma-3, OLMo-2)
+    alibi: bool = False  # position biases added to the scores (BLOOM)
+
+    def mask(self, n_pos: int, device: torch.device | str | None = None) -> Tensor:
+        """Bool [query, key]: True where the key is visible."""
+        visible = torch.ones(n_pos, n_pos, dtype=torch.bool, device=device).tril()
+        if self.window is not None:
+            visible = visible.triu(diagonal=1 - self.window)
+        return visible
+
+    def logits(self, raw: Tensor) -> Tensor:
+        """Float[Tensor, "... query key"]: raw q k^T (query and key axes last) to the softmax
+        input, -inf where masked.
+
+        >>> facts = AttentionFacts(scale=2.0, softcap=1.0, window=2)
+        >>> facts.logits(torch.full((3, 3), 4.0))[2]  # tanh(2) = 0.964; key 0 out of the window
+        tensor([  -inf, 0.9640, 0.9640])
+        """
+        scores = raw / self.scale
+        if self.softcap is not None:
+            scores = self.softcap * torch.tanh(scores / self.softcap)
+        return scores.masked_fill(~self.mask(raw.shape[-1], raw.device), float("-inf"))
+
+    def refusal(self) -> str | None:
+        """Why q/k changes cannot be replayed through these facts alone (None: they can)."""
+        if self.alibi:
+            return "ALiBi position biases (BLOOM) are not modelled"
+        if self.qk_norm:
+            return (
+                "q/k norms (Qwen3, Gemma-3, OLMo-2) sit between the projection and the softmax, "
+                "and a q/k change is replayed through the projection only"
+            )
+        return None
+
+
+def attention_facts(model: HookedModel, layer: int) -> AttentionFacts:
+    """One layer's `AttentionFacts`, read from the model: scale (`attention_scale`), soft-cap
+    (`attention_softcap`), sliding window (the HuggingFace module's `sliding_window`, else its
+    config's; TL 2's `window_size` on local layers), q/k norms and ALiBi.
+
+    >>> facts = attention_facts(model, 0)  # GPT-2: plain causal softmax attention
+    >>> facts.softcap, facts.window, facts.qk_norm, facts.alibi, facts.refusal()
+    (None, None, False, False, None)
+    """
+    inner = getattr(model.blocks[layer].attn, "original_component", None)
+    cfg = model.cfg
+    window: Any = None
+    if inner is not None:
+        window = getattr(inner, "sliding_window", None)
+        if window is None and not hasattr(inner, "sliding_window"):
+            window = getattr(getattr(inner, "config", None), "sliding_window", None)
+        qk_norm = getattr(inner, "q_norm", None) is not None or hasattr(inner, "q_layernorm")
+    else:
+        attn_types = getattr(cfg, "attn_types", None)
+        if getattr(cfg, "use_local_attn", False) and attn_types and attn_types[layer] == "local":
+            window = getattr(cfg, "window_size", None)
+        qk_norm = bool(getattr(cfg, "use_qk_norm", False))
+    alibi = getattr(cfg, "positional_embedding_type", "") == "alibi" or type(
+        inner
+    ).__name__.startswith("Bloom")
+    return AttentionFacts(
+        scale=attention_scale(model, layer),
+        softcap=attention_softcap(model, layer),
+        window=int(window) if window else None,
+        qk_norm=bool(qk_norm),
+        alibi=bool(alibi),
+    )

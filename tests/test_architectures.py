@@ -70,3 +70,94 @@ def test_ra_is_the_gradient_inside_huggingfaces_attention(
         assert scale > 0
         # maps are float32: compare at float32 precision relative to the largest entry
         assert float((got - expected).abs().max()) <= max(1e-6, tolerance(arch)) * scale * 10
+
+
+EXACT_SOFTMAX = ("gpt2", "llama", "mistral", "mixtral", "qwen2", "gemma", "gemma2", "olmo")
+
+
+@pytest.mark.parametrize("arch", EXACT_SOFTMAX)
+def test_exact_query_node_is_the_models_own_changed_row(arch: str) -> None:
+    """attention_attribution's exact query node = sum_s R_ts (A'_ts - A_ts), where A' is the
+    pattern the model itself computes with head h's query at position t taken from the other run:
+    the soft-cap (Gemma-2) and sliding windows (Mistral, Gemma-2) recomputed as the model does."""
+    from helpers import TOY_CLEAN, TOY_CORRUPTED
+
+    from ra_lens import capture
+
+    bridge, _ = pair(arch)
+    clean, corrupted = TOY_CLEAN[2], TOY_CORRUPTED[2]  # one token apart, 3 before the end
+    metric = ra_lens.metrics.logit_diff([5], [7])
+    att = ra_lens.attention_attribution(bridge, clean, corrupted, metric, nodes=["query"])
+    # layer 0's row at the changed token: its query moves, and the last position (the metric's)
+    # still sees it through a 4-token window
+    differ = (bridge.to_tokens(clean) != bridge.to_tokens(corrupted))[0].nonzero()
+    layer, head, t = 0, 1, int(differ[0])
+    q_name = capture.query_hook_name(bridge, layer)
+    with capture.recorded(bridge, [q_name]) as source:
+        bridge(bridge.to_tokens(clean))
+
+    def patch(q: torch.Tensor, hook: Any) -> torch.Tensor:
+        q = q.clone()
+        q[:, t, head] = source[q_name][:, t, head].to(q)
+        return q
+
+    pattern = capture.PATTERN.format(layer)
+    with capture.recorded(bridge, [pattern]) as changed, bridge.hooks([(q_name, patch)]):
+        bridge(bridge.to_tokens(corrupted))
+    new_row = changed[pattern][0, head, t].double()
+    old_row = att.patterns[0, layer, head, t].double()
+    grad_row = att.pattern_grads[0, layer, head, t].double()
+    expected = float((grad_row * (new_row - old_row)).sum())
+    got = float(att.by_position["query"][0, layer, head, t])
+    assert abs(expected) > 1e-8
+    assert got == pytest.approx(expected, rel=1e-4, abs=1e-9)
+
+
+#: The circuits' refusals, each naming its true cause (architecture -> words in the message).
+CIRCUIT_REFUSALS = {
+    "gemma2": "post-norm blocks",
+    "gemma3": "post-norm blocks",
+    "olmo2": "post-norm blocks",
+    "gpt_neox": "parallel attention/MLP",
+    "gptj": "parallel attention/MLP",
+    "phi": "parallel attention/MLP",
+    "falcon": "parallel attention/MLP",
+}
+#: The exact edge methods' refusals on models whose eap circuits work.
+EXACT_REFUSALS = {
+    "qwen3": "q/k norms",
+    "bloom": "ALiBi",
+    "phi3": "never fired",
+    "gpt_neo": "delegates attention to HuggingFace",
+    "opt": "delegates attention to HuggingFace",
+}
+
+
+@pytest.mark.parametrize("arch", [a for a in MATRIX_ARCHITECTURES if a not in BROKEN_ADAPTERS])
+def test_circuits_are_exact_at_both_ends_or_refuse_naming_the_cause(arch: str) -> None:
+    """eap and exact edge scores, and faithfulness: full circuit 1, empty circuit 0 (float64),
+    or a refusal whose message names the architectural cause."""
+    from helpers import TOY_CLEAN, TOY_CORRUPTED
+
+    from ra_lens import circuits
+
+    bridge, _ = pair(arch)
+    metric = ra_lens.metrics.logit_diff([5, 6, 7], [7, 5, 6])
+    if arch in CIRCUIT_REFUSALS:
+        with pytest.raises(NotImplementedError, match=CIRCUIT_REFUSALS[arch]):
+            circuits.attribute(bridge, TOY_CLEAN, TOY_CORRUPTED, metric, method="eap")
+        return
+    scores = circuits.attribute(bridge, TOY_CLEAN, TOY_CORRUPTED, metric, method="eap")
+    assert bool(scores.scores.abs().gt(0).any())
+    graph = scores.graph
+    full = circuits.Circuit(graph, graph.real.clone())
+    empty = circuits.Circuit(graph, torch.zeros_like(graph.real))
+    for circuit, value in ((full, 1.0), (empty, 0.0)):
+        got = circuits.faithfulness(bridge, circuit, TOY_CLEAN, TOY_CORRUPTED, metric).value
+        assert got == pytest.approx(value, abs=1e-6)
+    if arch in EXACT_REFUSALS:
+        with pytest.raises((NotImplementedError, RuntimeError), match=EXACT_REFUSALS[arch]):
+            circuits.attribute(bridge, TOY_CLEAN, TOY_CORRUPTED, metric, method="exact")
+    else:
+        exact = circuits.attribute(bridge, TOY_CLEAN, TOY_CORRUPTED, metric, method="exact")
+        assert exact.scores.shape == scores.scores.shape

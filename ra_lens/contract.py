@@ -311,9 +311,12 @@ def attention_facts(model: HookedModel, layer: int) -> AttentionFacts:
     cfg = model.cfg
     window: Any = None
     if inner is not None:
+        config = getattr(inner, "config", None)
         window = getattr(inner, "sliding_window", None)
-        if window is None and not hasattr(inner, "sliding_window"):
-            window = getattr(getattr(inner, "config", None), "sliding_window", None)
+        if getattr(inner, "attention_type", None) == "local":  # GPT-Neo's local layers
+            window = getattr(config, "window_size", None)
+        elif window is None and not hasattr(inner, "sliding_window"):
+            window = getattr(config, "sliding_window", None)
         qk_norm = getattr(inner, "q_norm", None) is not None or hasattr(inner, "q_layernorm")
     else:
         attn_types = getattr(cfg, "attn_types", None)

@@ -158,3 +158,24 @@ def frobenius_norms(maps: Float[Tensor, "... query key"]) -> Float[Tensor, "..."
             [4., 4., 4.]])
     """
     return torch.linalg.vector_norm(upcast(maps), dim=(-2, -1))
+
+
+def rotate_half(
+    x: Float[Tensor, "batch pos head d_head"],
+    cos: Float[Tensor, "... pos rot"],
+    sin: Float[Tensor, "... pos rot"],
+) -> Float[Tensor, "batch pos head d_head"]:
+    """HuggingFace's rotate-half rotary embedding on the first `rot` dims of every head (partial
+    rotary: the rest pass through), with the model's own cos/sin tables.
+
+    >>> x = torch.randn(1, 3, 2, 4, dtype=torch.float64)
+    >>> zeros, ones = torch.zeros(1, 3, 4, dtype=torch.float64), torch.ones(1, 3, 4, dtype=torch.float64)
+    >>> torch.equal(rotate_half(x, ones, zeros), x)  # angle 0: the identity
+    True
+    """
+    r = cos.shape[-1]
+    cos = cos.reshape(-1, cos.shape[-2], 1, r).to(x.dtype)
+    sin = sin.reshape(-1, sin.shape[-2], 1, r).to(x.dtype)
+    part, rest = x[..., :r], x[..., r:]
+    half = torch.cat([-part[..., r // 2 :], part[..., : r // 2]], dim=-1)
+    return torch.cat([part * cos + half * sin, rest], dim=-1)

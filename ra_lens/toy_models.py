@@ -154,7 +154,7 @@ def hf_config(
         ),
         "olmo": lambda: tf.OlmoConfig(**common),
         "olmo2": lambda: tf.Olmo2Config(**common),
-        "stablelm": lambda: tf.StableLmConfig(**common),
+        "stablelm": lambda: tf.StableLmConfig(**common, num_key_value_heads=n_heads),
     }  # fmt: skip
     if arch not in builders:
         raise ValueError(f"unknown HF architecture {arch!r}: use one of {sorted(builders)}")

@@ -190,3 +190,29 @@ def hf_qk_factor(hf: Any, layer: int) -> float:
     queries by `scaling` before the matmul (so the matmul forms s QK^T), every other model 1."""
     attn = hf.model.decoder.layers[layer].self_attn if hf.config.model_type == "opt" else None
     return float(attn.scaling) if attn is not None else 1.0
+
+
+def hf_logits_with_pattern_added(hf: Any, tokens: Any, added: list[Any]) -> Any:
+    """The logits of a plain HuggingFace model with `added[layer]` (Float[Tensor, "batch head
+    query key"]) added to the output of each layer's attention softmax, inside HF's own eager
+    attention: the ground truth of attention patching."""
+    import torch
+    import torch.nn.functional as F
+    from torch.overrides import TorchFunctionMode
+
+    seq, calls = tokens.shape[1], []
+
+    class Add(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+            out = func(*args, **(kwargs or {}))
+            softmax = func in (torch.softmax, F.softmax, torch.Tensor.softmax)
+            if softmax and out.shape[-2:] == (seq, seq):
+                delta = added[len(calls)]
+                calls.append(func)
+                return out + delta.reshape(out.shape).to(out.dtype)
+            return out
+
+    with torch.no_grad(), Add():
+        logits = hf(tokens).logits
+    assert len(calls) == len(added), "one softmax per layer expected"
+    return logits

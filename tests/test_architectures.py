@@ -20,11 +20,6 @@ pytestmark = pytest.mark.tl4  # the matrix boots TransformerBridges (TL 2 has it
 
 PROMPT = "The quick brown fox jumps over"
 TARGET = 5
-#: Architectures whose TransformerBridge adapter itself fails in TransformerLens 4.3 (the plain
-#: bridge forward raises): nothing ra-lens can do, listed so that the matrix says why.
-BROKEN_ADAPTERS = {
-    "stablelm": "TransformerLens 4.3's StableLM adapter fails its own forward pass",
-}
 #: MoE's grouped matmul has no float64 kernel: Mixtral runs in float32.
 DTYPES = {"mixtral": torch.float32}
 
@@ -33,8 +28,6 @@ DTYPES = {"mixtral": torch.float32}
 def pair(arch: str) -> tuple[Any, Any]:
     """(bridge, its plain HuggingFace twin), both float64 (float32 where noted), eval mode."""
     pytest.importorskip("transformer_lens.model_bridge")
-    if arch in BROKEN_ADAPTERS:
-        pytest.skip(BROKEN_ADAPTERS[arch])
     dtype = DTYPES.get(arch, torch.float64)
     bridge = tiny_model(arch, dtype=dtype, spread=True)
     return bridge, hf_model(arch, spread=True).to(dtype)
@@ -72,7 +65,25 @@ def test_ra_is_the_gradient_inside_huggingfaces_attention(
         assert float((got - expected).abs().max()) <= max(1e-6, tolerance(arch)) * scale * 10
 
 
-EXACT_SOFTMAX = ("gpt2", "llama", "mistral", "mixtral", "qwen2", "gemma", "gemma2", "olmo")
+#: attention_attribution's refusals (architecture -> words in the message); every other
+#: architecture of the matrix is exact.
+ATTRIBUTION_REFUSALS = {
+    "gpt_neo": "delegates attention to HuggingFace",
+    "gptj": "delegates attention to HuggingFace",
+    "opt": "delegates attention to HuggingFace",
+    "bloom": "ALiBi",
+}
+EXACT_SOFTMAX = tuple(a for a in MATRIX_ARCHITECTURES if a not in ATTRIBUTION_REFUSALS)
+
+
+@pytest.mark.parametrize("arch", sorted(ATTRIBUTION_REFUSALS))
+def test_attribution_refuses_naming_the_cause(arch: str) -> None:
+    from helpers import TOY_CLEAN, TOY_CORRUPTED
+
+    bridge, _ = pair(arch)
+    metric = ra_lens.metrics.logit_diff([5], [7])
+    with pytest.raises((RuntimeError, ValueError), match=ATTRIBUTION_REFUSALS[arch]):
+        ra_lens.attention_attribution(bridge, TOY_CLEAN[2], TOY_CORRUPTED[2], metric)
 
 
 @pytest.mark.parametrize("arch", EXACT_SOFTMAX)
@@ -92,9 +103,13 @@ def test_exact_query_node_is_the_models_own_changed_row(arch: str) -> None:
     # still sees it through a 4-token window
     differ = (bridge.to_tokens(clean) != bridge.to_tokens(corrupted))[0].nonzero()
     layer, head, t = 0, 1, int(differ[0])
+    # The rotated query where the adapter fires hook_rot_q; else hook_q (the rotation is linear
+    # per position, so patching one head's q at t patches its rotated q at t the same way).
     q_name = capture.query_hook_name(bridge, layer)
-    with capture.recorded(bridge, [q_name]) as source:
+    with capture.recorded(bridge, [q_name, capture.Q.format(layer)]) as source:
         bridge(bridge.to_tokens(clean))
+    if q_name not in source:
+        q_name = capture.Q.format(layer)
 
     def patch(q: torch.Tensor, hook: Any) -> torch.Tensor:
         q = q.clone()
@@ -127,13 +142,12 @@ CIRCUIT_REFUSALS = {
 EXACT_REFUSALS = {
     "qwen3": "q/k norms",
     "bloom": "ALiBi",
-    "phi3": "never fired",
     "gpt_neo": "delegates attention to HuggingFace",
     "opt": "delegates attention to HuggingFace",
 }
 
 
-@pytest.mark.parametrize("arch", [a for a in MATRIX_ARCHITECTURES if a not in BROKEN_ADAPTERS])
+@pytest.mark.parametrize("arch", MATRIX_ARCHITECTURES)
 def test_circuits_are_exact_at_both_ends_or_refuse_naming_the_cause(arch: str) -> None:
     """eap and exact edge scores, and faithfulness: full circuit 1, empty circuit 0 (float64),
     or a refusal whose message names the architectural cause."""
@@ -161,3 +175,60 @@ def test_circuits_are_exact_at_both_ends_or_refuse_naming_the_cause(arch: str) -
     else:
         exact = circuits.attribute(bridge, TOY_CLEAN, TOY_CORRUPTED, metric, method="exact")
         assert exact.scores.shape == scores.scores.shape
+
+
+#: edit_dynamics's refusals (architecture -> words in the message).
+DYNAMICS_REFUSALS = {
+    "gptj": "interleaved rotary",
+    "bloom": "ALiBi",
+    "qwen3": "q/k norms",
+    "gemma3": "q/k norms",
+    "olmo2": "q/k norms",
+}
+
+
+@pytest.mark.parametrize("arch", MATRIX_ARCHITECTURES)
+def test_edit_dynamics_is_exact_to_second_order_or_refuses(arch: str) -> None:
+    """RA's gradient of W_q, b_q, W_k, b_k is autograd's, and predicted (first order) + the
+    second-order term is the change a real SGD step makes (soft-cap and windows included)."""
+    bridge, _ = pair(arch)
+    metric = target_nll([TARGET])
+    if arch in DYNAMICS_REFUSALS:
+        with pytest.raises(NotImplementedError, match=DYNAMICS_REFUSALS[arch]):
+            ra_lens.edit_dynamics(bridge, PROMPT, metric, 1e-3)
+        return
+    dyn = ra_lens.edit_dynamics(bridge, PROMPT, metric, 1e-3)
+    assert float(dyn.grad_error.max()) < tolerance(arch) * 1e3
+    total = (dyn.predicted + dyn.second_order).double()
+    error = float((total - dyn.actual.double()).abs().max() / dyn.actual.double().abs().max())
+    assert error < tolerance(arch) * 1e3
+    assert float(dyn.pattern_cosine.min()) > 0.999
+
+
+#: Adapters that hand attention to HuggingFace and fire hook_pattern after the fact: an edit
+#: there never reaches the output, so attention patching refuses (with `model=`).
+DELEGATED = ("gpt_neo", "gptj", "opt")
+
+
+@pytest.mark.parametrize("arch", MATRIX_ARCHITECTURES)
+def test_attention_patching_is_huggingfaces_own_patched_attention(arch: str) -> None:
+    """Logits under attention_patch_hooks(ra, eta) = HF's logits with eta * RA added to the
+    softmax output inside its own attention code."""
+    from helpers import hf_logits_with_pattern_added
+
+    bridge, hf = pair(arch)
+    tokens = bridge.to_tokens(PROMPT)
+    ra = ra_lens.reversed_attention(bridge, tokens, target_nll([TARGET]))
+    if arch in DELEGATED:
+        with pytest.raises(RuntimeError, match="delegates attention to HuggingFace"):
+            ra_lens.attention_patch_hooks(ra, -4.0, model=bridge)
+        return
+    with torch.no_grad(), bridge.hooks(fwd_hooks=ra_lens.attention_patch_hooks(ra, -4.0)):
+        patched = bridge(tokens).double()
+    assert ra.maps is not None
+    added = [-4.0 * ra.maps[:, layer].double() for layer in range(bridge.cfg.n_layers)]
+    expected = hf_logits_with_pattern_added(hf, tokens, added).double()
+    unpatched = hf(tokens).logits.detach().double()
+    assert float((expected - unpatched).abs().max()) > 1e-4  # the edit matters
+    scale = float(expected.abs().max())
+    assert float((patched - expected).abs().max()) < 1e-5 * scale

@@ -239,7 +239,9 @@ def _capture(
     with torch.enable_grad():
         with (
             model.hooks(fwd_hooks=hooks),
-            capture.recorded(model, patterns + queries + keys) as acts,
+            capture.recorded(
+                model, patterns + queries + keys + capture.rotation_hooks(layers)
+            ) as acts,
             capture.raw_input_hooks(model, {}, keep_grad),
         ):
             logits = model(batch.tokens)
@@ -248,6 +250,7 @@ def _capture(
         values, loss = metric_loss(metric, logits, batch)
         if backward:
             torch.autograd.grad(loss, [leaf["leaf"]], allow_unused=True)
+    capture.fill_rotated(model, acts, layers)
     silent = [name for pair in zip(queries, keys) for name in pair if name not in acts]
     if silent:
         raise RuntimeError(

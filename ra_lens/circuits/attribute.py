@@ -182,10 +182,7 @@ class _Step:
         names = [PATTERN.format(la) for la in layers]
         names += [capture.query_hook_name(model, la) for la in layers]
         names += [capture.key_hook_name(model, la) for la in layers]
-        names += [capture.Q.format(la) for la in layers]
-        names += [capture.COS.format(la) for la in layers] + [
-            capture.SIN.format(la) for la in layers
-        ]
+        names += capture.rotation_hooks(layers)
         run = _edges.EdgeRun(graph, weights, leaves=True, input_value=point)
         with (
             torch.enable_grad(),
@@ -203,6 +200,7 @@ class _Step:
         self.firsts = sorted(run.leaf)
         self.outputs = run.outputs()
         self.resid = {la: x.detach() for la, x in run.resid.items()}
+        capture.fill_rotated(model, acts, layers)
         self.acts, self.pattern_grads = acts, grads
 
     @torch.no_grad()  # the recorded activations may still require grad: build no graph from them

@@ -17,6 +17,7 @@ from ra_lens.attribution import AttentionAttribution, attention_attribution
 from ra_lens.capture import Batch, to_batch
 from ra_lens.core import reversed_attention
 from ra_lens.dynamics import EditDynamics, edit_dynamics
+from ra_lens.liveness import live_attention
 from ra_lens.models import load_model
 from ra_lens.patching import attention_patch_hooks, forward_patch_hooks, head_ablation_hooks
 from ra_lens.result import ReversedAttention
@@ -31,6 +32,7 @@ __all__ = [
     "edit_dynamics",
     "forward_patch_hooks",
     "head_ablation_hooks",
+    "live_attention",
     "load_model",
     "metrics",
     "reversed_attention",

@@ -56,6 +56,13 @@ from ra_lens.contract import (  # noqa: F401
     query_hook_name,
 )
 
+# Liveness of hook_pattern lives in ra_lens.liveness; its names stay importable from here.
+from ra_lens.liveness import (  # noqa: E402, F401
+    live_attention,
+    live_pattern_layers,
+    require_live_patterns,
+)
+
 _IN_USE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _IN_USE_LOCK = threading.Lock()
 
@@ -97,7 +104,8 @@ def preserved_state(model: HookedModel) -> Iterator[None]:
     modules included), so dropout never makes a result random; each module gets its own mode
     back.
 
-    Also claims the model for this thread (`exclusive`), and refuses inference mode, where
+    Also claims the model for this thread (`exclusive`), makes `hook_pattern` live on adapters
+    that delegate attention to HuggingFace (`live_attention`), and refuses inference mode, where
     autograd cannot run.
 
     >>> _ = model.train()
@@ -107,13 +115,18 @@ def preserved_state(model: HookedModel) -> Iterator[None]:
     >>> model.training
     True
     """
+    require_autograd()
+    with exclusive(model), _restored(model), live_attention(model):
+        yield
+
+
+def require_autograd() -> None:
+    """Refuse to run inside torch.inference_mode(), where no graph can be built."""
     if torch.is_inference_mode_enabled():
         raise RuntimeError(
             "ra-lens needs autograd, and this call runs inside torch.inference_mode(): call it "
             "outside that block (torch.no_grad() around it is fine: ra-lens re-enables grad)"
         )
-    with exclusive(model), _restored(model):
-        yield
 
 
 @contextlib.contextmanager
@@ -134,7 +147,8 @@ def _restored(model: HookedModel) -> Iterator[None]:
 def eval_mode(model: HookedModel) -> Iterator[None]:
     """Run every module that takes part in eval mode (`model_modules`), for forward passes that
     need no autograd; afterwards each module gets its own mode back. Claims the model for this
-    thread (`exclusive`).
+    thread (`exclusive`) and makes `hook_pattern` live where the adapter delegates attention
+    (`live_attention`), so head ablation and patching hooks reach the output.
 
     >>> _ = model.train()
     >>> with eval_mode(model):
@@ -143,7 +157,7 @@ def eval_mode(model: HookedModel) -> Iterator[None]:
     >>> model.training
     True
     """
-    with exclusive(model), _eval_mode(model):
+    with exclusive(model), _eval_mode(model), live_attention(model):
         yield
 
 
@@ -314,62 +328,6 @@ def gradient_leaf_hook(store: dict[str, Tensor]):
         return leaf
 
     return hook
-
-
-_LIVE_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def live_pattern_layers(model: HookedModel) -> list[bool]:
-    """For each layer, whether `hook_pattern` is in the autograd graph of the output.
-
-    On TransformerBridge adapters that delegate attention to HuggingFace (OPT and others) the
-    pattern hook fires after the fact: edits are discarded and no gradient arrives. One tiny
-    forward+backward pass finds out; the answer is cached per model.
-
-    >>> live_pattern_layers(model)  # GPT-2 and HookedTransformer compute attention themselves
-    [True, True]
-    """
-    if model in _LIVE_CACHE:
-        return _LIVE_CACHE[model]
-    names = [PATTERN.format(layer) for layer in range(model_shape(model).n_layers)]
-    store: dict[str, Tensor] = {}
-    tokens = torch.zeros(1, 3, dtype=torch.long, device=_device(model))
-    with preserved_state(model), torch.enable_grad():
-        with (
-            model.hooks(fwd_hooks=[(RESID_PRE.format(0), gradient_leaf_hook(store))]),
-            recorded(model, names, grad=True) as grads,
-        ):
-            logits = model(tokens)
-            torch.autograd.grad(logits.float().sum(), [store["leaf"]], allow_unused=True)
-    reached = [name in grads for name in names]
-    _LIVE_CACHE[model] = reached
-    return reached
-
-
-def require_live_patterns(model: HookedModel, layers: Sequence[int], needed_for: str) -> None:
-    """Raise unless `hook_pattern` of every chosen layer is in the autograd graph of the output
-    (`live_pattern_layers`): there, edits reach the output and dL/dA exists.
-
-    Args:
-        needed_for: what the caller would get wrong otherwise, for the message (e.g. "attention
-            patching would silently do nothing").
-
-    Raises:
-        RuntimeError: naming the layers, the reason (the adapter delegates attention to
-            HuggingFace), `needed_for` and the models that work.
-
-    >>> require_live_patterns(model, [0, 1], "patching would do nothing")  # GPT-2: passes
-    """
-    live = live_pattern_layers(model)
-    dead = [layer for layer in layers if not live[layer]]
-    if dead:
-        raise RuntimeError(
-            f"hook_pattern of layers {dead} is not in the autograd graph of the output (the "
-            "adapter delegates attention to HuggingFace), so edits there do not reach the "
-            f"output and no dL/dA arrives: {needed_for}; use a model that computes attention "
-            "through its hooks (GPT-2/Llama-style TransformerBridge, boot_native, "
-            "HookedTransformer)"
-        )
 
 
 def _device(model: HookedModel) -> torch.device:

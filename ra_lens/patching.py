@@ -59,8 +59,9 @@ def attention_patch_hooks(
         heads: patch only these (layer, head) pairs, or a Bool[Tensor, "layer head"] mask.
         align: prompts shorter or longer than the maps: "right" lines up the last positions
             (the paper's prompts end where the answer is predicted); "strict" raises.
-        model: if given, first check that edits at hook_pattern reach the output (they do not
-            on adapters that delegate attention to HuggingFace, such as OPT) and raise if not.
+        model: if given, first check that edits at hook_pattern reach the output in your own
+            forward pass (on adapters that delegate attention to HuggingFace, such as OPT, only
+            inside `ra_lens.live_attention(model)`) and raise if not.
 
     Returns:
         [(hook_name, hook_fn)] for `model.hooks(fwd_hooks=...)` or `run_with_hooks`.
@@ -133,7 +134,9 @@ def _patch_hooks(
     mask = _head_mask(heads, max(by_layer) + 1, n_heads)
     if model is not None:
         _check_shapes(model, by_layer)
-        capture.require_live_patterns(model, chosen, "attention patching would silently do nothing")
+        capture.require_live_patterns(
+            model, chosen, "attention patching would silently do nothing", in_call=False
+        )
     hooks = []
     for layer in chosen:
         delta = by_layer[layer] * (scales[layer] * mask[layer])[:, None, None]

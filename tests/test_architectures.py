@@ -5,6 +5,7 @@ assumptions). A capability is exact on an architecture or refuses naming the tru
 
 from __future__ import annotations
 
+import contextlib
 from functools import cache
 from typing import Any
 
@@ -68,9 +69,7 @@ def test_ra_is_the_gradient_inside_huggingfaces_attention(
 #: attention_attribution's refusals (architecture -> words in the message); every other
 #: architecture of the matrix is exact.
 ATTRIBUTION_REFUSALS = {
-    "gpt_neo": "delegates attention to HuggingFace",
-    "gptj": "delegates attention to HuggingFace",
-    "opt": "delegates attention to HuggingFace",
+    "gptj": "interleaved rotary",
     "bloom": "ALiBi",
 }
 EXACT_SOFTMAX = tuple(a for a in MATRIX_ARCHITECTURES if a not in ATTRIBUTION_REFUSALS)
@@ -142,8 +141,6 @@ CIRCUIT_REFUSALS = {
 EXACT_REFUSALS = {
     "qwen3": "q/k norms",
     "bloom": "ALiBi",
-    "gpt_neo": "delegates attention to HuggingFace",
-    "opt": "delegates attention to HuggingFace",
 }
 
 
@@ -205,8 +202,8 @@ def test_edit_dynamics_is_exact_to_second_order_or_refuses(arch: str) -> None:
     assert float(dyn.pattern_cosine.min()) > 0.999
 
 
-#: Adapters that hand attention to HuggingFace and fire hook_pattern after the fact: an edit
-#: there never reaches the output, so attention patching refuses (with `model=`).
+#: Adapters that hand attention to HuggingFace and fire hook_pattern after the fact: patch
+#: hooks in the caller's own forward are refused (with `model=`) and work under live_attention.
 DELEGATED = ("gpt_neo", "gptj", "opt")
 
 
@@ -219,12 +216,15 @@ def test_attention_patching_is_huggingfaces_own_patched_attention(arch: str) -> 
     bridge, hf = pair(arch)
     tokens = bridge.to_tokens(PROMPT)
     ra = ra_lens.reversed_attention(bridge, tokens, target_nll([TARGET]))
+    live = contextlib.nullcontext()
     if arch in DELEGATED:
-        with pytest.raises(RuntimeError, match="delegates attention to HuggingFace"):
+        with pytest.raises(RuntimeError, match="ra_lens.live_attention"):
             ra_lens.attention_patch_hooks(ra, -4.0, model=bridge)
-        return
-    with torch.no_grad(), bridge.hooks(fwd_hooks=ra_lens.attention_patch_hooks(ra, -4.0)):
-        patched = bridge(tokens).double()
+        live = ra_lens.live_attention(bridge)
+    with torch.no_grad(), live:
+        hooks = ra_lens.attention_patch_hooks(ra, -4.0, model=bridge)
+        with bridge.hooks(fwd_hooks=hooks):
+            patched = bridge(tokens).double()
     assert ra.maps is not None
     added = [-4.0 * ra.maps[:, layer].double() for layer in range(bridge.cfg.n_layers)]
     expected = hf_logits_with_pattern_added(hf, tokens, added).double()

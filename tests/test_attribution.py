@@ -336,8 +336,13 @@ def test_bad_input_raises_clearly():
 
 
 @pytest.mark.tl4  # the OPT adapter (attention delegated to HF) exists in TL 4's bridge only
-def test_dead_pattern_hook_is_refused():
+def test_dead_pattern_hook_is_refused(monkeypatch):
+    """An adapter that delegates attention where live_attention cannot help (simulated on OPT,
+    which it does help) is refused, naming the cause."""
+    from ra_lens import liveness
+
     model = tiny_model("opt", dtype=torch.float64)
+    monkeypatch.setattr(liveness, "_seamable", lambda model: set())
     with pytest.raises(
         RuntimeError,
         match=r"hook_pattern of layers \[0, 1\] is not in the autograd graph .* "

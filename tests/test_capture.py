@@ -70,13 +70,24 @@ def test_require_live_patterns_passes_live_models(arch):
     assert capture.require_live_patterns(model, [0, 1], "anything") is None
 
 
-def test_require_live_patterns_names_layers_reason_and_fix():
+def test_require_live_patterns_names_layers_reason_and_fix(monkeypatch):
     opt = bridge_model("opt")  # the OPT adapter delegates attention to HuggingFace
+    # inside ra-lens calls live_attention makes it live; in the caller's own forward it is not
+    assert capture.live_pattern_layers(opt) == [True, True]
+    assert capture.live_pattern_layers(opt, in_call=False) == [False, False]
     with pytest.raises(
         RuntimeError,
         match=r"^hook_pattern of layers \[1\] is not in the autograd graph of the output \(the "
-        r"adapter delegates attention to HuggingFace\), .*: the check would fail; use a model "
-        r"that computes attention through its hooks \(GPT-2/Llama-style TransformerBridge, "
-        r"boot_native, HookedTransformer\)$",
+        r"adapter delegates attention to HuggingFace\), .*: the check would fail; wrap the run "
+        r"in `with ra_lens.live_attention\(model\):`",
+    ):
+        capture.require_live_patterns(opt, [1], "the check would fail", in_call=False)
+    from ra_lens import liveness
+
+    monkeypatch.setattr(liveness, "_seamable", lambda model: set())  # where the seam cannot help
+    with pytest.raises(
+        RuntimeError,
+        match=r"the check would fail; use a model that computes attention through its hooks "
+        r"\(GPT-2/Llama-style TransformerBridge, boot_native, HookedTransformer\)$",
     ):
         capture.require_live_patterns(opt, [1], "the check would fail")

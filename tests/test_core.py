@@ -159,13 +159,20 @@ def test_hook_z_route_equals_hook_pattern_route(arch, monkeypatch):
     torch.testing.assert_close(via_z.maps, via_pattern.maps, atol=1e-8, rtol=1e-4)
 
 
-def test_opt_uses_z_route_and_matches_autograd_of_pattern():
-    """OPT delegates attention to HuggingFace: hook_pattern gets no gradient, hook_z does."""
+@pytest.mark.parametrize("seam", [True, False])
+def test_opt_matches_autograd_of_pattern_through_live_attention_and_hook_z(seam, monkeypatch):
+    """OPT delegates attention to HuggingFace: hook_pattern gets no gradient as the adapter runs
+    it. live_attention routes HF's softmax through hook_pattern (the pattern route); without it
+    (simulated) the hook_z route gives the same RA."""
+    from ra_lens import liveness
+
     model = tl4_arch("opt")
-    assert capture.live_pattern_layers(model) == [False, False]
+    if not seam:
+        monkeypatch.setattr(liveness, "_seamable", lambda model: set())
+    assert capture.live_pattern_layers(model) == [seam, seam]
     tokens = model.to_tokens(FLORENCE)
     ra = ra_lens.reversed_attention(model, tokens, target_nll([6]), convention="pattern")
-    assert ra.routes == ["z", "z"]
+    assert ra.routes == (["pattern", "pattern"] if seam else ["z", "z"])
     # Reference: dL/dA in a plain HuggingFace copy (same seed, same weights), outside the bridge.
     from transformers import AutoModelForCausalLM
 

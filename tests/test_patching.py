@@ -176,16 +176,28 @@ def test_bad_maps_are_refused(model, ra):
         attention_patch_hooks(ra.mean_maps(), 1.0, align="left")
 
 
-def test_liveness_error_on_opt():
+def test_liveness_error_on_opt_names_live_attention_and_it_works():
+    """OPT's adapter delegates attention to HuggingFace: patch hooks in the caller's own forward
+    would do nothing, so they are refused, naming ra_lens.live_attention, under which they work."""
     pytest.importorskip("transformer_lens.model_bridge")
     opt = tiny_model("opt")
-    ra = ra_lens.reversed_attention(opt, FLORENCE, target_nll([5]))
+    tokens = opt.to_tokens(FLORENCE)
+    ra = ra_lens.reversed_attention(opt, tokens, target_nll([5]))
     with pytest.raises(
         RuntimeError,
         match=r"hook_pattern of layers \[0, 1\] is not in the autograd graph .* attention "
-        r"patching would silently do nothing; use a model that computes attention through",
+        r"patching would silently do nothing; wrap the run in `with ra_lens.live_attention",
     ):
         attention_patch_hooks(ra, -10.0, model=opt)
+    with torch.no_grad():
+        plain = opt(tokens)
+        with ra_lens.live_attention(opt):
+            hooks = attention_patch_hooks(ra, -10.0, model=opt)
+            with opt.hooks(fwd_hooks=hooks):
+                patched = opt(tokens)
+        assert not hasattr(opt.blocks[0].attn.original_component, "accepts_pattern_fn")
+        assert torch.equal(opt(tokens), plain)  # restored
+    assert float((patched - plain).abs().max()) > 1e-3
 
 
 def test_zero_ablation_really_zeroes_head_outputs(model):

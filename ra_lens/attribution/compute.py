@@ -254,8 +254,9 @@ def _capture(
     silent = [name for pair in zip(queries, keys) for name in pair if name not in acts]
     if silent:
         raise RuntimeError(
-            f"hook {silent[0]!r} never fired during the forward pass: this adapter does not expose "
-            "the (rotated) queries and keys its attention uses, so the softmax cannot be redone"
+            f"hook {silent[0]!r} never fired during the forward pass: this adapter rotates q/k "
+            "inside HuggingFace's attention and exposes neither the rotated queries and keys "
+            "nor its cos/sin tables (GPT-J's interleaved rotary), so the softmax cannot be redone"
         )
     missing = [layer for layer, name in zip(layers, patterns) if backward and name not in grads]
     if missing:

@@ -227,9 +227,10 @@ class _Step:
         silent = [name for name in names if name not in acts]
         if silent:
             raise RuntimeError(
-                f"hook {silent[0]!r} never fired: this adapter does not expose the (rotated) "
-                "queries and keys its attention uses, so the exact methods cannot redo its "
-                "softmax; use method='eap' or 'eap-ig'"
+                f"hook {silent[0]!r} never fired: this adapter rotates q/k inside "
+                "HuggingFace's attention and exposes neither the rotated queries and keys nor "
+                "its cos/sin tables (GPT-J's interleaved rotary), so the exact methods cannot "
+                "redo its softmax; use method='eap' or 'eap-ig'"
             )
         facts = capture.attention_facts(model, layer)
         cause = facts.refusal()

@@ -1,0 +1,200 @@
+"""Is `hook_pattern` in the autograd graph, and making it so where an adapter delegates attention.
+
+TransformerLens 4's plain `AttentionBridge` (GPT-Neo, GPT-J, OPT, ...) calls HuggingFace's
+attention module and fires `hook_pattern` afterwards on the weights it returns: an edit there is
+discarded and no gradient arrives. The bridge has a seam for modules that run the pattern through
+the hook themselves (`accepts_pattern_fn`: it then passes `pattern_fn=hook_pattern` and skips the
+after-the-fact firing). `live_attention` uses it: for the duration of the block, the HuggingFace
+module's softmax output (the first [.., query, key] softmax of its forward) goes through
+`hook_pattern` inside the computation, so edits reach the output and dL/dA exists. Every ra-lens
+call enters it (`capture.preserved_state`); wrap your own runs in it to patch such models with
+`attention_patch_hooks`.
+
+In the examples, `model` is a tiny random 2-layer x 4-head model (`ra_lens.toy_models.tiny_model`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.overrides import TorchFunctionMode
+
+from ra_lens.contract import PATTERN, RESID_PRE, HookedModel, model_shape
+
+# Per model: the as-found answer of the probe, the layers the seam makes live, and how many
+# live_attention blocks are open (re-entrant).
+_AS_FOUND: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_SEAMABLE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_OPEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_SOFTMAXES = (torch.softmax, F.softmax, Tensor.softmax)
+
+
+def live_pattern_layers(model: HookedModel, *, in_call: bool = True) -> list[bool]:
+    """For each layer, whether `hook_pattern` is in the autograd graph of the output.
+
+    Args:
+        in_call: inside an ra-lens call, which runs under `live_attention` (True), or in the
+            caller's own forward pass (False: live as the adapter computes it, or through a
+            `live_attention` block that is open now).
+
+    A tiny forward+backward pass finds out (with and without the seam); cached per model.
+
+    >>> live_pattern_layers(model)  # GPT-2 and HookedTransformer compute attention themselves
+    [True, True]
+    """
+    if model not in _AS_FOUND:
+        _AS_FOUND[model] = _probe(model)
+    seamed = _seamable(model) if in_call or _OPEN.get(model, 0) else set()
+    return [live or layer in seamed for layer, live in enumerate(_AS_FOUND[model])]
+
+
+def _seamable(model: HookedModel) -> set[int]:
+    """The layers `live_attention` makes live (probed once, the first time it opens)."""
+    if model not in _SEAMABLE:
+        with live_attention(model):
+            pass
+    return _SEAMABLE.get(model, set())
+
+
+def require_live_patterns(
+    model: HookedModel, layers: Sequence[int], needed_for: str, *, in_call: bool = True
+) -> None:
+    """Raise unless `hook_pattern` of every chosen layer is in the autograd graph of the output
+    (`live_pattern_layers`): there, edits reach the output and dL/dA exists.
+
+    Args:
+        needed_for: what the caller would get wrong otherwise, for the message (e.g. "attention
+            patching would silently do nothing").
+        in_call: as for `live_pattern_layers`.
+
+    Raises:
+        RuntimeError: naming the layers, the reason (the adapter delegates attention to
+            HuggingFace), `needed_for` and the way out (`live_attention`, where it applies).
+
+    >>> require_live_patterns(model, [0, 1], "patching would do nothing")  # GPT-2: passes
+    """
+    live = live_pattern_layers(model, in_call=in_call)
+    dead = [layer for layer in layers if not live[layer]]
+    if not dead:
+        return
+    way_out = (
+        "wrap the run in `with ra_lens.live_attention(model):`, which routes HuggingFace's "
+        "softmax through hook_pattern"
+        if _seamable(model) >= set(dead)
+        else "use a model that computes attention through its hooks (GPT-2/Llama-style "
+        "TransformerBridge, boot_native, HookedTransformer)"
+    )
+    raise RuntimeError(
+        f"hook_pattern of layers {dead} is not in the autograd graph of the output (the "
+        "adapter delegates attention to HuggingFace), so edits there do not reach the output "
+        f"and no dL/dA arrives: {needed_for}; {way_out}"
+    )
+
+
+@contextlib.contextmanager
+def live_attention(model: HookedModel) -> Iterator[None]:
+    """Make `hook_pattern` live on the layers whose adapter delegates attention to HuggingFace
+    (module docstring); other layers, and models without such layers, are untouched. Restored on
+    exit; re-entrant.
+
+    >>> with live_attention(model):  # GPT-2: already live, nothing to do
+    ...     live_pattern_layers(model)
+    [True, True]
+    """
+    layers = _seam_layers(model)
+    if not layers:
+        yield
+        return
+    opened = _OPEN.get(model, 0) == 0
+    undo = _install(model, layers) if opened else []
+    _OPEN[model] = _OPEN.get(model, 0) + 1
+    try:
+        if model not in _SEAMABLE:
+            reached = _probe(model)
+            _SEAMABLE[model] = {layer for layer in layers if reached[layer]}
+        yield
+    finally:
+        _OPEN[model] -= 1
+        if opened:
+            for restore in undo:
+                restore()
+
+
+def _seam_layers(model: HookedModel) -> set[int]:
+    """Layers whose attention is a bridge that delegates to a HuggingFace module and whose
+    hook_pattern is not live as found: where the seam can help."""
+    if model not in _AS_FOUND:
+        _AS_FOUND[model] = _probe(model)
+    found = set()
+    for layer, live in enumerate(_AS_FOUND[model]):
+        attn = model.blocks[layer].attn
+        inner = getattr(attn, "original_component", None)
+        if not live and isinstance(inner, torch.nn.Module) and hasattr(attn, "hook_pattern"):
+            found.add(layer)
+    return found
+
+
+def _install(model: HookedModel, layers: set[int]) -> list[Callable[[], None]]:
+    """Give each layer's HuggingFace module the bridge's pattern seam; returns the undo steps."""
+    undo = []
+    for layer in sorted(layers):
+        inner = model.blocks[layer].attn.original_component
+        forward = inner.forward
+
+        def seamed(*args: Any, _forward: Any = forward, **kwargs: Any) -> Any:
+            pattern_fn = kwargs.pop("pattern_fn", None)
+            if pattern_fn is None:
+                return _forward(*args, **kwargs)
+            with _PatternThrough(pattern_fn):
+                return _forward(*args, **kwargs)
+
+        inner.forward = seamed
+        inner.accepts_pattern_fn = True
+
+        def restore(inner: Any = inner) -> None:
+            del inner.forward
+            del inner.accepts_pattern_fn
+
+        undo.append(restore)
+    return undo
+
+
+class _PatternThrough(TorchFunctionMode):
+    """Inside one HuggingFace attention forward: the first softmax over a [.., query, key] tensor
+    (the pattern) goes through `pattern_fn` (the bridge's hook_pattern)."""
+
+    def __init__(self, pattern_fn: Callable[[Tensor], Tensor]):
+        super().__init__()
+        self.pattern_fn, self.done = pattern_fn, False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        out = func(*args, **(kwargs or {}))
+        if not self.done and func in _SOFTMAXES and isinstance(out, Tensor) and out.ndim == 4:
+            self.done = True
+            return self.pattern_fn(out)
+        return out
+
+
+def _probe(model: HookedModel) -> list[bool]:
+    """One tiny forward+backward: which layers' hook_pattern receive a gradient."""
+    from ra_lens import capture
+
+    capture.require_autograd()
+    names = [PATTERN.format(layer) for layer in range(model_shape(model).n_layers)]
+    store: dict[str, Tensor] = {}
+    device = next(model.parameters()).device
+    tokens = torch.zeros(1, 3, dtype=torch.long, device=device)
+    with capture.exclusive(model), capture._restored(model), torch.enable_grad():
+        with (
+            model.hooks(fwd_hooks=[(RESID_PRE.format(0), capture.gradient_leaf_hook(store))]),
+            capture.recorded(model, names, grad=True) as grads,
+        ):
+            logits = model(tokens)
+            torch.autograd.grad(logits.float().sum(), [store["leaf"]], allow_unused=True)
+    return [name in grads for name in names]

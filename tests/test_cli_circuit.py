@@ -107,8 +107,14 @@ def test_other_user_errors_are_one_line_and_exit_2(
     tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
     pairs = _write_pairs(tmp_path / "pairs.jsonl", PAIRS[:1])
+    (tmp_path / "latin1.jsonl").write_bytes(b'{"clean": "caf\xe9"}\n')
     cases = [
         (["--pairs", str(tmp_path / "missing.jsonl")], "no such file"),
+        (["--pairs", str(tmp_path)], f"--pairs {tmp_path} is a folder: give a JSONL file"),
+        (
+            ["--pairs", str(tmp_path / "latin1.jsonl")],
+            f"--pairs {tmp_path / 'latin1.jsonl'}: not UTF-8 text (byte 14): give a JSONL file",
+        ),
         (["--task", "ioi"], "no pair suits this model's tokenizer"),
         (["--pairs", str(pairs), "--sizes", "10,50"], "fractions of the graph's edges"),
         (["--pairs", str(pairs), "--sizes", "0.1,x"], "comma-separated numbers"),

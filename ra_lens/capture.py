@@ -46,6 +46,7 @@ from ra_lens.contract import (  # noqa: F401
     attention_scale,
     check_layer_list,
     check_layers,
+    check_model,
     check_positive_int,
     key_hook_name,
     model_shape,

@@ -107,6 +107,7 @@ def test_other_user_errors_are_one_line_and_exit_2(
     tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
     pairs = _write_pairs(tmp_path / "pairs.jsonl", PAIRS[:1])
+    same = _write_pairs(tmp_path / "same.jsonl", [PromptPair("I like Italy", "I like Paris", " and", " and")])  # fmt: skip
     (tmp_path / "latin1.jsonl").write_bytes(b'{"clean": "caf\xe9"}\n')
     cases = [
         (["--pairs", str(tmp_path / "missing.jsonl")], "no such file"),
@@ -118,6 +119,7 @@ def test_other_user_errors_are_one_line_and_exit_2(
         (["--task", "ioi"], "no pair suits this model's tokenizer"),
         (["--pairs", str(pairs), "--sizes", "10,50"], "fractions of the graph's edges"),
         (["--pairs", str(pairs), "--sizes", "0.1,x"], "comma-separated numbers"),
+        (["--pairs", str(same)], "the clean and corrupted prompts give the same mean metric (0"),
     ]
     for extra, message in cases:
         code = main(["circuit", *extra, "--model", f"tiny-{ARCH}"])

@@ -101,6 +101,15 @@ def check_supported(model: HookedModel) -> None:
             "the MLP and the attention of a layer read one norm's output, which has no hook per "
             "reader; use a sequential model (GPT-2, Llama, SmolLM2, ...)"
         )
+    shape = capture.model_shape(model)
+    if getattr(cfg, "ungroup_grouped_query_attention", False) and shape.n_kv_heads < shape.n_heads:
+        raise NotImplementedError(
+            "cfg.ungroup_grouped_query_attention=True: hook_k/hook_v hold a copy of each "
+            "key/value head per query head, while ra_lens.circuits patches and scores key/value "
+            "inputs per key/value head; call model.set_ungroup_grouped_query_attention(False) "
+            "(the model computes the same either way; circuit files still list key/value edges "
+            "per query head, as EAP-IG reads them)"
+        )
     if getattr(cfg, "positional_embedding_type", "") == "shortformer":
         raise NotImplementedError(
             "shortformer positional embeddings (added to q/k inputs only) are not supported by "

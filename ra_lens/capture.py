@@ -49,6 +49,7 @@ from ra_lens.contract import (  # noqa: F401
     attention_softcap,
     check_layer_list,
     check_layers,
+    check_model,
     check_positive_int,
     key_hook_name,
     model_shape,

@@ -100,6 +100,27 @@ def model_shape(model: Validated[HookedModel]) -> ModelShape:
     return ModelShape(n_layers, n_heads, int(n_kv), int(cfg.d_head), int(n_ctx) if n_ctx else None)
 
 
+def check_model(model: Validated[HookedModel]) -> ModelShape:
+    """`model_shape`, and weights that hold numbers: a model on PyTorch's meta device (built
+    without its weights, e.g. under `init_empty_weights` or moved with `.to("meta")`) cannot run.
+
+    Raises:
+        TypeError: not a TransformerLens model (see `model_shape`).
+        ValueError: weights on the meta device.
+
+    >>> check_model(model).n_layers
+    2
+    """
+    shape = model_shape(model)
+    if any(p.is_meta for p in model.parameters()):
+        raise ValueError(
+            "the model's weights are on the meta device (the model was built without them): "
+            "load them first, e.g. with ra_lens.load_model or model.to_empty(device=...) then "
+            "model.load_state_dict(...)"
+        )
+    return shape
+
+
 def query_hook_name(model: HookedModel, layer: int) -> str:
     """The hook point of the queries this layer's attention uses: `hook_rot_q` (after the
     rotation) on rotary models, `hook_q` otherwise.

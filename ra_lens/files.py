@@ -1,5 +1,7 @@
 """Writing a file so that no reader ever sees half of it: the one writer every ra-lens output uses
-(`ReversedAttention.save`, the experiments' `save_json`, `ra-lens --json`, the model cache).
+(`ReversedAttention.save`, the experiments' `save_json`, `ra-lens --json`, circuit files, the model
+cache); `check_writable`, to refuse an output path before the work; `load_json`, the one JSON
+reader of the command lines, whose errors name the file.
 
     >>> import os, shutil, stat, tempfile
     >>> folder = tempfile.mkdtemp()
@@ -16,12 +18,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 import tempfile
 from pathlib import Path
+from typing import Any
 
-__all__ = ["is_stream", "write_file"]
+__all__ = ["check_writable", "check_writable_folder", "is_stream", "load_json", "write_file"]
 
 
 def is_stream(path: str | os.PathLike) -> bool:
@@ -82,6 +86,70 @@ def write_file(path: str | os.PathLike, data: str | bytes, *, make_folders: bool
         if os.path.exists(tmp):
             os.unlink(tmp)
     return target
+
+
+def check_writable(path: str | os.PathLike, flag: str) -> None:
+    """Refuse, before any work, a `path` that `write_file(path, ..., make_folders=True)` could
+    not write: a folder or another thing that is not a regular file, or a place whose nearest
+    existing folder is not writable. A stream (`is_stream`) is always accepted. `flag` names the
+    option in the message (e.g. "--json").
+
+    Raises:
+        ValueError: the path cannot be written; the message names `flag` and the fix.
+    """
+    if is_stream(path):
+        return
+    target = Path(os.path.realpath(path))  # a symlink is written through: check its target
+    if target.is_dir():
+        raise ValueError(f"{flag} {path} is a folder: give the name of a file (in it or elsewhere)")
+    if target.exists() and not target.is_file():
+        raise ValueError(f"{flag} {path} exists and is not a regular file: give a file name")
+    check_writable_folder(target.parent, flag)
+
+
+def check_writable_folder(folder: str | os.PathLike, flag: str) -> None:
+    """Refuse a `folder` that cannot be created and written into (its nearest existing ancestor
+    decides); `flag` names the option in the message (e.g. "--out").
+
+    Raises:
+        ValueError: the folder cannot be written; the message names `flag`.
+    """
+    existing = Path(folder)
+    while not existing.exists():
+        existing = existing.parent
+    try:  # a real write: os.access says yes to root even on read-only file systems
+        if not existing.is_dir():
+            raise NotADirectoryError(existing)
+        tempfile.TemporaryFile(dir=existing).close()
+    except OSError:
+        raise ValueError(
+            f"{flag}: cannot write into {existing}: choose a writable folder"
+        ) from None
+
+
+def load_json(path: str | os.PathLike, what: str) -> Any:
+    """The JSON value in the file at `path`, read as UTF-8. Every failure names the file and,
+    where the file is not what was expected, `what` it should be (e.g. "a saved study
+    (circuit_study --json)").
+
+    Raises:
+        FileNotFoundError: no file at `path`.
+        ValueError: a folder, an unreadable file, text that is not UTF-8, or not JSON.
+    """
+    try:
+        text = Path(path).read_bytes().decode("utf-8")
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise ValueError(f"{path} is a folder, not {what}") from None
+    except OSError as error:
+        raise ValueError(f"{path}: cannot read it ({error.strerror})") from None
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{path}: not UTF-8 text (byte {error.start}), so not {what}") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path} is not valid JSON ({error}): pass {what}") from None
 
 
 def _mode_for(target: Path) -> int:

@@ -7,6 +7,10 @@ Imported as `from helpers import ...` (pytest puts tests/ on sys.path: it has no
 
 from __future__ import annotations
 
+import contextlib
+import resource
+import signal
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -71,6 +75,22 @@ def snapshot(model: Any) -> tuple[Any, ...]:
         [None if p.grad is None else p.grad.clone() for p in params],
         hook_count(model),
     )
+
+
+@contextlib.contextmanager
+def disk_full_beyond(n_bytes: int) -> Iterator[None]:
+    """A full disk for every file of this process: a write that would make a file longer than
+    `n_bytes` fails with OSError EFBIG ("File too large"), after writing what fits, as ENOSPC
+    does (RLIMIT_FSIZE, with SIGXFSZ ignored so that the write fails instead of killing the
+    process). Use it with capsys: pytest's own capture files must not grow meanwhile."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (n_bytes, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, handler)
 
 
 # --- the toy task -----------------------------------------------------------------------------

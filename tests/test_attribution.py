@@ -539,6 +539,45 @@ def test_experiment_measure_on_a_toy():
         experiment.measure(model, pairs[::-1], "toy", progress=False, stored=data)
 
 
+EXPERIMENT_FILE = "a results file (a file attention_attribution --json wrote)"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--tasks", "foo"], "unknown task 'foo': choose from ioi, country-capital"),
+        (["--tasks", " , "], "unknown task (none): choose from ioi, country-capital"),
+        (["--n-truth", "-1"], "--n-truth must be at least 1, got -1"),
+        (["--max-rows", "0"], "--max-rows must be at least 1, got 0"),
+        (["--ig-steps", "0"], "--ig-steps must be at least 1, got 0"),
+        (["--json", "{tmp}"], "--json {tmp} is a folder: give the name of a file (in it or "
+         "elsewhere)"),
+        (["--json", "{tmp}/list.json"], f"--json {{tmp}}/list.json is not {EXPERIMENT_FILE}: it "
+         "holds no JSON object"),
+        (["--json", "{tmp}/broken.json"], "{tmp}/broken.json is not valid JSON (Expecting "
+         f"property name enclosed in double quotes: line 1 column 2 (char 1)): pass {EXPERIMENT_FILE}"),
+        (["--truth-from", "{tmp}/missing.json"], "{tmp}/missing.json: no such file"),
+        (["--truth-from", "{tmp}/list.json"], f"--truth-from {{tmp}}/list.json is not "
+         f"{EXPERIMENT_FILE}: it holds no JSON object"),
+    ],
+)  # fmt: skip
+def test_experiment_command_line_errors_are_one_line_before_the_model_loads(
+    tmp_path, capsys, monkeypatch, argv, message
+):
+    import ra_lens.models
+    from ra_lens.experiments import attention_attribution as experiment
+
+    loaded: list[str] = []
+    monkeypatch.setattr(ra_lens.models, "load_model", lambda *a, **k: loaded.append("model"))
+    (tmp_path / "list.json").write_text("[1]")
+    (tmp_path / "broken.json").write_text("{")
+    out = ["--json", str(tmp_path / "out.json")]  # never docs/results/attribution.json
+    assert experiment.main([*out, *(a.format(tmp=tmp_path) for a in argv)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"attention_attribution: error: {message.format(tmp=tmp_path)}\n"
+    assert loaded == [] and not (tmp_path / "out.json").exists()
+
+
 @pytest.mark.parametrize("arch", multi_layer_archs())
 def test_node_patching_is_a_hand_written_patch_of_every_head(arch):
     from ra_lens.experiments.attention_attribution import node_patching

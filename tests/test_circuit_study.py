@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from helpers import disk_full_beyond
 
 from ra_lens import circuits
 from ra_lens.experiments import circuit_study as study_module
@@ -113,12 +114,16 @@ def test_the_curve_matches_faithfulness_curve(saved):
         (["--methods", "eap,nope"], "unknown method nope"),
         (["--tasks", "greater-than"], "unknown task greater-than"),
         (["--n-pairs", "0"], "--n-pairs must be at least 1"),
+        # the nine toy pairs are a cycle: the corrupted prompts are the clean ones reordered
+        (["--n-pairs", "9"], "the clean and corrupted prompts give the same mean metric"),
     ],
 )
 def test_user_errors_are_one_line(capsys, argv, message):
     assert main(["--quick", "--no-progress", *argv]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("circuit_study: error: ") and message in err and "\n" not in err
+    err = capsys.readouterr().err  # building the tiny model may print progress first
+    last = err.rstrip("\n").splitlines()[-1]
+    assert last.startswith("circuit_study: error: ") and message in last
+    assert err.count("circuit_study: error:") == 1
 
 
 def test_random_scores_live_on_the_graph():
@@ -211,3 +216,101 @@ def test_greedy_selection_is_recorded_and_does_not_merge_with_top(saved, tmp_pat
     assert task["methods"]["eap"]["n_edges"][-1] == task["n_edges_total"]
     (tmp_path / "top.json").write_text(json.dumps(study))
     assert main(["--merge", str(path), str(tmp_path / "top.json")]) == 2
+
+
+# --- saving and merging: nothing lost, every bad input one line --------------------------------
+
+WHAT = "a saved study (a file circuit_study --json wrote)"
+
+
+@pytest.mark.parametrize("flag", ["--json", "--markdown"])
+def test_a_full_disk_keeps_the_earlier_results(saved, tmp_path, capsys, flag):
+    """A failed write leaves the earlier file whole (not a truncated JSON) and no temporary."""
+    study, _ = saved
+    part = tmp_path / "part.json"
+    part.write_text(json.dumps(study))
+    out = tmp_path / "results"
+    out.write_text("earlier results")
+    with disk_full_beyond(200):
+        code = main(["--merge", str(part), flag, str(out)])
+    assert code == 2
+    assert capsys.readouterr().err == "circuit_study: error: [Errno 27] File too large\n"
+    assert out.read_text() == "earlier results"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["part.json", "results"]
+
+
+@pytest.mark.parametrize("flag", ["--json", "--markdown"])
+def test_outputs_are_checked_before_any_work(tmp_path, capsys, monkeypatch, flag):
+    ran: list[str] = []
+    monkeypatch.setattr(study_module, "circuit_study", lambda *a, **k: ran.append("study"))
+    monkeypatch.setattr(study_module, "merge_saved", lambda *a, **k: ran.append("merge"))
+    (tmp_path / "part.json").write_text("{}")
+    folder = tmp_path / "results"
+    folder.mkdir()
+    for argv in (["--quick", "--no-progress"], ["--merge", str(tmp_path / "part.json")]):
+        assert main([*argv, flag, str(folder)]) == 2
+        assert capsys.readouterr().err == (
+            f"circuit_study: error: {flag} {folder} is a folder: give the name of a file (in it "
+            "or elsewhere)\n"
+        )
+    assert ran == []
+
+
+#: Damage to a saved study, and the error --merge gives for it ({path}: the file).
+DAMAGES = {
+    "list": f"{{path}} is not {WHAT}: it has no objects 'config' and 'tasks'",
+    "empty": f"{{path}} is not {WHAT}: it has no objects 'config' and 'tasks'",
+    "tasks-list": f"{{path}} is not {WHAT}: it has no objects 'config' and 'tasks'",
+    "task-number": f"{{path}} is not {WHAT}: task 'toy' is not an object",
+    "task-without-pairs": f"{{path}} is not {WHAT}: task 'toy' lacks pairs",
+    "config-without-n_boot": f"{{path}} is not {WHAT}: its config lacks n_boot",
+    "method-number": "the saved studies do not have the layout circuit_study --json writes "
+    "(TypeError: 'int' object is not subscriptable): merge files it wrote",
+}
+
+
+def _damaged(study: dict, damage: str):
+    """The saved study with one kind of damage, as a JSON value."""
+    if damage == "list":
+        return [study]
+    if damage == "empty":
+        return {}
+    bent = json.loads(json.dumps(study))
+    toy = bent["tasks"]["toy"]
+    if damage == "tasks-list":
+        bent["tasks"] = [toy]
+    elif damage == "task-number":
+        bent["tasks"]["toy"] = 3
+    elif damage == "task-without-pairs":
+        del toy["pairs"]
+    elif damage == "config-without-n_boot":
+        del bent["config"]["n_boot"]
+    elif damage == "method-number":
+        toy["methods"]["eap"] = 5
+    return bent
+
+
+@pytest.mark.parametrize("damage", list(DAMAGES))
+def test_merging_damaged_files_is_one_line(saved, tmp_path, capsys, damage):
+    study, _ = saved
+    path = tmp_path / "part.json"
+    path.write_text(json.dumps(_damaged(study, damage)))
+    assert main(["--merge", str(path), "--json", str(tmp_path / "m.json")]) == 2
+    message = DAMAGES[damage].format(path=path)
+    assert capsys.readouterr().err == f"circuit_study: error: {message}\n"
+    assert not (tmp_path / "m.json").exists()
+
+
+def test_merging_unreadable_files_names_them(tmp_path, capsys):
+    cases = [
+        (tmp_path / "missing.json", "{path}: no such file"),
+        (tmp_path, f"{{path}} is a folder, not {WHAT}"),
+        (tmp_path / "latin1.json", f"{{path}}: not UTF-8 text (byte 1), so not {WHAT}"),
+        (tmp_path / "broken.json", f"{{path}} is not valid JSON (Expecting value: line 1 column "
+         f"2 (char 1)): pass {WHAT}"),
+    ]  # fmt: skip
+    (tmp_path / "latin1.json").write_bytes(b'"\xe9t\xe9"')
+    (tmp_path / "broken.json").write_text("[")
+    for path, message in cases:
+        assert main(["--merge", str(path)]) == 2
+        assert capsys.readouterr().err == f"circuit_study: error: {message.format(path=path)}\n"

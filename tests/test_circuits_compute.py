@@ -3,6 +3,8 @@ models, both TransformerLens worlds: GPT-2-like and Llama-like (grouped-query, r
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from helpers import has_bridge, snapshot
@@ -393,3 +395,122 @@ def test_attribute_refuses_bad_input(model, batches):
             attribute(model, clean, corrupted, METRIC, **kwargs)
     with pytest.raises(ValueError, match="token length"):
         attribute(model, CLEAN[0], CLEAN[1], METRIC)
+
+
+# ---------------------------------------------------------------------------------- bad input
+
+NO_CONTRAST = (
+    "so faithfulness, (m(circuit) - m(corrupted)) / (m(clean) - m(corrupted)), is undefined: give "
+    "pairs on which the metric differs (identical prompts, answer == wrong, or corrupted prompts "
+    "that are the clean ones in another order give none)"
+)
+
+
+def test_pairs_without_contrast_are_refused_and_leave_the_model(model, batches):
+    """Faithfulness divides by m(clean) - m(corrupted): identical prompts, answer == wrong and
+    pairs that swap the same two prompts make it 0."""
+    clean, corrupted = batches
+    graph = Graph.from_model(model)
+    before = snapshot(model)
+    swapped = (CLEAN[:1] + CORRUPTED[:1], CORRUPTED[:1] + CLEAN[:1])  # both of one length
+    cases = [
+        (clean, clean, METRIC),
+        (clean, corrupted, logit_diff([294, 50], [294, 50])),  # answer == wrong: exactly 0
+        (*swapped, logit_diff([294, 294], [52, 52])),
+    ]
+    for clean_side, corrupted_side, metric in cases:
+        with pytest.raises(ValueError) as error:
+            FaithfulnessEvaluator(model, clean_side, corrupted_side, metric)
+        assert str(error.value).startswith(
+            "the clean and corrupted prompts give the same mean metric ("
+        )
+        assert str(error.value).endswith(NO_CONTRAST)
+        with pytest.raises(ValueError, match="give the same mean metric"):
+            faithfulness(model, Circuit.full(graph), clean_side, corrupted_side, metric)
+    with pytest.raises(ValueError) as error:
+        FaithfulnessEvaluator(model, clean, corrupted, logit_diff([294, 50], [294, 50]))
+    assert str(error.value) == f"the clean and corrupted prompts give the same mean metric (0 and 0), {NO_CONTRAST}"  # fmt: skip
+    assert snapshot(model)[:2] == before[:2] and snapshot(model)[3] == before[3]
+
+
+def test_a_pair_without_contrast_has_a_nan_ratio_not_an_infinite_one(model, batches):
+    """Pair 0 is the same prompt twice: its own ratio is undefined (nan) under every ablation,
+    while the mean over pairs is defined."""
+    clean, corrupted = batches
+    graph = Graph.from_model(model)
+    same_first = [CLEAN[0], CORRUPTED[1]]
+    for ablation in ("patching", "mean", "zero"):
+        result = faithfulness(
+            model, Circuit.empty(graph), CLEAN, same_first, METRIC, ablation=ablation
+        )
+        assert math.isnan(result.per_pair[0]) and math.isfinite(result.per_pair[1]), ablation
+        assert math.isfinite(result.value)
+
+
+@pytest.mark.skipif(has_bridge(), reason="TransformerBridge has no ungrouped key/value heads")
+def test_ungrouped_grouped_query_attention_is_refused_naming_the_flag():
+    """EAP-IG's setting repeats each key/value head per query head in hook_k/hook_v."""
+    model = _hooked(**LLAMA_LIKE, ungroup_grouped_query_attention=True)
+    graph = Graph.from_model(model)
+    before = snapshot(model)
+    calls = [
+        lambda: attribute(model, CLEAN, CORRUPTED, METRIC, method="eap"),
+        lambda: attribute(model, CLEAN, CORRUPTED, METRIC, method="exact"),
+        lambda: faithfulness(model, Circuit.full(graph), CLEAN, CORRUPTED, METRIC),
+    ]
+    for call in calls:
+        with pytest.raises(NotImplementedError) as error:
+            call()
+        assert str(error.value) == (
+            "cfg.ungroup_grouped_query_attention=True: hook_k/hook_v hold a copy of each "
+            "key/value head per query head, while ra_lens.circuits patches and scores key/value "
+            "inputs per key/value head; call model.set_ungroup_grouped_query_attention(False) "
+            "(the model computes the same either way; circuit files still list key/value edges "
+            "per query head, as EAP-IG reads them)"
+        )
+    assert snapshot(model)[:2] == before[:2] and snapshot(model)[3] == before[3]
+    model.set_ungroup_grouped_query_attention(False)  # the fix the message names
+    grouped = _hooked(**LLAMA_LIKE)  # the same weights (same seed)
+    scores = attribute(model, CLEAN, CORRUPTED, METRIC, method="eap").scores
+    assert torch.equal(scores, attribute(grouped, CLEAN, CORRUPTED, METRIC, method="eap").scores)
+
+
+def test_the_model_argument_is_checked():
+    not_tl = (
+        "NoneType has no hook_dict/cfg/hooks(): ra_lens needs a TransformerLens model "
+        "(HookedTransformer or TransformerBridge), e.g. ra_lens.load_model() or "
+        "TransformerBridge.boot_transformers(name)"
+    )
+    meta = build("gpt2").to("meta")
+    for call in (
+        lambda m: attribute(m, CLEAN, CORRUPTED, METRIC, method="eap"),
+        lambda m: FaithfulnessEvaluator(m, CLEAN, CORRUPTED, METRIC),
+    ):
+        with pytest.raises(TypeError) as error:
+            call(None)
+        assert str(error.value) == not_tl
+        with pytest.raises(ValueError) as error:
+            call(meta)
+        assert str(error.value) == (
+            "the model's weights are on the meta device (the model was built without them): "
+            "load them first, e.g. with ra_lens.load_model or model.to_empty(device=...) then "
+            "model.load_state_dict(...)"
+        )
+
+
+@pytest.mark.parametrize("method", ["eap", "exact"])
+def test_a_metric_without_gradient_is_refused_and_leaves_the_model(model, batches, method):
+    clean, corrupted = batches
+    before = snapshot(model)
+
+    def detached(logits: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        return METRIC(logits.detach(), lengths=lengths)
+
+    with pytest.raises(ValueError) as error:
+        attribute(model, clean, corrupted, detached, method=method)
+    assert str(error.value) == (
+        "the metric's values have no gradient path to the logits: edge scores differentiate the "
+        "metric, so compute it from the logits without .detach(), .item(), argmax or "
+        "torch.no_grad()"
+    )
+    assert snapshot(model)[:2] == before[:2] and snapshot(model)[3] == before[3]

@@ -95,6 +95,37 @@ def test_top_threshold_pick_by_magnitude_and_prune() -> None:
         scores.top(2.5)
 
 
+def test_non_finite_scores_and_thresholds_are_refused() -> None:
+    """A NaN score would take a place in top(n) (NaN sorts above every number) and fail every
+    threshold; threshold(nan) would give an empty circuit; threshold(-inf) keeps every edge."""
+    g = Graph(n_layers=1, n_heads=2, n_kv_heads=2, d_model=8)
+    for bad in (float("nan"), float("inf")):
+        s = torch.zeros(len(g.writers), len(g.readers), dtype=torch.float64)
+        s[g.edge_index("a0.h1->logits")] = bad
+        message = (
+            f"scores has 1 non-finite entries, e.g. {bad} at a0.h1->logits: edge scores must be "
+            "finite numbers (a metric or model that overflowed, e.g. in float16, gives NaN)"
+        )
+        with pytest.raises(ValueError) as error:
+            EdgeScores(g, s, method="test", direction="denoise")
+        assert str(error.value) == message
+        with pytest.raises(ValueError) as error:
+            Circuit(g, torch.zeros_like(g.real), scores=s)
+        assert str(error.value) == message
+    scores = scores_of(g, {"input->logits": 1.0, "input->a0.h0<q>": -2.0})
+    with pytest.raises(ValueError) as error:
+        scores.threshold(float("nan"))
+    assert str(error.value) == (
+        "t=nan: no score compares with NaN; pass a number (t=-inf keeps every edge with "
+        "absolute=False)"
+    )
+    with pytest.raises(TypeError, match=r"^t='0.5': pass the threshold as a number"):
+        scores.threshold("0.5")  # type: ignore[arg-type]
+    assert scores.threshold(float("-inf"), absolute=False) == Circuit.full(g)
+    assert scores.threshold(float("-inf")) == Circuit.full(g)
+    assert scores.threshold(float("inf")).n_edges == 0
+
+
 def test_top_ties_go_to_graph_order() -> None:
     g = Graph(n_layers=1, n_heads=2, n_kv_heads=1, d_model=8)
     ones = EdgeScores(g, g.real.double(), method="test", direction="noise")
@@ -291,7 +322,7 @@ def test_json_errors_name_the_file(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="c.json: written for another model"):
         Circuit.from_json(path, Graph(n_layers=2, n_heads=2, n_kv_heads=1, d_model=8))
     cases = [
-        ("{not json", "c.json: not a valid JSON file"),
+        ("{not json", "c.json is not valid JSON"),
         (json.dumps({"cfg": good["cfg"], "nodes": {}}), r"c.json: not an EAP-IG graph.*'edges'"),
         (
             json.dumps({**good, "edges": {"input->a5.h0<q>": {"score": 1, "in_graph": True}}}),
@@ -315,6 +346,58 @@ def test_json_errors_name_the_file(tmp_path: Path) -> None:
         json.dumps({**good, "edges": {"input->logits": good["edges"]["input->logits"]}})
     )
     assert Circuit.from_json(path, g).edge_names == ["input->logits"]
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        ('"score": NaN', "edge 'input->logits' has score nan, expected a finite number"),
+        ('"score": -Infinity', "edge 'input->logits' has score -inf, expected a finite number"),
+        ('"score": 1' + "0" * 400, "edge 'input->logits' has score 1" + "0" * 400),
+        ('"score": "0.5"', "edge 'input->logits' has score '0.5', expected a finite number"),
+        ("node NaN", "node 'a0.h0' has score nan, expected a finite number or null"),
+        ("node text", "node 'a0.h0' has score 'high', expected a finite number or null"),
+        ("node true", "node 'a0.h0' has score True, expected a finite number or null"),
+        ("latin-1", "not UTF-8 text (byte 2), so not an EAP-IG graph JSON file"),
+    ],
+)  # fmt: skip
+def test_json_damage_to_scores_and_text_names_the_file(
+    tmp_path: Path, damage: str, message: str
+) -> None:
+    g = Graph(n_layers=1, n_heads=2, n_kv_heads=1, d_model=8)
+    path = tmp_path / "c.json"
+    Circuit.full(g).to_json(path)
+    good = json.loads(path.read_text())
+    edge = '{"input->logits": {"in_graph": true, %s}}'
+    node = '{"a0.h0": {"in_graph": true, "score": %s}}'
+    nodes = {"node NaN": "NaN", "node text": '"high"', "node true": "true"}
+    cfg = json.dumps(good["cfg"])
+    if damage in nodes:
+        text = f'{{"cfg": {cfg}, "nodes": {node % nodes[damage]}, "edges": {{}}}}'
+    elif damage == "latin-1":
+        text = '{"\xe9": 1}'
+    else:
+        text = f'{{"cfg": {cfg}, "nodes": {{}}, "edges": {edge % damage}}}'
+    path.write_bytes(text.encode("latin-1"))
+    with pytest.raises(ValueError) as error:
+        Circuit.from_json(path, g)
+    assert str(error.value).startswith(f"{path}: {message}")
+
+
+def test_json_node_without_a_score_round_trips_as_strict_json(tmp_path: Path) -> None:
+    """NaN marks a node without a score: it is left out of the file (JSON has no NaN)."""
+    g = Graph(n_layers=1, n_heads=2, n_kv_heads=1, d_model=8)
+    node_scores = torch.tensor([float("nan"), 0.5, -1.0, 2.0], dtype=torch.float64)
+    Circuit(g, g.real.clone(), node_scores=node_scores).to_json(tmp_path / "c.json")
+
+    def refuse(constant: str) -> None:
+        raise AssertionError(f"{constant} in the file")
+
+    nodes = json.loads((tmp_path / "c.json").read_text(), parse_constant=refuse)["nodes"]
+    assert [nodes[name].get("score") for name in g.writers] == [None, 0.5, -1.0, 2.0]
+    read = Circuit.from_json(tmp_path / "c.json", g).node_scores
+    assert read is not None and torch.equal(read.isnan(), node_scores.isnan())
+    assert read[1:].tolist() == [0.5, -1.0, 2.0]
 
 
 def test_ungrouped_readers_map_each_query_head_to_its_key_value_head() -> None:

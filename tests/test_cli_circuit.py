@@ -107,11 +107,19 @@ def test_other_user_errors_are_one_line_and_exit_2(
     tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
     pairs = _write_pairs(tmp_path / "pairs.jsonl", PAIRS[:1])
+    same = _write_pairs(tmp_path / "same.jsonl", [PromptPair("I like Italy", "I like Paris", " and", " and")])  # fmt: skip
+    (tmp_path / "latin1.jsonl").write_bytes(b'{"clean": "caf\xe9"}\n')
     cases = [
         (["--pairs", str(tmp_path / "missing.jsonl")], "no such file"),
+        (["--pairs", str(tmp_path)], f"--pairs {tmp_path} is a folder: give a JSONL file"),
+        (
+            ["--pairs", str(tmp_path / "latin1.jsonl")],
+            f"--pairs {tmp_path / 'latin1.jsonl'}: not UTF-8 text (byte 14): give a JSONL file",
+        ),
         (["--task", "ioi"], "no pair suits this model's tokenizer"),
         (["--pairs", str(pairs), "--sizes", "10,50"], "fractions of the graph's edges"),
         (["--pairs", str(pairs), "--sizes", "0.1,x"], "comma-separated numbers"),
+        (["--pairs", str(same)], "the clean and corrupted prompts give the same mean metric (0"),
     ]
     for extra, message in cases:
         code = main(["circuit", *extra, "--model", f"tiny-{ARCH}"])
@@ -163,3 +171,48 @@ def test_attribute_needs_one_pair_or_many(capsys: pytest.CaptureFixture) -> None
         assert main(["attribute", *extra, "--model", f"tiny-{ARCH}"]) == 2, extra
         last = capsys.readouterr().err.rstrip("\n").splitlines()[-1]
         assert last.startswith("ra-lens attribute: error: ") and message in last, last
+
+
+@pytest.mark.parametrize(
+    ("command", "args", "clash"),
+    [
+        ("circuit", ["--pairs", "PAIRS"], "circuit.json"),
+        ("circuit", ["--pairs", "PAIRS"], "faithfulness_curve.png"),
+        ("attribute", ["--clean", "I like Italy", "--corrupted", "I like Paris", "--target", " and"],
+         "edges.html"),
+        ("maps", ["--prompt", "I like Italy", "--target", " and"], "head_norms.png"),
+    ],
+)  # fmt: skip
+def test_json_naming_a_file_that_out_writes_is_refused_before_the_work(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+    command: str,
+    args: list[str],
+    clash: str,
+) -> None:
+    """--json D/circuit.json with --out D would replace the circuit file with the report."""
+    from ra_lens import cli
+
+    loaded: list[str] = []
+    monkeypatch.setattr(cli, "_load", lambda name, *a, **k: loaded.append(name))
+    pairs = _write_pairs(tmp_path / "pairs.jsonl", PAIRS)
+    args = [str(pairs) if a == "PAIRS" else a for a in args]
+    out = tmp_path / "out"
+    argv = [command, *args, "--model", f"tiny-{ARCH}", "--out", str(out)]
+    assert main([*argv, "--json", str(out / clash)]) == 2
+    last = capsys.readouterr().err.rstrip("\n").splitlines()[-1]
+    assert last == (
+        f"ra-lens {command}: error: --json {out / clash} is the {clash} that --out {out} "
+        f"writes: give the report another name, such as {out}/report.json"
+    )
+    assert main([*argv, "--json", str(out)]) == 2
+    assert f"--json {out} is the --out folder" in capsys.readouterr().err
+    # the same file through a symlinked folder, and the --out folder once it exists
+    (tmp_path / "link").symlink_to(out, target_is_directory=True)
+    out.mkdir()
+    assert main([*argv, "--json", str(tmp_path / "link" / clash)]) == 2
+    assert f"is the {clash} that --out {out} writes" in capsys.readouterr().err
+    assert main([*argv, "--json", str(out)]) == 2
+    assert f"--json {out} is a folder" in capsys.readouterr().err
+    assert loaded == [] and list(out.iterdir()) == []

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers import disk_full_beyond
 
 from ra_lens.experiments import ranking_study
 from ra_lens.experiments.ranking_study import SPEED_GOAL, merge_saved
@@ -94,6 +95,21 @@ def test_user_errors_are_one_line_and_exit_2(capsys, tmp_path, argv, message):
     code, err = run_cli(capsys, *(a.format(**paths) for a in argv))
     assert code == 2
     assert err.startswith("ranking_study: error: ") and message in err and err.count("\n") == 1
+
+
+def test_merge_on_a_full_disk_keeps_the_earlier_study(capsys, tmp_path, monkeypatch):
+    """A failed write of --merge --json leaves the file as it was, not a truncated JSON."""
+    monkeypatch.setattr(ranking_study, "_markdown", lambda data, path: "(the table)")
+    (tmp_path / "a.json").write_text(json.dumps(saved("a", 2.0, 1.0, 1.0)))
+    (tmp_path / "b.json").write_text(json.dumps(saved("b", 2.0, 1.0, 1.0)))
+    out = tmp_path / "merged.json"
+    earlier = json.dumps(saved("c", 2.0, 1.0, 1.0))
+    out.write_text(earlier)
+    with disk_full_beyond(len(earlier)):
+        code, err = run_cli(capsys, "--merge", *(str(tmp_path / n) for n in ("a.json", "b.json")), "--json", str(out))  # fmt: skip
+    assert code == 2 and err == "ranking_study: error: [Errno 27] File too large\n"
+    assert out.read_text() == earlier
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.json", "b.json", "merged.json"]
 
 
 def test_cuda_without_cuda_is_a_user_error(capsys, monkeypatch):

@@ -137,6 +137,39 @@ def test_a_failed_write_leaves_the_old_file_and_no_temporary(
     assert [p.name for p in tmp_path.iterdir()] == ["report.json"]
 
 
+def test_circuit_to_json_uses_the_same_writer(tmp_path: Path) -> None:
+    """Through a symlink (the link stays, the mode is kept), into a FIFO, never over a folder."""
+    from ra_lens.circuits import Circuit, Graph
+
+    graph = Graph(n_layers=1, n_heads=2, n_kv_heads=1, d_model=8)
+    circuit = Circuit.from_edges(graph, ["input->a0.h1<q>", "a0.h1->logits"])
+    real = tmp_path / "real" / "circuit.json"
+    real.parent.mkdir()
+    real.write_text("old")
+    real.chmod(0o640)
+    link = tmp_path / "link.json"
+    link.symlink_to(real)
+    circuit.to_json(link)
+    assert link.is_symlink() and os.readlink(link) == str(real)
+    assert stat.S_IMODE(real.stat().st_mode) == 0o640
+    assert Circuit.from_json(real, graph) == circuit
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["circuit.json", "link.json", "real"]
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    got: list[bytes] = []
+    reader = read_fifo(fifo, got)
+    circuit.to_json(fifo)
+    reader.join()
+    edges = json.loads(got[0])["edges"]
+    assert [name for name, edge in edges.items() if edge["in_graph"]] == circuit.edge_names
+    assert stat.S_ISFIFO(fifo.lstat().st_mode)
+    with pytest.raises(ValueError) as error:
+        circuit.to_json(real.parent)
+    assert str(error.value) == (
+        f"{real.parent} exists and is not a regular file: give the path of a file"
+    )
+
+
 # --- the cache: a temporary RA_LENS_CACHE with a stand-in wheel and conversion --------------
 
 

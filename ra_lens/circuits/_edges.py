@@ -112,6 +112,15 @@ def check_supported(model: HookedModel) -> None:
             "Qwen2/3, Mistral, SmolLM2, ...), or ra_lens.attention_attribution for head-level "
             "query/key attribution"
         )
+    shape = capture.model_shape(model)
+    if getattr(cfg, "ungroup_grouped_query_attention", False) and shape.n_kv_heads < shape.n_heads:
+        raise NotImplementedError(
+            "cfg.ungroup_grouped_query_attention=True: hook_k/hook_v hold a copy of each "
+            "key/value head per query head, while ra_lens.circuits patches and scores key/value "
+            "inputs per key/value head; call model.set_ungroup_grouped_query_attention(False) "
+            "(the model computes the same either way; circuit files still list key/value edges "
+            "per query head, as EAP-IG reads them)"
+        )
     if getattr(cfg, "positional_embedding_type", "") == "shortformer":
         raise NotImplementedError(
             "shortformer positional embeddings (added to q/k inputs only) are not supported by "

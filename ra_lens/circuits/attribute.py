@@ -103,7 +103,9 @@ def attribute(
 
     Raises:
         ValueError: unknown method/level/direction, steps < 1, unequal pair lengths, a metric
-            without one value per prompt, attention that is not causal softmax attention.
+            without one value per prompt or without a gradient, attention that is not causal
+            softmax attention, a model whose weights are on the meta device.
+        TypeError: a model that is not a TransformerLens model.
         RuntimeError: hook_pattern outside the autograd graph (exact methods need R there).
         NotImplementedError: parallel attention/MLP blocks.
 
@@ -120,6 +122,7 @@ def attribute(
     if direction not in DIRECTIONS:
         raise ValueError(f"unknown direction {direction!r}: choose one of {DIRECTIONS}")
     capture.check_positive_int(steps, "steps")
+    capture.check_model(model)
     _edges.check_supported(model)
     graph = Graph.from_model(model)
     clean_b, corrupted_b = _pairs.paired(model, clean, corrupted)
@@ -192,6 +195,12 @@ class _Step:
         ):
             logits = model(batch.tokens)
             values = _pairs.metric_values(metric, logits, batch)
+            if not values.requires_grad:
+                raise ValueError(
+                    "the metric's values have no gradient path to the logits: edge scores "
+                    "differentiate the metric, so compute it from the logits without .detach(), "
+                    ".item(), argmax or torch.no_grad()"
+                )
             leaves = run.leaves_in_order()
             self.grads = torch.autograd.grad(values.sum(), leaves, allow_unused=True)
         self.grads = [

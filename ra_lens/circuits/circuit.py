@@ -27,6 +27,8 @@ key/value head (shared by the query heads of a group on a grouped-query model). 
 from __future__ import annotations
 
 import heapq
+import math
+import numbers
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -72,6 +74,7 @@ class EdgeScores:
             )
         if self.direction not in ("denoise", "noise"):
             raise ValueError(f"direction={self.direction!r}: expected 'denoise' or 'noise'")
+        _check_finite(self.graph, self.scores, "scores")
 
     def __repr__(self) -> str:
         return (
@@ -106,9 +109,17 @@ class EdgeScores:
         edges[order[:n]] = True
         return self._circuit(edges.view_as(self.graph.real))
 
-    def threshold(self, t: float, *, absolute: bool = True) -> Circuit:
+    def threshold(self, t: Validated[float], *, absolute: bool = True) -> Circuit:
         """The edges with |score| >= t (score >= t with absolute=False), pruned."""
-        return self._circuit(self._keys(absolute) >= t)
+        if isinstance(t, bool) or not isinstance(t, numbers.Real):
+            raise TypeError(f"t={t!r}: pass the threshold as a number (float)")
+        if math.isnan(t):
+            raise ValueError(
+                "t=nan: no score compares with NaN; pass a number (t=-inf keeps every edge "
+                "with absolute=False)"
+            )
+        # Entries off the graph hold -inf keys, which t=-inf would take in: keep to the graph.
+        return self._circuit((self._keys(absolute) >= t) & self.graph.real)
 
     def greedy(self, n: Validated[int], *, absolute: bool = True) -> Circuit:
         """Grow a circuit from the logits, as EAP-IG's greedy: start with the edges into
@@ -176,6 +187,8 @@ class Circuit:
             )
         if self.scores is not None and tuple(self.scores.shape) != shape:
             raise ValueError(f"scores has shape {tuple(self.scores.shape)}, expected {shape}")
+        if self.scores is not None:
+            _check_finite(self.graph, self.scores, "scores")
         if self.node_scores is not None and tuple(self.node_scores.shape) != shape[:1]:
             raise ValueError(
                 f"node_scores has shape {tuple(self.node_scores.shape)}, expected {shape[:1]}"
@@ -283,7 +296,8 @@ class Circuit:
         )
 
     def to_json(self, path: str | Path) -> None:
-        """Write the circuit in EAP-IG's graph JSON layout (see `files.py`), atomically."""
+        """Write the circuit in EAP-IG's graph JSON layout (see `files.py`) with the one file
+        writer, `ra_lens.files.write_file` (atomic, through symlinks, the file's mode kept)."""
         from ra_lens.circuits.files import write_json
 
         write_json(self, path)
@@ -309,6 +323,20 @@ class Circuit:
         from ra_lens.circuits.draw import draw_circuit
 
         return draw_circuit(self, path, title=title, max_width=max_width)
+
+
+def _check_finite(graph: Graph, scores: Tensor, name: str) -> None:
+    """Refuse NaN or infinite scores, naming the first such entry: a NaN sorts above every
+    number (it would take a place in `top(n)`) and compares False with every threshold."""
+    bad = ~torch.isfinite(scores.detach().cpu())
+    if bad.any():
+        w, r = torch.nonzero(bad)[0].tolist()
+        where = graph.edge_name(w, r) if graph.real[w, r] else f"entry [{w}, {r}] (not an edge)"
+        raise ValueError(
+            f"{name} has {int(bad.sum())} non-finite entries, e.g. {float(scores[w, r])} at "
+            f"{where}: edge scores must be finite numbers (a metric or model that overflowed, "
+            "e.g. in float16, gives NaN)"
+        )
 
 
 @lru_cache(maxsize=8)

@@ -89,7 +89,8 @@ def faithfulness(
 
     Raises:
         ValueError: unknown ablation, a circuit of another model's graph, unequal pair lengths,
-            a metric without one value per prompt.
+            a metric without one value per prompt, clean and corrupted prompts with the same
+            mean metric.
         NotImplementedError: parallel attention/MLP blocks.
 
     The full circuit keeps the clean metric, the empty one gives the corrupted metric:
@@ -146,6 +147,7 @@ class FaithfulnessEvaluator:
     ) -> None:
         if ablation not in ABLATIONS:
             raise ValueError(f"unknown ablation {ablation!r}: choose one of {ABLATIONS}")
+        capture.check_model(model)
         _edges.check_supported(model)
         self.model, self.ablation = model, ablation
         self.graph = Graph.from_model(model)
@@ -174,6 +176,7 @@ class FaithfulnessEvaluator:
             self._references = [torch.zeros_like(ref[:, :1]).expand_as(ref) for ref in self._references]  # fmt: skip
         self.clean_per_pair = torch.cat(clean_values).detach().double().cpu()
         self.corrupted_per_pair = torch.cat(corrupted_values).detach().double().cpu()
+        _check_contrast(self.clean_per_pair, self.corrupted_per_pair)
 
     def __call__(self, circuit: Validated[Circuit], *, progress: bool = False) -> Faithfulness:
         """Faithfulness of one circuit: one forward pass per batch of pairs."""
@@ -194,9 +197,12 @@ class FaithfulnessEvaluator:
         clean_v, corrupted_v = self.clean_per_pair, self.corrupted_per_pair
         clean_m, corrupted_m = float(clean_v.mean()), float(corrupted_v.mean())
         circuit_m = float(circuit_values.mean())
+        gap = clean_v - corrupted_v
+        per_pair = (circuit_values - corrupted_v) / gap
         return Faithfulness(
             value=(circuit_m - corrupted_m) / (clean_m - corrupted_m),
-            per_pair=(circuit_values - corrupted_v) / (clean_v - corrupted_v),
+            # x / 0 is +-inf where the circuit moved a pair without contrast: undefined, as 0 / 0
+            per_pair=per_pair.masked_fill(gap == 0, float("nan")),
             circuit_metric=circuit_m,
             clean_metric=clean_m,
             corrupted_metric=corrupted_m,
@@ -205,6 +211,20 @@ class FaithfulnessEvaluator:
             clean_per_pair=clean_v,
             corrupted_per_pair=corrupted_v,
             ablation=self.ablation,
+        )
+
+
+def _check_contrast(clean: Float[Tensor, " pair"], corrupted: Float[Tensor, " pair"]) -> None:
+    """Refuse pairs whose mean clean and corrupted metrics agree (to one part in a million,
+    about the float32 rounding of a forward pass): faithfulness divides by their difference."""
+    clean_m, corrupted_m = float(clean.mean()), float(corrupted.mean())
+    if abs(clean_m - corrupted_m) <= 1e-6 * max(abs(clean_m), abs(corrupted_m)):
+        raise ValueError(
+            f"the clean and corrupted prompts give the same mean metric ({clean_m:.6g} and "
+            f"{corrupted_m:.6g}), so faithfulness, (m(circuit) - m(corrupted)) / (m(clean) - "
+            "m(corrupted)), is undefined: give pairs on which the metric differs (identical "
+            "prompts, answer == wrong, or corrupted prompts that are the clean ones in another "
+            "order give none)"
         )
 
 

@@ -38,8 +38,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 from pathlib import Path
 from typing import Any, Literal
 
@@ -50,6 +48,7 @@ from torch import Tensor
 from ra_lens._typing import Validated
 from ra_lens.circuits.circuit import Circuit
 from ra_lens.circuits.graph import Graph
+from ra_lens.files import load_json, write_file
 from ra_lens.types import HookedModel
 
 KvRule = Literal["strict", "any", "all"]
@@ -74,8 +73,8 @@ def ungrouped_readers(graph: Graph) -> list[tuple[str, int]]:
 
 
 def write_json(circuit: Circuit, path: str | Path) -> None:
-    """Write `circuit` to `path` in EAP-IG's layout (temp file in the same folder, then rename,
-    so a reader never sees half a file)."""
+    """Write `circuit` to `path` in EAP-IG's layout with `ra_lens.files.write_file` (atomic,
+    through a symlink, keeping the file's mode, straight into a FIFO)."""
     g = circuit.graph
     scores = circuit.scores
     score = (
@@ -87,7 +86,8 @@ def write_json(circuit: Circuit, path: str | Path) -> None:
     nodes: dict[str, dict[str, Any]] = {}
     for i, name in enumerate(g.writers):
         nodes[name] = {"in_graph": name in in_circuit}
-        if circuit.node_scores is not None:
+        # NaN marks a node without a score (read from a file that gave it none): JSON has no NaN
+        if circuit.node_scores is not None and not math.isnan(float(circuit.node_scores[i])):
             nodes[name]["score"] = float(circuit.node_scores[i])
     nodes["logits"] = {"in_graph": True}  # EAP-IG's logits node is always in its graph
     edges: dict[str, dict[str, Any]] = {}
@@ -103,18 +103,7 @@ def write_json(circuit: Circuit, path: str | Path) -> None:
         "parallel_attn_mlp": g.parallel_attn_mlp,
         "d_model": g.d_model,
     }
-    _write_atomic(Path(path), json.dumps({"cfg": cfg, "nodes": nodes, "edges": edges}))
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_file(path, json.dumps({"cfg": cfg, "nodes": nodes, "edges": edges}))
 
 
 def read_json(
@@ -141,13 +130,15 @@ def read_json(
             raise ValueError(f"{path}: {name!r}: {writer} comes after {reader}, no such edge")
         if not isinstance(entry, dict) or not isinstance(entry.get("in_graph"), bool):
             raise ValueError(f"{path}: edge {name!r} needs a boolean 'in_graph', got {entry!r}")
-        value = entry.get("score", 0.0)
-        if not isinstance(value, (int, float)) or isinstance(value, bool):
-            raise ValueError(f"{path}: edge {name!r} has score {value!r}, expected a number")
+        value = _score(entry.get("score", 0.0))
+        if value is None:
+            raise ValueError(
+                f"{path}: edge {name!r} has score {entry['score']!r}, expected a finite number"
+            )
         ws.append(w)
         us.append(u)
         flags.append(entry["in_graph"])
-        values.append(float(value))
+        values.append(value)
     shape = (len(g.writers), len(readers))
     at = (torch.tensor(ws, dtype=torch.long), torch.tensor(us, dtype=torch.long))
     in_graph = torch.zeros(shape, dtype=torch.bool).index_put(
@@ -196,11 +187,20 @@ def _merge(
     return (everywhere if kv == "all" else anywhere), torch.where(low == high, low, mean)
 
 
-def _load(path: Path) -> dict[str, Any]:
+def _score(value: Any) -> float | None:
+    """A JSON score as a float, or None when it is not a finite number (NaN, Infinity and
+    overlong integers, which Python's json reads, true/false, text, lists)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return None
     try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path}: not a valid JSON file ({err}); is it damaged?") from err
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _load(path: Path) -> dict[str, Any]:
+    data = load_json(path, "an EAP-IG graph JSON file")
     missing = {"cfg", "nodes", "edges"} - set(data) if isinstance(data, dict) else {"a JSON object"}
     if missing:
         raise ValueError(
@@ -239,7 +239,14 @@ def _node_scores(path: str | Path, nodes: dict[str, Any], g: Graph) -> Tensor | 
             continue
         if name not in g.writer_index:
             raise ValueError(f"{path}: node {name!r} is not a node of {g}")
-        if entry["score"] is not None:
-            scores[g.writer_index[name]] = float(entry["score"])
-            found = True
+        if entry["score"] is None:  # EAP-IG's node without a score
+            continue
+        value = _score(entry["score"])
+        if value is None:
+            raise ValueError(
+                f"{path}: node {name!r} has score {entry['score']!r}, expected a finite number "
+                "or null"
+            )
+        scores[g.writer_index[name]] = value
+        found = True
     return scores if found else None

@@ -6,10 +6,10 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from ra_lens.cli import attribute as attribute_command
+from ra_lens.cli import circuit as circuit_command
+from ra_lens.cli import maps as maps_command
 from ra_lens.cli._shared import _positive_int
-from ra_lens.cli.attribute import _run_attribute
-from ra_lens.cli.circuit import _run_circuit
-from ra_lens.cli.maps import _run_maps
 from ra_lens.cli.pairs import CIRCUIT_TASKS
 from ra_lens.cli.patch_rank import _run_patch, _run_rank
 
@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--top", type=_positive_int, default=10, metavar="K", help="heads in the table (10)"
     )
     _common(maps)
-    maps.set_defaults(run=_run_maps)
+    maps.set_defaults(run=maps_command._run_maps, out_files=maps_command.OUT_FILES)
 
     patch = sub.add_parser(
         "patch",
@@ -119,7 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--top", type=_positive_int, default=10, metavar="K", help="rows per table (10)"
     )
     _common(attribute)
-    attribute.set_defaults(run=_run_attribute)
+    attribute.set_defaults(
+        run=attribute_command._run_attribute, out_files=attribute_command.OUT_FILES
+    )
     _add_circuit_command(sub)
     return parser
 
@@ -182,7 +184,7 @@ def _add_circuit_command(sub: Any) -> None:
     )
     circuit.add_argument("--batch-size", type=_positive_int, default=8, help="pairs per pass (8)")
     _common(circuit)
-    circuit.set_defaults(run=_run_circuit)
+    circuit.set_defaults(run=circuit_command._run_circuit, out_files=circuit_command.OUT_FILES)
 
 
 def _pair_source_args(parser: argparse.ArgumentParser, *, required: bool) -> None:

@@ -7,11 +7,10 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
-from ra_lens.files import is_stream, write_file
+from ra_lens.files import check_writable, check_writable_folder, is_stream, write_file
 from ra_lens.types import HookedModel
 
 
@@ -46,34 +45,29 @@ def _positive_int(text: str) -> int:
 
 def _check_outputs(args: argparse.Namespace) -> None:
     """Fail before the computation (which can take many minutes), not after it, when --out or
-    --json cannot be written."""
+    --json cannot be written, or when --json names a file --out writes (the report would
+    replace it: `args.out_files`, the names a command writes under --out)."""
     out: Path | None = getattr(args, "out", None)
     if out is not None:
         if out.exists() and not out.is_dir():
             raise ValueError(f"--out {out} is a file: give a folder (it is created if missing)")
-        _check_writable_folder(out, "--out")
+        check_writable_folder(out, "--out")
     target = getattr(args, "json", None)
-    if target is not None and target != "-" and not is_stream(target):
-        path = Path(os.path.realpath(target))  # a symlink is written through: check its target
-        if path.exists() and not path.is_file():
+    if target is None or target == "-":
+        return
+    check_writable(target, "--json")
+    if out is not None and not is_stream(target):
+        written = os.path.realpath(target)
+        if written == os.path.realpath(out):
             raise ValueError(
-                f"--json {target} is a folder: give a file name such as {target}/out.json"
+                f"--json {target} is the --out folder: give a file name such as {out}/report.json"
             )
-        _check_writable_folder(path.parent, "--json")
-
-
-def _check_writable_folder(folder: Path, flag: str) -> None:
-    existing = folder
-    while not existing.exists():  # the nearest existing ancestor decides whether mkdir works
-        existing = existing.parent
-    try:  # a real write: os.access says yes to root even on read-only file systems
-        if not existing.is_dir():
-            raise NotADirectoryError(existing)
-        tempfile.TemporaryFile(dir=existing).close()
-    except OSError:
-        raise ValueError(
-            f"{flag}: cannot write into {existing}: choose a writable folder"
-        ) from None
+        for name in getattr(args, "out_files", ()):
+            if written == os.path.realpath(out / name):
+                raise ValueError(
+                    f"--json {target} is the {name} that --out {out} writes: give the report "
+                    f"another name, such as {out}/report.json"
+                )
 
 
 def _emit_json(target: str | None, payload: dict[str, Any]) -> None:

@@ -11,6 +11,9 @@ from ra_lens.cli._shared import _emit_json, _model, _say
 from ra_lens.cli.pairs import _circuit_pairs, _read_pairs
 from ra_lens.types import HookedModel
 
+#: What `ra-lens attribute --out DIR` writes into DIR.
+OUT_FILES = ("attribution_heatmaps.png", "top_edges.png", "edges.html")
+
 
 def _first_token(model: HookedModel, text: str, flag: str) -> int:
     ids = model.to_tokens(text, prepend_bos=False)[0].tolist()
@@ -55,7 +58,7 @@ def _run_attribute(args: argparse.Namespace) -> int:
         from ra_lens import viz
 
         args.out.mkdir(parents=True, exist_ok=True)
-        files = [args.out / n for n in ("attribution_heatmaps.png", "top_edges.png", "edges.html")]
+        files = [args.out / n for n in OUT_FILES]
         viz.attribution_heatmaps(att, save=files[0])
         viz.top_edges_on_tokens(att, k=min(8, args.top), save=files[1])
         heads = list(dict.fromkeys((e["layer"], e["head"]) for e in report["top_edges"]))[:8]

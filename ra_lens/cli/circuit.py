@@ -11,6 +11,9 @@ import time
 from ra_lens.cli._shared import _emit_json, _floats, _model, _say
 from ra_lens.cli.pairs import PAIR_KEYS, _circuit_pairs, _read_pairs
 
+#: What `ra-lens circuit --out DIR` writes into DIR.
+OUT_FILES = ("faithfulness_curve.png", "circuit.png", "circuit.json")
+
 
 def _run_circuit(args: argparse.Namespace) -> int:
     from matplotlib.figure import Figure
@@ -82,7 +85,7 @@ def _run_circuit(args: argparse.Namespace) -> int:
     files = []
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        files = [args.out / n for n in ("faithfulness_curve.png", "circuit.png", "circuit.json")]
+        files = [args.out / n for n in OUT_FILES]
         ax = Figure(figsize=(5.5, 3.8), layout="constrained").add_subplot()
         ax.set_title(f"{args.method} circuits, {len(pairs)} pairs")
         curve.plot(files[0], ax=ax)

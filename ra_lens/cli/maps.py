@@ -8,6 +8,9 @@ import time
 
 from ra_lens.cli._shared import _emit_json, _model, _say
 
+#: What `ra-lens maps --out DIR` writes into DIR.
+OUT_FILES = ("head_norms.png", "top_heads.png", "reversed_attention.html")
+
 
 def _run_maps(args: argparse.Namespace) -> int:
     import torch
@@ -67,14 +70,10 @@ def _run_maps(args: argparse.Namespace) -> int:
         from ra_lens import viz
 
         args.out.mkdir(parents=True, exist_ok=True)
-        viz.head_norm_heatmaps(ra, save=args.out / "head_norms.png")
-        viz.top_heads_grid(ra, k=min(4, args.top), save=args.out / "top_heads.png")
-        viz.circuitsvis_heads(
-            ra, ra.top_heads(min(8, args.top)), save=args.out / "reversed_attention.html"
-        )
-        files = [
-            args.out / n for n in ("head_norms.png", "top_heads.png", "reversed_attention.html")
-        ]
+        files = [args.out / n for n in OUT_FILES]
+        viz.head_norm_heatmaps(ra, save=files[0])
+        viz.top_heads_grid(ra, k=min(4, args.top), save=files[1])
+        viz.circuitsvis_heads(ra, ra.top_heads(min(8, args.top)), save=files[2])
         for f in files:
             _say(args, f"wrote {f}")
     _emit_json(

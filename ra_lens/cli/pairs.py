@@ -17,9 +17,20 @@ def _read_pairs(path: Path) -> list[Any]:
     from ra_lens.tasks.ioi import PromptPair
 
     try:
-        lines = path.read_text().splitlines()
+        lines = path.read_bytes().decode("utf-8").splitlines()
     except FileNotFoundError:
         raise ValueError(f"--pairs {path}: no such file") from None
+    except IsADirectoryError:
+        raise ValueError(
+            f"--pairs {path} is a folder: give a JSONL file, one pair a line"
+        ) from None
+    except OSError as error:
+        raise ValueError(f"--pairs {path}: cannot read it ({error.strerror})") from None
+    except UnicodeDecodeError as error:
+        raise ValueError(
+            f"--pairs {path}: not UTF-8 text (byte {error.start}): give a JSONL file, one pair "
+            "a line"
+        ) from None
     pairs = []
     for number, line in enumerate(lines, 1):
         if not line.strip():

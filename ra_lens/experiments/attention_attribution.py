@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,7 +42,7 @@ from ra_lens.attribution import AttentionAttribution, attention_attribution
 from ra_lens.capture import PATTERN, Batch, HookedModel
 from ra_lens.core import reversed_attention
 from ra_lens.experiments import timing
-from ra_lens.files import write_file
+from ra_lens.files import check_writable, load_json, write_file
 from ra_lens.ranking.statistics import pearson, spearman, top_recall
 from ra_lens.tasks import ioi
 from ra_lens.types import MetricFn
@@ -495,7 +496,17 @@ def markdown(results: Sequence[TaskMeasurement]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+#: The tasks of `main`, each a builder of its usable pairs for a model.
+TASK_PAIRS: dict[str, Any] = {
+    "ioi": lambda model: ioi.usable(model, ioi.ioi_pairs(40)),
+    "country-capital": lambda model: ioi.usable(model, ioi.capital_pairs(model)),
+}
+_SAVED = "a results file (a file attention_attribution --json wrote)"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The command line; returns the exit status: 0, or 2 after one line `attention_attribution:
+    error: ...` on stderr for a bad flag or file (checked before the model loads)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--n-truth", type=int, default=6, help="pairs per task for the truth")
     parser.add_argument("--json", default="docs/results/attribution.json")
@@ -510,37 +521,54 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="comma-separated; other tasks already in --json are kept",
     )  # fmt: skip
     args = parser.parse_args(argv)
-    from ra_lens.models import load_model
+    try:
+        names, summary, earlier = _checked(args)
+        from ra_lens.models import load_model
 
-    model = load_model(device="cpu")
-    builders = {
-        "ioi": lambda: ioi.usable(model, ioi.ioi_pairs(40)),
-        "country-capital": lambda: ioi.usable(model, ioi.capital_pairs(model)),
-    }
-    names = [name.strip() for name in args.tasks.split(",") if name.strip()]
-    unknown = [name for name in names if name not in builders]
-    if unknown:
-        raise SystemExit(f"unknown task {unknown[0]!r}: choose from {sorted(builders)}")
-    path = Path(args.json)
-    summary = json.loads(path.read_text()) if path.is_file() else {}
-    earlier = json.loads(args.truth_from.read_text()) if args.truth_from is not None else {}
-    summary.setdefault("n_usable_pairs", {})
-    results = []
-    for name in names:
-        pairs = builders[name]()
-        summary["n_usable_pairs"][name] = len(pairs)
-        result = measure(
-            model, pairs[: args.n_truth], name, max_rows=args.max_rows, ig_steps=args.ig_steps,
-            stored=earlier.get(name),
-        )  # fmt: skip
-        results.append(result)
-        summary[name] = result.to_dict()
-        write_file(path, json.dumps(summary, indent=1), make_folders=True)
+        model = load_model(device="cpu")
+        summary.setdefault("n_usable_pairs", {})
+        results = []
+        for name in names:
+            pairs = TASK_PAIRS[name](model)
+            summary["n_usable_pairs"][name] = len(pairs)
+            result = measure(
+                model, pairs[: args.n_truth], name, max_rows=args.max_rows,
+                ig_steps=args.ig_steps, stored=earlier.get(name),
+            )  # fmt: skip
+            results.append(result)
+            summary[name] = result.to_dict()
+            write_file(args.json, json.dumps(summary, indent=1), make_folders=True)
+    except (ValueError, RuntimeError, OSError) as error:
+        print(f"attention_attribution: error: {error}", file=sys.stderr)
+        return 2
     print(markdown(results))
     for r in results:
         reused = " (truth and its seconds from --truth-from)" if r.truth_reused else ""
         print(r.task, {k: round(v, 2) for k, v in r.seconds.items()}, r.per_position, reused)
+    return 0
+
+
+def _checked(args: argparse.Namespace) -> tuple[list[str], dict[str, Any], dict[str, Any]]:
+    """The flags checked before the model loads (minutes): (the tasks, the results already in
+    --json, the --truth-from results)."""
+    names = [name.strip() for name in args.tasks.split(",") if name.strip()]
+    unknown = [name for name in names if name not in TASK_PAIRS]
+    if unknown or not names:
+        given = repr(unknown[0]) if unknown else "(none)"
+        raise ValueError(f"unknown task {given}: choose from {', '.join(TASK_PAIRS)}")
+    counts = {"--n-truth": args.n_truth, "--max-rows": args.max_rows, "--ig-steps": args.ig_steps}
+    for flag, value in counts.items():
+        if value < 1:
+            raise ValueError(f"{flag} must be at least 1, got {value}")
+    check_writable(args.json, "--json")
+    summary = load_json(args.json, _SAVED) if Path(args.json).is_file() else {}
+    if not isinstance(summary, dict):
+        raise ValueError(f"--json {args.json} is not {_SAVED}: it holds no JSON object")
+    earlier = {} if args.truth_from is None else load_json(args.truth_from, _SAVED)
+    if not isinstance(earlier, dict):
+        raise ValueError(f"--truth-from {args.truth_from} is not {_SAVED}: it holds no JSON object")
+    return names, summary, earlier
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -44,6 +44,7 @@ from ra_lens.circuits.curve import MIB_FRACTIONS
 from ra_lens.experiments.circuit_study_report import fraction_columns as fraction_columns
 from ra_lens.experiments.circuit_study_report import goals, markdown, summarise
 from ra_lens.experiments.circuit_study_report import paired_difference as paired_difference
+from ra_lens.files import check_writable, load_json, write_file
 from ra_lens.ranking.statistics import pearson
 from ra_lens.tasks import format_prompt, ioi, load
 from ra_lens.tasks.ioi import PromptPair
@@ -62,6 +63,9 @@ TASKS: tuple[str, ...] = ("ioi", "country-capital", "antonym")
 ABLATIONS: tuple[str, ...] = ("patching", "mean")
 #: Edge counts reported beside the fractions, to compare with EAP-IG's own numbers (issue 22).
 EDGE_COUNTS: tuple[int, ...] = (100, 500, 2000)
+#: What `merge_saved` reads of a saved study's config and of each of its tasks.
+SAVED_CONFIG_KEYS: tuple[str, ...] = ("ablations", "fractions", "n_boot")
+SAVED_TASK_KEYS: tuple[str, ...] = ("n_pairs", "pairs", "sizes", "edge_counts", "reference", "methods")  # fmt: skip
 #: Antonym pairs: one fixed 3-shot context, the query swapped between clean and corrupted.
 ANTONYM_SHOTS = 3
 
@@ -465,11 +469,44 @@ def _names(text: str, allowed: Sequence[str], what: str) -> list[str]:
 
 def _save(study: dict[str, Any], json_path: Path | None, markdown_path: Path | None) -> None:
     if json_path is not None:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(study, indent=1))
+        write_file(json_path, json.dumps(study, indent=1), make_folders=True)
     if markdown_path is not None:
-        markdown_path.parent.mkdir(parents=True, exist_ok=True)
-        markdown_path.write_text(markdown(study) + "\n")
+        write_file(markdown_path, markdown(study) + "\n", make_folders=True)
+
+
+def _load_saved(path: Path) -> dict[str, Any]:
+    """A study `--json` wrote, or a ValueError naming the file and what is wrong with it."""
+    what = "a saved study (a file circuit_study --json wrote)"
+    data = load_json(path, what)
+    if not (
+        isinstance(data, dict)
+        and isinstance(data.get("config"), dict)
+        and isinstance(data.get("tasks"), dict)
+    ):
+        raise ValueError(f"{path} is not {what}: it has no objects 'config' and 'tasks'")
+    lacking = [key for key in SAVED_CONFIG_KEYS if key not in data["config"]]
+    if lacking:
+        raise ValueError(f"{path} is not {what}: its config lacks {', '.join(lacking)}")
+    for name, task in data["tasks"].items():
+        if not isinstance(task, dict):
+            raise ValueError(f"{path} is not {what}: task {name!r} is not an object")
+        lacking = [key for key in SAVED_TASK_KEYS if key not in task]
+        if lacking:
+            raise ValueError(f"{path} is not {what}: task {name!r} lacks {', '.join(lacking)}")
+    return data
+
+
+def _merge(paths: list[Path]) -> dict[str, Any]:
+    """The saved studies at `paths` merged (`merge_saved`); damage deeper in the files than
+    `_load_saved` checks is a ValueError too."""
+    studies = [_load_saved(path) for path in paths]
+    try:
+        return merge_saved(studies)
+    except (KeyError, TypeError, IndexError, AttributeError) as error:
+        raise ValueError(
+            f"the saved studies do not have the layout circuit_study --json writes "
+            f"({type(error).__name__}: {error}): merge files it wrote"
+        ) from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -501,16 +538,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
     settings = dict(QUICK_SETTINGS if args.quick else FULL_SETTINGS)
-    if args.merge is not None:
-        try:
-            study = merge_saved([json.loads(path.read_text()) for path in args.merge])
-        except (ValueError, OSError, KeyError) as error:
-            print(f"circuit_study: error: {error}", file=sys.stderr)
-            return 2
-        _save(study, args.json, args.markdown)
-        print(markdown(study))
-        return 0
-    try:  # explicit flags win over --quick
+    try:
+        # Refuse outputs that cannot be written now, not after the first method has run.
+        for flag, path in (("--json", args.json), ("--markdown", args.markdown)):
+            if path is not None:
+                check_writable(path, flag)
+        if args.merge is not None:
+            study = _merge(args.merge)
+            _save(study, args.json, args.markdown)
+            print(markdown(study))
+            return 0
+        # explicit flags win over --quick
         if args.tasks is not None:
             settings["tasks"] = _names(args.tasks, (*TASKS, "toy"), "task")
         if args.methods is not None:
@@ -547,10 +585,10 @@ def main(argv: list[str] | None = None) -> int:
         study = circuit_study(
             model, model_name=model_name, progress=not args.no_progress, on_task=save, **settings
         )
+        save(study)
     except (ValueError, RuntimeError, OSError) as error:
         print(f"circuit_study: error: {error}", file=sys.stderr)
         return 2
-    save(study)
     print(markdown(study))
     return 0
 

@@ -33,7 +33,7 @@ from ra_lens.experiments.head_ranking import (
     check_rankings,
     head_ranking,
 )
-from ra_lens.files import write_file
+from ra_lens.files import load_json, write_file
 from ra_lens.ranking.engine import check_count
 from ra_lens.tasks import Task
 
@@ -392,16 +392,7 @@ def _cells(text: str, quick: bool = False) -> list[tuple[str | Task, int]]:
 
 def _load_saved(path: Path) -> dict[str, Any]:
     """A saved study, or a ValueError naming the file and what is wrong with it."""
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ValueError(f"{path}: no such file") from None
-    except IsADirectoryError:
-        raise ValueError(f"{path} is a folder, not a saved study (JSON)") from None
-    except (OSError, UnicodeDecodeError) as error:
-        raise ValueError(f"{path}: cannot read it ({error})") from None
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{path} is not valid JSON ({error}): pass a file --json wrote") from None
+    data = load_json(path, "a saved study (a file ranking_study --json wrote)")
     needed = ("config", "runtime_seconds", "skipped", "summary", "cells")
     missing = [key for key in needed if not isinstance(data, dict) or key not in data]
     if missing:
@@ -506,7 +497,7 @@ def _merge(paths: list[Path], json_path: str | None) -> int:
         raise ValueError(f"--merge lists {', '.join(repeated)} more than once: give each once")
     merged = merge_saved([_load_saved(path) for path in paths])
     text = _markdown(merged, Path(json_path))
-    Path(json_path).write_text(json.dumps(merged, indent=1, allow_nan=False))
+    write_file(json_path, json.dumps(merged, indent=1, allow_nan=False), make_folders=True)
     print(text)
     return 0
 

@@ -229,7 +229,7 @@
       const rows = D.per_pair.map((row, p) => `<tr><td>${esc(D.pairs[p] ? D.pairs[p].label : `pair ${p + 1}`)}</td><td class="num ${signClass(row[e])}">${fmt(row[e])}</td></tr>`);
       html.push(`<h4>Per pair</h4><table class="edges">${rows.join("")}</table>`);
     }
-    html.push(`<p><a href="#" data-node="${E.w[e]}">${esc(G.writers[E.w[e]])}</a> &rarr; ${READERS[E.r[e]].owners.map((o) => `<a href="#" data-node="${o}">${esc(NAMES[o])}</a>`).join(", ")}</p>`);
+    html.push(`<p><span class="link" data-node="${E.w[e]}">${esc(G.writers[E.w[e]])}</span> &rarr; ${READERS[E.r[e]].owners.map((o) => `<span class="link" data-node="${o}">${esc(NAMES[o])}</span>`).join(", ")}</p>`);
     $("details").innerHTML = html.join("");
   }
 
@@ -392,7 +392,7 @@
   $("details").addEventListener("click", (ev) => {
     const row = ev.target.closest("tr[data-e]"), link = ev.target.closest("[data-node]");
     if (row) selectEdge(+row.dataset.e);
-    else if (link) { ev.preventDefault(); selectNode(+link.dataset.node); }
+    else if (link) selectNode(+link.dataset.node);
   });
   $("curve").addEventListener("click", (ev) => {
     const pt = ev.target.closest(".pt");

@@ -153,7 +153,8 @@
     svg.setAttribute("width", WIDTH * state.zoom);
     svg.setAttribute("height", HEIGHT * state.zoom);
   }
-  const fitZoom = () => Math.min(1.5, Math.max(0.3, ($("graph-wrap").clientWidth - 4) / WIDTH));
+  // leave room for the vertical scroll bar, which appears once the graph is drawn
+  const fitZoom = () => Math.min(1.5, Math.max(0.3, ($("graph-wrap").clientWidth - 20) / WIDTH));
 
   // --- the faithfulness curve --------------------------------------------------------------
   function drawCurve() {
@@ -261,11 +262,11 @@
   const tokenLabel = (t) => t.replace(/\n/g, "\\n").replace(/ /g, "\u00a0");
 
   function heatmap(title, values, k, tokens, colour, cls) {
-    const cell = Math.max(5, Math.min(16, Math.floor(150 / k))), left = 62, top = 4, bottom = 58;
+    const cell = Math.max(5, Math.min(16, Math.floor(144 / k))), left = 54, top = 4, bottom = 52;
     const W = left + cell * k + 4, Hh = top + cell * k + bottom;
     const out = [`<svg class="heat ${cls}" width="${W}" height="${Hh}" style="font:9px sans-serif">`];
     for (let q = 0; q < k; q++) {
-      out.push(`<text x="${left - 3}" y="${top + cell * q + cell / 2 + 3}" text-anchor="end">${esc(tokenLabel(tokens[q]).slice(0, 10))}</text>`);
+      out.push(`<text x="${left - 3}" y="${top + cell * q + cell / 2 + 3}" text-anchor="end">${esc(tokenLabel(tokens[q]).slice(0, 9))}</text>`);
       for (let j = 0; j <= q; j++) {
         const v = values[q * k + j];
         out.push(`<rect x="${left + cell * j}" y="${top + cell * q}" width="${cell}" height="${cell}" fill="${colour(v)}" data-q="${q}" data-k="${j}" data-v="${+v.toPrecision(4)}"><title>${esc(tokenLabel(tokens[q]))} \u2190 ${esc(tokenLabel(tokens[j]))}: ${fmt(v)}</title></rect>`);
@@ -273,7 +274,7 @@
     }
     for (let j = 0; j < k; j++) {
       const x = left + cell * j + cell / 2 + 3, y = top + cell * k + 4;
-      out.push(`<text transform="translate(${x},${y}) rotate(-60)" text-anchor="end">${esc(tokenLabel(tokens[j]).slice(0, 10))}</text>`);
+      out.push(`<text transform="translate(${x},${y}) rotate(-60)" text-anchor="end">${esc(tokenLabel(tokens[j]).slice(0, 9))}</text>`);
     }
     out.push(`<rect x="${left}" y="${top}" width="${cell * k}" height="${cell * k}" fill="none" stroke="#ccc"/></svg>`);
     return `<figure><figcaption>${title}</figcaption>${out.join("")}</figure>`;

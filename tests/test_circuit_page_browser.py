@@ -184,4 +184,21 @@ def test_svg_export_is_the_drawn_graph(browser: Any, tmp_path: Path) -> None:
     import xml.etree.ElementTree as ET
 
     assert ET.parse(path).getroot().tag.endswith("svg")  # well-formed XML
+    # PNG through a canvas: the picture's type, size (twice the drawing's) and PNG signature
+    png = driver.execute_async_script(
+        "const done = arguments[arguments.length - 1];"
+        "window.raLens.pngBlob(2).then(async b => done([b.type,"
+        " Array.from(new Uint8Array(await b.arrayBuffer()))]), e => done(String(e)))"
+    )
+    kind, data = png
+    assert kind == "image/png" and bytes(data[:8]) == b"\x89PNG\r\n\x1a\n"
+    width, height = (
+        int.from_bytes(bytes(data[16:20]), "big"),
+        int.from_bytes(bytes(data[20:24]), "big"),
+    )
+    svg = ET.parse(path).getroot()
+    assert (width, height) == (
+        round(2 * float(svg.get("width"))),
+        round(2 * float(svg.get("height"))),
+    )
     assert console_errors(driver) == []

@@ -112,7 +112,7 @@
     parts.push('<g class="edges">');
     for (const e of drawn) {
       const w = E.w[e], reader = READERS[E.r[e]], s = E.s ? E.s[e] : null;
-      const width = (0.4 + (3.6 * ABS[e]) / MAX_ABS).toFixed(2);
+      const width = E.s ? (0.4 + (3.6 * ABS[e]) / MAX_ABS).toFixed(2) : "1.2"; // no scores: one width
       const cls = `edge ${reader.kind} ${signClass(s)}`;
       const x0 = NODES[w].x, y0 = NODES[w].y - BH / 2;
       for (const t of reader.owners) {
@@ -331,21 +331,25 @@
     setTimeout(() => URL.revokeObjectURL(a.href), 1000);
   }
   const fileStem = () => `circuit-${D.stops[state.stop].n_edges}-edges`;
-  function exportPng(scale) {
-    const img = new Image();
-    const url = URL.createObjectURL(new Blob([svgText()], { type: "image/svg+xml" }));
-    img.onload = () => {
-      const canvas = document.createElement("canvas");
-      canvas.width = WIDTH * scale;
-      canvas.height = HEIGHT * scale;
-      const ctx = canvas.getContext("2d");
-      ctx.fillStyle = "#fff";
-      ctx.fillRect(0, 0, canvas.width, canvas.height);
-      ctx.drawImage(img, 0, 0, canvas.width, canvas.height);
-      URL.revokeObjectURL(url);
-      canvas.toBlob((blob) => download(blob, `${fileStem()}.png`), "image/png");
-    };
-    img.src = url;
+  // The drawing as a PNG: the SVG drawn onto a canvas `scale` times its size, on white.
+  function pngBlob(scale) {
+    return new Promise((resolve, reject) => {
+      const img = new Image();
+      const url = URL.createObjectURL(new Blob([svgText()], { type: "image/svg+xml" }));
+      img.onload = () => {
+        const canvas = document.createElement("canvas");
+        canvas.width = WIDTH * scale;
+        canvas.height = HEIGHT * scale;
+        const ctx = canvas.getContext("2d");
+        ctx.fillStyle = "#fff";
+        ctx.fillRect(0, 0, canvas.width, canvas.height);
+        ctx.drawImage(img, 0, 0, canvas.width, canvas.height);
+        URL.revokeObjectURL(url);
+        canvas.toBlob(resolve, "image/png");
+      };
+      img.onerror = () => reject(new Error("the SVG could not be drawn onto a canvas"));
+      img.src = url;
+    });
   }
 
   // --- wiring ------------------------------------------------------------------------------
@@ -376,7 +380,7 @@
     setZoom(state.zoom * Math.exp(-ev.deltaY * 0.002));
   }, { passive: false });
   $("export-svg").addEventListener("click", () => download(new Blob([svgText()], { type: "image/svg+xml" }), `${fileStem()}.svg`));
-  $("export-png").addEventListener("click", () => exportPng(2));
+  $("export-png").addEventListener("click", () => pngBlob(2).then((blob) => download(blob, `${fileStem()}.png`)));
   $("graph").addEventListener("click", (ev) => {
     const node = ev.target.closest(".node"), edge = ev.target.closest(".edge");
     if (node) selectNode(+node.dataset.n);
@@ -404,5 +408,12 @@
   setStop(D.start);
   // For tests and the benchmark: when the first drawing reached the screen, and the page's API.
   requestAnimationFrame(() => setTimeout(() => { window.raLensFirstPaint = performance.now(); }, 0));
-  window.raLens = { setStop, selectNode: (name) => selectNode(INDEX.get(name)), svgText, drawn: () => DRAWN[state.stop].length, stops: D.stops.length };
+  window.raLens = {
+    setStop,
+    selectNode: (name) => INDEX.has(name) && (selectNode(INDEX.get(name)), true),
+    svgText,
+    pngBlob,
+    drawn: () => DRAWN[state.stop].length,
+    stops: D.stops.length,
+  };
 })();

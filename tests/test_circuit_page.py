@@ -187,3 +187,20 @@ def test_cli_html_is_the_api_page(setup: Any, page: CircuitPage, tmp_path: Path)
     assert code == 0
     got, expected = payload(out.read_text()), payload(page.html)
     assert got == expected
+
+
+def test_per_pair_scores_of_the_shown_pairs(setup: Any) -> None:
+    s = setup
+    graph = s.scores.graph
+    per_pair = torch.stack([s.scores.scores * (i + 1) for i in range(3)])  # pair i: (i + 1) x mean
+    scores = circuits.EdgeScores(graph, s.scores.scores, "exact", "denoise", per_pair=per_pair)
+    data = payload(
+        scores_page(scores, model=s.model, clean=s.clean, metric=s.metric, n_pairs=2).html
+    )
+    assert len(data["pairs"]) == 2 and len(data["per_pair"]) == 2
+    e = data["edges"]
+    for i, row in enumerate(data["per_pair"]):
+        for w, r, value in zip(e["w"], e["r"], row):
+            assert value == pytest.approx(
+                (i + 1) * float(s.scores.scores[w, r]), rel=1e-3, abs=1e-12
+            )

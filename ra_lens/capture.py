@@ -37,18 +37,22 @@ from ra_lens.contract import (  # noqa: F401
     ROT_Q,
     SCORES,
     SIN,
+    AttentionFacts,
     HookedModel,
     K,
     ModelShape,
     Q,
     V,
     Z,
+    attention_facts,
     attention_scale,
+    attention_softcap,
     check_layer_list,
     check_layers,
     check_positive_int,
     key_hook_name,
     model_shape,
+    output_softcap,
     query_hook_name,
 )
 
@@ -263,6 +267,31 @@ def recorded(
     hooks = [(name, keep(name)) for name in present]
     with model.hooks(**{"bwd_hooks" if grad else "fwd_hooks": hooks}):
         yield store
+
+
+def rotation_hooks(layers: Iterable[int]) -> list[str]:
+    """The hook names `fill_rotated` reads: hook_q, hook_k, hook_cos, hook_sin of each layer."""
+    return [name.format(layer) for layer in layers for name in (Q, K, COS, SIN)]
+
+
+def fill_rotated(model: HookedModel, acts: dict[str, Tensor], layers: Iterable[int]) -> None:
+    """Put the rotated queries and keys into `acts` (recorded values by hook name) where the
+    adapter rotates q/k but never fires hook_rot_q/hook_rot_k (TL 4's joint-qkv adapters:
+    GPT-NeoX/Pythia, Phi-3, Falcon): recomputed from hook_q/hook_k and the layer's hook_cos /
+    hook_sin with HuggingFace's rotate-half (`math.rotate_half`). Callers check the result
+    against hook_pattern (the softmax they recompute), so a different rotation is refused there,
+    not used. Layers whose rotation fired, or that have no cos/sin tables, are left as they are.
+    """
+    from ra_lens.math import rotate_half
+
+    for layer in layers:
+        cos, sin = acts.get(COS.format(layer)), acts.get(SIN.format(layer))
+        if cos is None or sin is None:
+            continue
+        for plain, rotated in ((Q, ROT_Q), (K, ROT_K)):
+            name = rotated.format(layer)
+            if name not in acts and plain.format(layer) in acts:
+                acts[name] = rotate_half(acts[plain.format(layer)], cos, sin)
 
 
 def gradient_leaf_hook(store: dict[str, Tensor]):

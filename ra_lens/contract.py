@@ -183,7 +183,13 @@ def attention_scale(model: HookedModel, layer: int) -> float:
     """The divisor s in S = QK^T / s for one layer, read from the model rather than assumed.
 
     TL 2 keeps it as `attn.attn_scale`; TL-native bridges as `attn.original_component.scale`;
-    HuggingFace attention modules as the multiplier `scaling`.
+    HuggingFace attention modules as the multiplier `scaling` (transformers >= 5 folds GPT-2's
+    `scale_attn_by_inverse_layer_idx` and Gemma's `query_pre_attn_scalar` into it) or
+    `inv_norm_factor` (BLOOM, Falcon). GPT-Neo's attention has no scale at all (s = 1).
+
+    Raises:
+        NotImplementedError: a HuggingFace attention module whose scale ra-lens cannot read
+            (nothing is assumed: a wrong s would scale every "qk" map silently).
 
     >>> math.isclose(attention_scale(model, 0), math.sqrt(model.cfg.d_head))  # GPT-2: sqrt(d_head)
     True
@@ -194,13 +200,136 @@ def attention_scale(model: HookedModel, layer: int) -> float:
     inner = getattr(attn, "original_component", None)
     if isinstance(getattr(inner, "scale", None), (int, float)):
         return float(inner.scale)
-    if isinstance(getattr(inner, "scaling", None), (int, float)):
-        scale = 1.0 / float(inner.scaling)
-        if getattr(getattr(inner, "config", None), "scale_attn_by_inverse_layer_idx", False):
-            scale *= layer + 1
-        return scale
-    cfg = model.cfg
-    if getattr(cfg, "use_attn_scale", True) is False:
+    if inner is None:  # no HuggingFace module behind the hooks: the config says
+        cfg = model.cfg
+        if getattr(cfg, "use_attn_scale", True) is False:
+            return 1.0
+        attn_scale = float(getattr(cfg, "attn_scale", -1.0))
+        return attn_scale if attn_scale > 0 else math.sqrt(cfg.d_head)
+    for name in ("scaling", "inv_norm_factor"):
+        value = getattr(inner, name, None)
+        if isinstance(value, (int, float)) and value > 0:
+            return 1.0 / float(value)
+    if type(inner).__name__ in _UNSCALED_ATTENTION:
         return 1.0
-    attn_scale = float(getattr(cfg, "attn_scale", -1.0))
-    return attn_scale if attn_scale > 0 else math.sqrt(cfg.d_head)
+    raise NotImplementedError(
+        f"cannot read the attention scale of {type(inner).__name__} (layer {layer}): it has no "
+        "`scaling` or `inv_norm_factor` attribute, and ra-lens does not assume sqrt(d_head); "
+        "the 'scores' convention (dL/d pre-softmax scores) needs no scale"
+    )
+
+
+#: HuggingFace attention modules that compute QK^T without any scale (GPT-Neo's softmax reads
+#: the raw dot products, in float32).
+_UNSCALED_ATTENTION = ("GPTNeoSelfAttention",)
+
+
+def attention_softcap(model: HookedModel, layer: int) -> float | None:
+    """The attention logit soft-cap c of one layer (S = c tanh(QK^T / (s c)), Gemma-2), or None.
+
+    Read from the HuggingFace module's `attn_logit_softcapping` (TransformerBridge) or the TL 2
+    config's `attn_scores_soft_cap` (HookedTransformer; <= 0 means none).
+
+    >>> attention_softcap(model, 0) is None  # GPT-2 has no soft-cap
+    True
+    """
+    inner = getattr(model.blocks[layer].attn, "original_component", None)
+    value = getattr(inner, "attn_logit_softcapping", None)
+    if value is None and inner is None:
+        value = getattr(model.cfg, "attn_scores_soft_cap", None)
+    if value is None or float(value) <= 0:
+        return None
+    return float(value)
+
+
+def output_softcap(model: HookedModel) -> float | None:
+    """The final logit soft-cap c (logits = c tanh(unembed(x) / c), Gemma-2), or None: TL 2's
+    and TL 4's config both call it `output_logits_soft_cap` (<= 0 means none).
+
+    >>> output_softcap(model) is None
+    True
+    """
+    value = getattr(model.cfg, "output_logits_soft_cap", None)
+    return float(value) if value is not None and float(value) > 0 else None
+
+
+@dataclass(frozen=True)
+class AttentionFacts:
+    """What turns one layer's q k^T into its softmax input: S = c tanh(q k^T / (s c)) (without a
+    soft-cap c: q k^T / s), -inf outside the causal mask and outside a sliding window of w keys
+    (key s visible from query t iff t - w < s <= t). Read by `attention_facts`; `logits` is the
+    one recomputation of attention scores that attribution, circuits and dynamics share."""
+
+    scale: float
+    softcap: float | None = None
+    window: int | None = None
+    qk_norm: bool = False  # q/k normalised after the projection (Qwen3, Gemma-3, OLMo-2)
+    alibi: bool = False  # position biases added to the scores (BLOOM)
+
+    def mask(self, n_pos: int, device: torch.device | str | None = None) -> Tensor:
+        """Bool [query, key]: True where the key is visible."""
+        visible = torch.ones(n_pos, n_pos, dtype=torch.bool, device=device).tril()
+        if self.window is not None:
+            visible = visible.triu(diagonal=1 - self.window)
+        return visible
+
+    def logits(self, raw: Tensor) -> Tensor:
+        """Float[Tensor, "... query key"]: raw q k^T (query and key axes last) to the softmax
+        input, -inf where masked.
+
+        >>> facts = AttentionFacts(scale=2.0, softcap=1.0, window=2)
+        >>> facts.logits(torch.full((3, 3), 4.0))[2]  # tanh(2) = 0.964; key 0 out of the window
+        tensor([  -inf, 0.9640, 0.9640])
+        """
+        scores = raw / self.scale
+        if self.softcap is not None:
+            scores = self.softcap * torch.tanh(scores / self.softcap)
+        return scores.masked_fill(~self.mask(raw.shape[-1], raw.device), float("-inf"))
+
+    def refusal(self) -> str | None:
+        """Why q/k changes cannot be replayed through these facts alone (None: they can)."""
+        if self.alibi:
+            return "ALiBi position biases (BLOOM) are not modelled"
+        if self.qk_norm:
+            return (
+                "q/k norms (Qwen3, Gemma-3, OLMo-2) sit between the projection and the softmax, "
+                "and a q/k change is replayed through the projection only"
+            )
+        return None
+
+
+def attention_facts(model: HookedModel, layer: int) -> AttentionFacts:
+    """One layer's `AttentionFacts`, read from the model: scale (`attention_scale`), soft-cap
+    (`attention_softcap`), sliding window (the HuggingFace module's `sliding_window`, else its
+    config's; TL 2's `window_size` on local layers), q/k norms and ALiBi.
+
+    >>> facts = attention_facts(model, 0)  # GPT-2: plain causal softmax attention
+    >>> facts.softcap, facts.window, facts.qk_norm, facts.alibi, facts.refusal()
+    (None, None, False, False, None)
+    """
+    inner = getattr(model.blocks[layer].attn, "original_component", None)
+    cfg = model.cfg
+    window: Any = None
+    if inner is not None:
+        config = getattr(inner, "config", None)
+        window = getattr(inner, "sliding_window", None)
+        if getattr(inner, "attention_type", None) == "local":  # GPT-Neo's local layers
+            window = getattr(config, "window_size", None)
+        elif window is None and not hasattr(inner, "sliding_window"):
+            window = getattr(config, "sliding_window", None)
+        qk_norm = getattr(inner, "q_norm", None) is not None or hasattr(inner, "q_layernorm")
+    else:
+        attn_types = getattr(cfg, "attn_types", None)
+        if getattr(cfg, "use_local_attn", False) and attn_types and attn_types[layer] == "local":
+            window = getattr(cfg, "window_size", None)
+        qk_norm = bool(getattr(cfg, "use_qk_norm", False))
+    alibi = getattr(cfg, "positional_embedding_type", "") == "alibi" or type(
+        inner
+    ).__name__.startswith("Bloom")
+    return AttentionFacts(
+        scale=attention_scale(model, layer),
+        softcap=attention_softcap(model, layer),
+        window=int(window) if window else None,
+        qk_norm=bool(qk_norm),
+        alibi=bool(alibi),
+    )

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from ra_lens import capture
 from ra_lens._typing import Validated
-from ra_lens.capture import PATTERN, RESID_PRE, Batch, HookedModel, V, Z
+from ra_lens.capture import PATTERN, RESID_PRE, SCORES, Batch, HookedModel, V, Z
 from ra_lens.layerwise import layerwise_backward
 from ra_lens.math import (
     CONVENTIONS,
@@ -28,6 +28,7 @@ from ra_lens.math import (
     convert,
     frobenius_norms,
     pattern_grad_from_z,
+    softcap_slope,
     upcast,
 )
 from ra_lens.result import ReversedAttention, stack_layers
@@ -111,8 +112,9 @@ def reversed_attention(
     if "z" in routes:
         _check_z_route(model, [layer for layer, r in zip(chosen, routes) if r == "z"])
     scales = [capture.attention_scale(model, layer) for layer in chosen]
+    caps = [capture.attention_softcap(model, layer) for layer in chosen]
 
-    collector = _Collector(batch, chosen, routes, scales, convention, keep, rows_at)
+    collector = _Collector(batch, chosen, routes, scales, convention, keep, rows_at, caps)
     if memory == "layerwise":
         with capture.preserved_state(model):
             values = layerwise_backward(
@@ -216,8 +218,12 @@ class _Collector:
         convention: Convention,
         keep: Keep,
         rows_at: Tensor | None = None,
+        caps: list[float | None] | None = None,
     ):
         self.batch, self.layers, self.routes, self.scales = batch, layers, routes, scales
+        # Soft-capped layers (Gemma-2): "qk" needs the capped scores for the tanh's slope.
+        self.caps = caps if caps is not None else [None] * len(layers)
+        self.capped_scores: dict[int, Tensor] = {}
         self.convention, self.keep = convention, keep
         # keep="rows": the query position of each prompt's row (its loss position).
         self.row_positions = _row_positions(rows_at, batch) if keep == "rows" else None
@@ -249,8 +255,10 @@ class _Collector:
         and the softmax VJP is taken at the softmax output, never at an edited pattern."""
         forward: dict[str, RawHook] = {}
         backward: dict[str, RawHook] = {}
-        for layer, route in zip(self.layers, self.routes):
+        for layer, route, cap in zip(self.layers, self.routes, self.caps):
             forward[PATTERN.format(layer)] = self._save_pattern(layer)
+            if cap is not None and self.convention == "qk":
+                forward[SCORES.format(layer)] = partial(self.capped_scores.__setitem__, layer)
             if route == "pattern":
                 backward[PATTERN.format(layer)] = partial(self._finish, layer)
             else:
@@ -281,7 +289,12 @@ class _Collector:
         self.finished.add(layer)
         i = self.layers.index(layer)
         slot = self._slot(i, pattern)
-        maps = convert(pattern, pattern_grad, self.convention, self.scales[i], out=slot)
+        cap, slope = self.caps[i], None
+        if cap is not None and self.convention == "qk":
+            slope = softcap_slope(self.capped_scores.pop(layer).detach(), cap)
+        maps = convert(
+            pattern, pattern_grad, self.convention, self.scales[i], out=slot, slope=slope
+        )
         pattern = upcast(pattern)
         if self.real is not None:
             # .to: on a model split across devices, this layer may sit elsewhere than the tokens.

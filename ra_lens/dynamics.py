@@ -32,13 +32,15 @@ from ra_lens import capture
 from ra_lens._typing import Validated
 from ra_lens.capture import PATTERN, Batch, HookedModel
 from ra_lens.core import MetricFn, metric_loss, reversed_attention
-from ra_lens.math import causal_mask
+from ra_lens.math import causal_mask, softcap_slope
 
 SUPPORTED = (
     "TransformerBridge models whose attention has separate q/k nn.Linear projections feeding "
-    "softmax(QK^T / s), optionally with rotate-half rotary embeddings and grouped-query "
-    "attention: GPT-2, OPT, Llama-style (Llama, SmolLM2, Mistral) and boot_native models; "
-    "not HookedTransformer, q/k norms (Qwen3, Gemma 3, OLMo 2), logit softcapping"
+    "softmax(c tanh(QK^T / (s c)) + mask), optionally with rotate-half rotary embeddings, "
+    "grouped-query attention, sliding windows and an attention soft-cap c: GPT-2, OPT, "
+    "Llama-style (Llama, SmolLM2, Mistral, Qwen2), Gemma, Gemma-2 and boot_native models; not "
+    "HookedTransformer, joint qkv projections (GPT-NeoX, Phi, Falcon), q/k norms (Qwen3, "
+    "Gemma-3, OLMo-2), ALiBi (BLOOM)"
 )
 
 
@@ -160,7 +162,14 @@ def edit_dynamics(
     for layer in chosen:
         _projections(model, layer)
     batch = capture.to_batch(model, tokens)
-    scales = [capture.attention_scale(model, layer) for layer in chosen]
+    facts = [capture.attention_facts(model, layer) for layer in chosen]
+    for layer, fact in zip(chosen, facts):
+        if fact.qk_norm or fact.alibi:
+            raise NotImplementedError(
+                f"edit_dynamics: layer {layer}: {fact.refusal()}, so a step on W_q/W_k does not "
+                f"move QK^T linearly in the step; supported: {SUPPORTED}"
+            )
+    scales = [fact.scale for fact in facts]
     mask = _real_triangle(batch)
 
     clone = _deepcopy(model)
@@ -171,7 +180,7 @@ def edit_dynamics(
         p.grad = None
     before = _capture(clone, batch.tokens, chosen)
     for i, layer in enumerate(chosen):
-        _check_form(before[layer], clone, layer, scales[i], mask)
+        _check_form(before[layer], clone, layer, facts[i], mask)
     ra = reversed_attention(clone, batch, metric, layers=chosen, convention="qk")
     assert ra.maps is not None
     grads = _autograd_grads(clone, batch, metric, chosen)
@@ -186,13 +195,18 @@ def edit_dynamics(
         pred, second, ra_grads = _predict(acts, ra_map, lr, has_bias)
         grad_errors.append(_grad_error(ra_grads, grads[layer]))
         after = _stepped(clone, batch.tokens, layer, grads[layer], lr)
-        pattern = _pattern(acts, scales[i], mask)
-        weighted = pattern * pred / scales[i]
+        pattern = _pattern(acts, facts[i], mask)
+        # dS/dZ: 1/s, times the soft-cap's slope where there is one
+        slope = 1.0 / scales[i]
+        if facts[i].softcap is not None:
+            capped = facts[i].logits(_logits(acts)).masked_fill(~mask, 0.0)
+            slope = softcap_slope(capped, facts[i].softcap) / scales[i]
+        weighted = pattern * pred * slope
         out["pred"].append(pred * mask)
         out["sec"].append(second * mask)
         out["act"].append((_logits(after) - _logits(acts)) * mask)
         out["pred_a"].append((weighted - pattern * weighted.sum(-1, keepdim=True)) * mask)
-        out["act_a"].append(_pattern(after, scales[i], mask) - pattern)
+        out["act_a"].append(_pattern(after, facts[i], mask) - pattern)
 
     def stack(key: str) -> Tensor:
         return torch.stack(out[key], dim=1).cpu()
@@ -304,6 +318,7 @@ def _capture(model: HookedModel, tokens: Tensor, layers: list[int]) -> dict[int,
     names = {(layer, key): name.format(layer) for layer in layers for key, name in _NAMES.items()}
     with torch.no_grad(), capture.recorded(model, names.values()) as acts:
         model(tokens)
+    capture.fill_rotated(model, acts, layers)
     store: dict[int, dict[str, Tensor]] = {layer: {} for layer in layers}
     for (layer, key), name in names.items():
         if name in acts:
@@ -312,6 +327,13 @@ def _capture(model: HookedModel, tokens: Tensor, layers: list[int]) -> dict[int,
         for key in ("x_q", "x_k"):
             if key not in acts_of_layer and "x" in acts_of_layer:
                 acts_of_layer[key] = acts_of_layer["x"]
+        rotary = getattr(model.cfg, "positional_embedding_type", "") == "rotary"
+        if rotary and "rot_q" not in acts_of_layer:
+            raise NotImplementedError(
+                f"edit_dynamics: layer {layer} rotates q/k inside HuggingFace's attention and the "
+                "adapter exposes neither the rotated q/k (hook_rot_q) nor its cos/sin tables "
+                f"(GPT-J's interleaved rotary); supported: {SUPPORTED}"
+            )
         missing = [k for k in ("x_q", "x_k", "q", "k", "pattern") if k not in acts_of_layer]
         if missing:
             raise NotImplementedError(
@@ -359,11 +381,12 @@ def _logits(acts: dict[str, Tensor]) -> Float[Tensor, "batch head query key"]:
 
 
 def _pattern(
-    acts: dict[str, Tensor], scale: float, mask: Tensor
+    acts: dict[str, Tensor], facts: capture.AttentionFacts, mask: Tensor
 ) -> Float[Tensor, "batch head query key"]:
-    """softmax(QK^T / s) in the activations' dtype, zero outside `mask` (HF-style bridges
-    round hook_pattern to float32, which would swamp a small change in a float64 model)."""
-    scores = (_logits(acts) / scale).masked_fill(~mask, float("-inf"))
+    """The layer's softmax (`AttentionFacts.logits`: scale, soft-cap, window) in the
+    activations' dtype, zero outside `mask` (HF-style bridges round hook_pattern to float32,
+    which would swamp a small change in a float64 model)."""
+    scores = facts.logits(_logits(acts)).masked_fill(~mask, float("-inf"))
     return torch.softmax(scores, dim=-1).nan_to_num(0.0)
 
 
@@ -424,7 +447,11 @@ _F32_TOL = math.sqrt(torch.finfo(torch.float32).eps)
 
 
 def _check_form(
-    acts: dict[str, Tensor], model: HookedModel, layer: int, scale: float, mask: Tensor
+    acts: dict[str, Tensor],
+    model: HookedModel,
+    layer: int,
+    facts: capture.AttentionFacts,
+    mask: Tensor,
 ) -> None:
     """Check that the layer computes what the prediction assumes, else NotImplementedError."""
     tol = math.sqrt(torch.finfo(acts["q"].dtype).eps)
@@ -441,8 +468,8 @@ def _check_form(
             )
         checks.append(("hook_rot_q = rot(hook_q)", _rot(acts["q"], acts), acts["rot_q"]))
         checks.append(("hook_rot_k = rot(hook_k)", _rot(acts["k"], acts), acts["rot_k"]))
-    pattern = _pattern(acts, scale, mask)
-    checks.append(("hook_pattern = softmax(QK^T / s)", pattern, acts["pattern"] * mask))
+    pattern = _pattern(acts, facts, mask)
+    checks.append(("hook_pattern = softmax(S(QK^T))", pattern, acts["pattern"] * mask))
     for what, ours, theirs in checks:
         # The pattern may be a float32 softmax even in a float64 model.
         eps = max(tol, _F32_TOL) if what.startswith("hook_pattern") else tol

@@ -25,7 +25,7 @@ from jaxtyping import Float, Int
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from ra_lens.capture import HookedModel
+from ra_lens.capture import HookedModel, output_softcap
 
 LossFn = Callable[[Tensor], tuple[Tensor, Tensor]]
 
@@ -72,7 +72,7 @@ def layerwise_backward(
     calls, final = _record(model, tokens, blocks, first_layer, head[0])
     # The metric runs before the RA hooks are on: it may run the model itself.
     with torch.enable_grad():
-        values, grad = _head_backward(head, final, loss_fn)
+        values, grad = _head_backward(head, final, loss_fn, output_softcap(model))
     del final
     with grad_hooks(), torch.enable_grad():
         for index in tqdm(
@@ -186,11 +186,17 @@ def _record(
 
 
 def _head_backward(
-    head: tuple[nn.Module, nn.Module | None], final: dict[str, Tensor], loss_fn: LossFn
+    head: tuple[nn.Module, nn.Module | None],
+    final: dict[str, Tensor],
+    loss_fn: LossFn,
+    softcap: float | None = None,
 ):
-    """The metric and dL/d(final residual), recomputing only the head with autograd."""
+    """The metric and dL/d(final residual), recomputing only the head with autograd (and the
+    final logit soft-cap, c tanh(logits / c), where the model has one)."""
     resid = final["resid"].detach().requires_grad_(True)
     logits = head[0](resid) if head[1] is None else head[1](head[0](resid))
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
     expected = final["last_logits"]
     if logits.shape[:1] + logits.shape[2:] != expected.shape or not torch.allclose(
         logits[:, -1].detach(), expected, rtol=1e-5, atol=1e-6

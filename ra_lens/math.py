@@ -6,6 +6,9 @@ R = dL/dA the gradient at `hook_pattern`, and
     dL/dS  = A * (R - rowsum(A * R))        the "scores" convention (softmax VJP)
     dL/dZ  = dL/dS / s                      the "qk" convention: Reversed Attention, dL/d(QK^T)
 
+Under an attention soft-cap c (Gemma-2: S = c tanh(Z / (s c)) + M), dS/dZ = (1 - (S/c)^2) / s, so
+dL/dZ = dL/dS (1 - (S/c)^2) / s (`softcap_slope`).
+
 Every function works on any leading batch axes, with the last two axes (query, key).
 """
 
@@ -65,12 +68,29 @@ def causal_mask(n_query: int, n_key: int, device: torch.device | str | None = No
     return torch.ones(n_query, n_key, dtype=torch.bool, device=device).tril(diagonal=offset)
 
 
+def softcap_slope(
+    scores: Float[Tensor, "... query key"], cap: float
+) -> Float[Tensor, "... query key"]:
+    """dS/d(QK^T / s) = 1 - (S/c)^2 = sech^2 of the tanh's argument, from the capped scores S
+    (`hook_attn_scores`, masked entries included: there the slope is 0, as A is).
+
+    >>> raw = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    >>> capped = 2.0 * torch.tanh(raw / 2.0)
+    >>> (autograd,) = torch.autograd.grad(capped.sum(), raw)
+    >>> torch.allclose(softcap_slope(capped.detach(), 2.0), autograd)
+    True
+    """
+    ratio = upcast(scores).clamp(-cap, cap) / cap
+    return 1.0 - ratio * ratio
+
+
 def convert(
     pattern: Float[Tensor, "... query key"],
     pattern_grad: Float[Tensor, "... query key"],
     convention: Convention,
     scale: float,
     out: Tensor | None = None,
+    slope: Tensor | None = None,
 ) -> Float[Tensor, "... query key"]:
     """Turn the gradient at hook_pattern into the requested convention.
 
@@ -81,6 +101,7 @@ def convert(
             "pattern" (dL/dA masked to the causal triangle; A's own gradient is dense).
         scale: the attention scale s that divides QK^T (sqrt(d_head) for GPT-2 and Llama).
         out: optional destination for the "qk" and "scores" conventions.
+        slope: for "qk" under an attention soft-cap, `softcap_slope` of the capped scores.
 
     >>> mask = causal_mask(4, 4)
     >>> pattern = torch.randn(4, 4).masked_fill(~mask, float("-inf")).softmax(-1)
@@ -97,7 +118,11 @@ def convert(
         mask = causal_mask(pattern.shape[-2], pattern.shape[-1], pattern.device)
         return upcast(pattern_grad).masked_fill(~mask, 0.0)
     scores_grad = softmax_vjp(pattern, pattern_grad, out=out)
-    return scores_grad if convention == "scores" else scores_grad.div_(scale)
+    if convention == "scores":
+        return scores_grad
+    if slope is not None:
+        scores_grad.mul_(slope.to(scores_grad))
+    return scores_grad.div_(scale)
 
 
 def pattern_grad_from_z(
@@ -133,3 +158,24 @@ def frobenius_norms(maps: Float[Tensor, "... query key"]) -> Float[Tensor, "..."
             [4., 4., 4.]])
     """
     return torch.linalg.vector_norm(upcast(maps), dim=(-2, -1))
+
+
+def rotate_half(
+    x: Float[Tensor, "batch pos head d_head"],
+    cos: Float[Tensor, "... pos rot"],
+    sin: Float[Tensor, "... pos rot"],
+) -> Float[Tensor, "batch pos head d_head"]:
+    """HuggingFace's rotate-half rotary embedding on the first `rot` dims of every head (partial
+    rotary: the rest pass through), with the model's own cos/sin tables.
+
+    >>> x = torch.randn(1, 3, 2, 4, dtype=torch.float64)
+    >>> zeros, ones = torch.zeros(1, 3, 4, dtype=torch.float64), torch.ones(1, 3, 4, dtype=torch.float64)
+    >>> torch.equal(rotate_half(x, ones, zeros), x)  # angle 0: the identity
+    True
+    """
+    r = cos.shape[-1]
+    cos = cos.reshape(-1, cos.shape[-2], 1, r).to(x.dtype)
+    sin = sin.reshape(-1, sin.shape[-2], 1, r).to(x.dtype)
+    part, rest = x[..., :r], x[..., r:]
+    half = torch.cat([-part[..., r // 2 :], part[..., : r // 2]], dim=-1)
+    return torch.cat([part * cos + half * sin, rest], dim=-1)

@@ -71,53 +71,142 @@ def hf_config(
     n_ctx: int,
     dropout: float = 0.0,
 ):
-    """The HuggingFace config `tiny_model` builds a "gpt2", "llama" or "opt" model from (e.g.
-    for a plain HuggingFace copy with the same weights: seed, then `from_config`).
+    """The HuggingFace config `tiny_model` builds a model of architecture `arch` from (e.g. for
+    a plain HuggingFace copy with the same weights: `hf_model`).
+
+    "gpt2", "llama" and "opt" are the suite's everyday models; `MATRIX_ARCHITECTURES` lists every
+    architecture of the architecture matrix, each small but with its distinguishing features on
+    (GQA, sliding windows of 4 tokens, soft-caps, qk-norms, partial rotary, parallel blocks, ALiBi,
+    mixture of experts, post-norms).
 
     >>> hf_config("llama", 300, 32, 2, 4, 64).num_key_value_heads  # GQA: half the heads
     2
+    >>> hf_config("gemma2", 300, 32, 2, 4, 64).attn_logit_softcapping
+    2.0
     """
-    from transformers import GPT2Config, LlamaConfig, OPTConfig
+    import transformers as tf
 
     special = {"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 2}
-    if arch == "gpt2":
-        return GPT2Config(
-            vocab_size=vocab,
-            n_positions=n_ctx,
-            n_embd=d_model,
-            n_layer=n_layers,
-            n_head=n_heads,
-            resid_pdrop=dropout,
-            embd_pdrop=dropout,
-            attn_pdrop=dropout,
+    d_head = d_model // n_heads
+    kv = max(1, n_heads // 2)
+    # The Llama family's keyword names; most architectures below take these.
+    common = {
+        "vocab_size": vocab,
+        "hidden_size": d_model,
+        "intermediate_size": 2 * d_model,
+        "num_hidden_layers": n_layers,
+        "num_attention_heads": n_heads,
+        "max_position_embeddings": n_ctx,
+        "attention_dropout": dropout,
+        **special,
+    }
+    gemma = {"num_key_value_heads": kv, "head_dim": d_head, "query_pre_attn_scalar": 12}
+    window = ["sliding_attention", "full_attention"] * n_layers
+    builders = {
+        "gpt2": lambda: tf.GPT2Config(
+            vocab_size=vocab, n_positions=n_ctx, n_embd=d_model, n_layer=n_layers,
+            n_head=n_heads, resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
             **special,
-        )
-    if arch == "llama":
-        return LlamaConfig(
-            vocab_size=vocab,
-            hidden_size=d_model,
-            intermediate_size=2 * d_model,
-            num_hidden_layers=n_layers,
-            num_attention_heads=n_heads,
-            num_key_value_heads=max(1, n_heads // 2),
-            max_position_embeddings=n_ctx,
-            attention_dropout=dropout,
-            **special,
-        )
-    if arch == "opt":
-        return OPTConfig(
-            vocab_size=vocab,
-            hidden_size=d_model,
-            ffn_dim=2 * d_model,
-            num_hidden_layers=n_layers,
-            num_attention_heads=n_heads,
-            max_position_embeddings=n_ctx,
-            word_embed_proj_dim=d_model,
-            dropout=dropout,
-            attention_dropout=dropout,
-            **special,
-        )
-    raise ValueError(f"unknown HF architecture {arch!r}")
+        ),
+        "opt": lambda: tf.OPTConfig(
+            vocab_size=vocab, hidden_size=d_model, ffn_dim=2 * d_model,
+            num_hidden_layers=n_layers, num_attention_heads=n_heads,
+            max_position_embeddings=n_ctx, word_embed_proj_dim=d_model, dropout=dropout,
+            attention_dropout=dropout, **special,
+        ),
+        "gpt_neo": lambda: tf.GPTNeoConfig(
+            vocab_size=vocab, max_position_embeddings=n_ctx, hidden_size=d_model,
+            num_layers=n_layers, num_heads=n_heads, window_size=4,
+            attention_types=[[["global", "local"], max(1, n_layers // 2)]], **special,
+        ),
+        "gptj": lambda: tf.GPTJConfig(
+            vocab_size=vocab, n_positions=n_ctx, n_embd=d_model, n_layer=n_layers,
+            n_head=n_heads, rotary_dim=d_head // 2, **special,
+        ),
+        "gpt_neox": lambda: tf.GPTNeoXConfig(**common, rotary_pct=0.25),
+        "bloom": lambda: tf.BloomConfig(
+            vocab_size=vocab, hidden_size=d_model, n_layer=n_layers, n_head=n_heads, **special
+        ),
+        "falcon": lambda: tf.FalconConfig(
+            vocab_size=vocab, hidden_size=d_model, num_hidden_layers=n_layers,
+            num_attention_heads=n_heads, new_decoder_architecture=False, multi_query=True,
+            parallel_attn=True, alibi=False, **special,
+        ),
+        "llama": lambda: tf.LlamaConfig(**common, num_key_value_heads=kv),
+        "mistral": lambda: tf.MistralConfig(**common, num_key_value_heads=kv, sliding_window=4),
+        "mixtral": lambda: tf.MixtralConfig(
+            **common, num_key_value_heads=kv, num_local_experts=4, num_experts_per_tok=2
+        ),
+        "qwen2": lambda: tf.Qwen2Config(**common, num_key_value_heads=kv),
+        "qwen3": lambda: tf.Qwen3Config(**common, num_key_value_heads=kv, head_dim=d_head),
+        "gemma": lambda: tf.GemmaConfig(**common, num_key_value_heads=kv, head_dim=d_head),
+        "gemma2": lambda: tf.Gemma2Config(
+            **common, **gemma, sliding_window=4, attn_logit_softcapping=2.0,
+            final_logit_softcapping=5.0,
+        ),
+        "gemma3": lambda: tf.Gemma3TextConfig(
+            **common, **{**gemma, "num_key_value_heads": 1}, sliding_window=4,
+            layer_types=window[:n_layers],
+        ),
+        "phi": lambda: tf.PhiConfig(**common, partial_rotary_factor=0.5),
+        "phi3": lambda: tf.Phi3Config(
+            **common, num_key_value_heads=kv, original_max_position_embeddings=n_ctx
+        ),
+        "olmo": lambda: tf.OlmoConfig(**common),
+        "olmo2": lambda: tf.Olmo2Config(**common),
+        "stablelm": lambda: tf.StableLmConfig(**common, num_key_value_heads=n_heads),
+    }  # fmt: skip
+    if arch not in builders:
+        raise ValueError(f"unknown HF architecture {arch!r}: use one of {sorted(builders)}")
+    return builders[arch]()
+
+
+#: The architecture matrix: tiny random models of the architectures researchers study, each built
+#: offline from transformers' config classes (`hf_config`), booted as TransformerBridges.
+MATRIX_ARCHITECTURES: tuple[str, ...] = (
+    "gpt2", "gpt_neo", "gptj", "gpt_neox", "opt", "bloom", "falcon", "llama", "mistral",
+    "mixtral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi", "phi3", "olmo", "olmo2",
+    "stablelm",
+)  # fmt: skip
+
+
+def hf_model(
+    arch: str,
+    *,
+    d_model: int = 32,
+    n_layers: int = 2,
+    n_heads: int = 4,
+    n_ctx: int = 64,
+    seed: int = 0,
+    dropout: float = 0.0,
+    spread: bool = False,
+):
+    """The plain HuggingFace model (eager attention, eval mode) `tiny_model` boots: the same
+    weights for the same arguments, so it serves as an independent reference.
+
+    Args:
+        spread: multiply the query/key weights by 8 and move every norm weight off its
+            initial value, so that attention is sharp, soft-caps bite and norms matter (the
+            architecture matrix's setting).
+    """
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = hf_config(arch, 300, d_model, n_layers, n_heads, n_ctx, dropout)
+    cfg._attn_implementation = "eager"
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    if spread:
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "norm" in name or "ln" in name:
+                    param.add_(0.3 * torch.randn_like(param))
+                if any(key in name for key in _QK_WEIGHTS):
+                    param.mul_(8.0)
+    return model
+
+
+# Parameter names holding query/key projections (joint qkv ones included) across architectures.
+_QK_WEIGHTS = ("q_proj", "k_proj", "query_key_value", "c_attn", "qkv_proj", "Wqkv")
 
 
 def tiny_model(
@@ -131,6 +220,7 @@ def tiny_model(
     dtype: torch.dtype = torch.float32,
     frozen: bool = False,
     dropout: float = 0.0,
+    spread: bool = False,
 ) -> HookedModel:
     """A small randomly initialised TransformerLens model, built offline.
 
@@ -141,6 +231,10 @@ def tiny_model(
         frozen: set requires_grad False on every parameter, the usual interpretability set-up.
         dropout: dropout probability of the HuggingFace architectures ("gpt2": residual,
             embedding and attention; "llama", "opt": their dropouts), active in train mode.
+        spread: sharper attention and norms off their initial values (`hf_model`).
+
+    Any of `MATRIX_ARCHITECTURES` (GPT-Neo, Gemma-2, OLMo-2, ...) is built the same way as
+    "gpt2", "llama" and "opt"; their plain HuggingFace twin is `hf_model`.
 
     Returns:
         A TransformerBridge (or HookedTransformer for "hooked") in eval mode.
@@ -158,7 +252,7 @@ def tiny_model(
             names the architectures it can build); also an ImportError and a RuntimeError.
     """
     _check_arch(arch)
-    if dropout and arch not in ("gpt2", "llama", "opt"):
+    if dropout and arch in ("native", "hooked"):
         raise ValueError(f"dropout is available for 'gpt2', 'llama' and 'opt', not {arch!r}")
     torch.manual_seed(seed)
     if arch == "hooked":
@@ -199,19 +293,20 @@ def tiny_model(
         )
     else:
         from transformer_lens.model_bridge import TransformerBridge
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
-        hf_cfg = hf_config(arch, 300, d_model, n_layers, n_heads, n_ctx, dropout)
-        hf_cfg._attn_implementation = "eager"
-        hf_model = AutoModelForCausalLM.from_config(hf_cfg).eval()
+        hf = hf_model(
+            arch, d_model=d_model, n_layers=n_layers, n_heads=n_heads, n_ctx=n_ctx, seed=seed,
+            dropout=dropout, spread=spread,
+        )  # fmt: skip
         folder = tempfile.mkdtemp(prefix=f"ra_lens_tiny_{arch}_")
-        hf_model.save_pretrained(folder)
+        hf.save_pretrained(folder)
         tok = AutoTokenizer.from_pretrained(tiny_tokenizer_dir())
         tok.save_pretrained(folder)
         from ra_lens.models import hub_offline
 
         with hub_offline():
-            model = TransformerBridge.boot_transformers(folder, hf_model=hf_model, tokenizer=tok)
+            model = TransformerBridge.boot_transformers(folder, hf_model=hf, tokenizer=tok)
     if dtype != torch.float32:
         model = model.to(dtype)
     model.eval()
@@ -234,6 +329,8 @@ def available_architectures() -> list[str]:
 
 
 def _check_arch(arch: object) -> None:
+    if arch in MATRIX_ARCHITECTURES and bridge_available():
+        return
     if arch not in ARCHITECTURES:
         raise ValueError(f"unknown tiny architecture {arch!r}: use one of {list(ARCHITECTURES)}")
     if arch in available_architectures():

@@ -128,6 +128,96 @@ def module_modes(model: Any) -> list[tuple[str, bool]]:
     return modes
 
 
+# --- ground truth from HuggingFace's own attention code -----------------------------------------
+
+
+def hf_attention_grads(hf: Any, tokens: Any, metric: Any) -> dict[str, list[Any]]:
+    """dM/d(QK^T), dM/d(softmax input) and dM/d(softmax output) of every layer, read inside a
+    plain HuggingFace model's own eager attention: no TransformerLens, no ra-lens.
+
+    A TorchFunctionMode adds a zero tensor that requires grad to the result of every
+    [.., seq, seq] matmul or baddbmm that forms QK^T (BLOOM's baddbmm scales it by alpha; the
+    leaf is scaled the same way, so its gradient is dM/d(QK^T) itself), and to the input and output
+    of every softmax over [.., seq, seq]. Each value: a list over layers of Float[Tensor,
+    "batch head query key"] (BLOOM's [batch*head, ...] reshaped). OPT pre-scales its queries:
+    `hf_qk_factor` says by what to multiply.
+    """
+    import torch
+    import torch.nn.functional as F
+    from torch.overrides import TorchFunctionMode
+
+    seq = tokens.shape[1]
+    leaves: dict[str, list[Any]] = {"qk": [], "scores": [], "pattern": []}
+
+    def leaf(kind: str, like: Any) -> Any:
+        zero = torch.zeros_like(like, requires_grad=True)
+        leaves[kind].append(zero)
+        return zero
+
+    class Leaves(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+            kwargs = kwargs or {}
+            square = lambda t: isinstance(t, torch.Tensor) and t.shape[-2:] == (seq, seq)  # noqa: E731
+            if func in (torch.softmax, F.softmax, torch.Tensor.softmax) and square(args[0]):
+                out = func(args[0] + leaf("scores", args[0]), *args[1:], **kwargs)
+                return out + leaf("pattern", out)
+            out = func(*args, **kwargs)
+            if func in (torch.baddbmm, torch.Tensor.baddbmm) and square(out):
+                return out + kwargs.get("alpha", 1.0) * leaf("qk", out)
+            is_matmul = func in (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__)
+            if is_matmul and square(out) and args[1].shape[-1] == seq:
+                return out + leaf("qk", out)
+            return out
+
+    with Leaves():
+        logits = hf(tokens).logits
+    flat = [t for kind in ("qk", "scores", "pattern") for t in leaves[kind]]
+    grads = torch.autograd.grad(metric(logits).sum(), flat, allow_unused=True)
+    out: dict[str, list[Any]] = {}
+    i = 0
+    for kind in ("qk", "scores", "pattern"):
+        n = len(leaves[kind])
+        out[kind] = [
+            (torch.zeros_like(t) if g is None else g).reshape(tokens.shape[0], -1, seq, seq)
+            for t, g in zip(leaves[kind], grads[i : i + n])
+        ]
+        i += n
+    return out
+
+
+def hf_qk_factor(hf: Any, layer: int) -> float:
+    """What turns the gradient at HuggingFace's QK matmul into dM/d(QK^T): OPT multiplies its
+    queries by `scaling` before the matmul (so the matmul forms s QK^T), every other model 1."""
+    attn = hf.model.decoder.layers[layer].self_attn if hf.config.model_type == "opt" else None
+    return float(attn.scaling) if attn is not None else 1.0
+
+
+def hf_logits_with_pattern_added(hf: Any, tokens: Any, added: list[Any]) -> Any:
+    """The logits of a plain HuggingFace model with `added[layer]` (Float[Tensor, "batch head
+    query key"]) added to the output of each layer's attention softmax, inside HF's own eager
+    attention: the ground truth of attention patching."""
+    import torch
+    import torch.nn.functional as F
+    from torch.overrides import TorchFunctionMode
+
+    seq, calls = tokens.shape[1], []
+
+    class Add(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+            out = func(*args, **(kwargs or {}))
+            softmax = func in (torch.softmax, F.softmax, torch.Tensor.softmax)
+            if softmax and out.shape[-2:] == (seq, seq):
+                delta = added[len(calls)]
+                calls.append(func)
+                return out + delta.reshape(out.shape).to(out.dtype)
+            return out
+
+    with torch.no_grad(), Add():
+        logits = hf(tokens).logits
+    assert len(calls) == len(added), "one softmax per layer expected"
+    return logits
+
+
 # --- the circuit page ---------------------------------------------------------------------------
 
 #: Clean/corrupted pairs the tiny tokenizer takes (one-token answers, equal token lengths).

@@ -335,7 +335,10 @@ def test_batches_and_padding_do_not_change_scores(model, batches):
         attribute(model, c, k, logit_diff([t], [f]), method="exact").scores
         for c, k, t, f in zip(CLEAN, CORRUPTED, [294, 50], [52, 60])
     ]
-    assert torch.allclose(together, (alone[0] + alone[1]) / 2, atol=1e-12)
+    # Alone, each prompt has its own length: HuggingFace computes the rotary tables in float32
+    # (a matmul whose rounding depends on the length), so equal up to float32 rounding only.
+    tolerance = 1e-6 * float(together.abs().max())
+    assert torch.allclose(together, (alone[0] + alone[1]) / 2, rtol=0, atol=tolerance)
 
 
 def test_node_scores_sum_edges(model, batches):

@@ -27,8 +27,15 @@ the patched run's (point k = other + (k / steps)(patched - other), k = 1..steps,
 "inputs"): at each point the node is moved by the same difference (q' - q, k' - k, A' - A) and
 the rows are recomputed with that point's q, k, A and R, so the nonlinearity after the node (the
 metric's, later layers') is averaged along the path as integrated gradients do; steps=1 is
-"exact". Rotary models use the rotated q and k
-(`hook_rot_q`, `hook_rot_k`); the attention scale s is read from the model.
+"exact".
+
+A query (key) node is the query (key) the softmax reads: on rotary models the rotated q and k
+(`hook_rot_q`, `hook_rot_k`), after any q/k norm. Where that norm is per head (Qwen3, Gemma-3)
+this is the same as patching the head's `hook_q`; where it spans all heads (OLMo-2's q_norm over
+the whole projection) it is not: there the node is the normalised query, and a patch of one
+head's `hook_q` would also move the other heads' queries through the shared norm. The scale,
+soft-cap (Gemma-2: S = c tanh(q k^T / (s c))) and sliding window are read from the model
+(`capture.attention_facts`), so the recomputed rows are the model's own.
 
 In the examples, `model` is a tiny random 2-layer x 4-head model (`ra_lens.toy_models.tiny_model`):
 

@@ -87,7 +87,7 @@ def attention_attribution(
 
     Raises:
         ValueError: unknown node/method/direction, pairs of unequal token length, attention that
-            is not softmax(q k^T / s + causal mask).
+            is not softmax(c tanh(q k^T / (s c)) + causal or sliding-window mask) (e.g. ALiBi).
         RuntimeError: `hook_pattern` outside the autograd graph (no R; e.g. OPT on TL 4).
 
     method="linear" is dM/dq . (q_clean - q) on the corrupted run, here checked with autograd
@@ -129,7 +129,7 @@ def attention_attribution(
 
     def estimates(layer: int, at: _Run | None = None) -> dict[str, Tensor]:
         return _layer_estimates(
-            patched, source, layer, capture.attention_scale(model, layer), base.lengths, nodes,
+            patched, source, layer, capture.attention_facts(model, layer), base.lengths, nodes,
             "exact" if method == "exact-ig" else method, at=at,
         )  # fmt: skip
 
@@ -239,7 +239,9 @@ def _capture(
     with torch.enable_grad():
         with (
             model.hooks(fwd_hooks=hooks),
-            capture.recorded(model, patterns + queries + keys) as acts,
+            capture.recorded(
+                model, patterns + queries + keys + capture.rotation_hooks(layers)
+            ) as acts,
             capture.raw_input_hooks(model, {}, keep_grad),
         ):
             logits = model(batch.tokens)
@@ -248,6 +250,7 @@ def _capture(
         values, loss = metric_loss(metric, logits, batch)
         if backward:
             torch.autograd.grad(loss, [leaf["leaf"]], allow_unused=True)
+    capture.fill_rotated(model, acts, layers)
     silent = [name for pair in zip(queries, keys) for name in pair if name not in acts]
     if silent:
         raise RuntimeError(
@@ -282,7 +285,7 @@ def _layer_estimates(
     patched: _Run,
     source: _Run,
     layer: int,
-    scale: float,
+    facts: capture.AttentionFacts,
     lengths: Tensor,
     nodes: list[str],
     method: str,
@@ -305,11 +308,10 @@ def _layer_estimates(
         return einops.repeat(keys, "b pos g d -> b pos (g r) d", r=group)
 
     n_pos = q.shape[1]
-    causal = torch.ones(n_pos, n_pos, dtype=torch.bool, device=q.device).tril()
+    causal = facts.mask(n_pos, q.device)
 
     def logits_of(queries: Tensor, keys: Tensor) -> Tensor:
-        scores = torch.einsum("bqhd,bkhd->bhqk", queries, per_head(keys)) / scale
-        return scores.masked_fill(~causal, float("-inf"))
+        return facts.logits(torch.einsum("bqhd,bkhd->bhqk", queries, per_head(keys)))
 
     logits = logits_of(q, k)
     log_pattern = logits.log_softmax(dim=-1)
@@ -318,11 +320,11 @@ def _layer_estimates(
     rows = real[:, None, :, None]
     mismatch = float(((log_pattern.exp() - pattern).abs() * rows).max())
     if mismatch > _RECOMPUTE_TOLERANCE.get(run.patterns[layer].dtype, _HALF_TOLERANCE):
+        cause = facts.refusal() or "q/k edited by another hook?"
         raise ValueError(
-            f"layer {layer}: softmax(q k^T / {scale:.4g} + causal mask) differs from hook_pattern "
-            f"by {mismatch:.2g}: this attention (soft-capping, ALiBi, a sliding window, q/k "
-            "edited by another hook?) is not modelled; attention_attribution supports plain "
-            "causal softmax attention"
+            f"layer {layer}: the recomputed softmax ({facts}) differs from hook_pattern by "
+            f"{mismatch:.2g}: {cause}; attention_attribution models scale, soft-cap, causal "
+            "mask and sliding window"
         )
     grad = run.grads[layer].double().masked_fill(~causal, 0.0) * rows
     other_pattern = source.patterns[layer].double()
@@ -346,12 +348,11 @@ def _layer_estimates(
         else:
             a = log_pattern.exp()
             scores_grad = a * (grad - (a * grad).sum(-1, keepdim=True))
-            query_change = torch.einsum("bqhd,bkhd->bhqk", q_other - q, per_head(k)) / scale
-            out["query"] = (scores_grad * query_change.masked_fill(~causal, 0.0)).sum(-1)
+            query_change = (query_logits - logits).masked_fill(~causal, 0.0)
+            out["query"] = (scores_grad * query_change).sum(-1)
         out["query"] = out["query"] * real[:, None, :]
 
-    delta = torch.einsum("bqhd,bkhd->bhqk", q, per_head(k_other - k)) / scale
-    delta = delta.masked_fill(~causal, 0.0)
+    delta = (logits_of(q, k_other) - logits).masked_fill(~causal, 0.0)
     out["key_logit_change"] = delta
     if "key" in nodes:
         terms = key_terms(log_pattern, grad, delta, method)  # type: ignore[arg-type]

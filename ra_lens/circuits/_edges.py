@@ -101,6 +101,17 @@ def check_supported(model: HookedModel) -> None:
             "the MLP and the attention of a layer read one norm's output, which has no hook per "
             "reader; use a sequential model (GPT-2, Llama, SmolLM2, ...)"
         )
+    post_norm = getattr(cfg, "use_normalization_before_and_after", False) or any(
+        hasattr(block, "ln1_post") for block in model.blocks
+    )
+    if post_norm:
+        raise NotImplementedError(
+            "post-norm blocks (Gemma-2, Gemma-3, OLMo-2) add norm(sum of the heads' outputs) to "
+            "the residual stream, so a single head's output is not what it writes there and its "
+            "edges are not defined by ra_lens.circuits yet; use a pre-norm model (GPT-2, Llama, "
+            "Qwen2/3, Mistral, SmolLM2, ...), or ra_lens.attention_attribution for head-level "
+            "query/key attribution"
+        )
     if getattr(cfg, "positional_embedding_type", "") == "shortformer":
         raise NotImplementedError(
             "shortformer positional embeddings (added to q/k inputs only) are not supported by "

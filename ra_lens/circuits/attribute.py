@@ -182,10 +182,7 @@ class _Step:
         names = [PATTERN.format(la) for la in layers]
         names += [capture.query_hook_name(model, la) for la in layers]
         names += [capture.key_hook_name(model, la) for la in layers]
-        names += [capture.Q.format(la) for la in layers]
-        names += [capture.COS.format(la) for la in layers] + [
-            capture.SIN.format(la) for la in layers
-        ]
+        names += capture.rotation_hooks(layers)
         run = _edges.EdgeRun(graph, weights, leaves=True, input_value=point)
         with (
             torch.enable_grad(),
@@ -203,6 +200,7 @@ class _Step:
         self.firsts = sorted(run.leaf)
         self.outputs = run.outputs()
         self.resid = {la: x.detach() for la, x in run.resid.items()}
+        capture.fill_rotated(model, acts, layers)
         self.acts, self.pattern_grads = acts, grads
 
     @torch.no_grad()  # the recorded activations may still require grad: build no graph from them
@@ -233,6 +231,13 @@ class _Step:
                 "queries and keys its attention uses, so the exact methods cannot redo its "
                 "softmax; use method='eap' or 'eap-ig'"
             )
+        facts = capture.attention_facts(model, layer)
+        cause = facts.refusal()
+        if cause is not None:
+            raise NotImplementedError(
+                f"layer {layer}: {cause}, so the exact methods cannot redo this softmax; use "
+                "method='eap' or 'eap-ig'"
+            )
         q = acts[capture.query_hook_name(model, layer)].double()
         k = acts[capture.key_hook_name(model, layer)].double()
         pattern = acts[PATTERN.format(layer)].double()
@@ -241,21 +246,20 @@ class _Step:
             grad = torch.zeros_like(pattern)
         grad = grad.double()
         turn = _rotation(model, layer, acts)
-        scale = capture.attention_scale(model, layer)
         group = g.n_heads // g.n_kv_heads
         n_pos = q.shape[1]
-        causal = torch.ones(n_pos, n_pos, dtype=torch.bool, device=q.device).tril()
+        causal = facts.mask(n_pos, q.device)
         rows = real.to(q.device)[:, None, :, None]
         k_rep = k.repeat_interleave(group, dim=2)
-        logits = torch.einsum("bthe,bshe->bhts", q, k_rep) / scale
-        logits = logits.masked_fill(~causal, float("-inf"))
+        raw = torch.einsum("bthe,bshe->bhts", q, k_rep)
+        logits = facts.logits(raw)
         base_pattern = logits.softmax(-1)
         mismatch = float(((base_pattern - pattern).abs() * rows).max())
         if mismatch > 1e-4:
             raise ValueError(
-                f"layer {layer}: softmax(q k^T / {scale:.4g} + causal mask) differs from "
-                f"hook_pattern by {mismatch:.2g}: this attention (soft-capping, ALiBi, a sliding "
-                "window?) is not modelled; the exact methods need plain causal softmax attention"
+                f"layer {layer}: the recomputed softmax ({facts}) differs from hook_pattern by "
+                f"{mismatch:.2g}: this attention is not modelled (q/k edited by another hook?); "
+                "use method='eap' or 'eap-ig'"
             )
         weight = grad.masked_fill(~causal, 0.0) * rows  # R on real rows only
         # The projections of every writer's change are most of the cost: they run in the
@@ -272,13 +276,13 @@ class _Step:
             chunk = diffs[start : min(start + _WRITER_CHUNK, n_before)].to(x.device, x.dtype)
             change = (w.ln1(x[None] + chunk) - normed[None]).to(dtype)
             dq = _project(change, w_q)
-            dlog = torch.einsum("wbthe,bshe->wbhts", dq, k_low).double() / scale
-            new = (logits[None] + dlog).softmax(-1)
+            dlog = torch.einsum("wbthe,bshe->wbhts", dq, k_low).double()
+            new = facts.logits(raw[None] + dlog).softmax(-1)
             query = ((new - base_pattern[None]) * weight[None]).sum((-1, -2)).sum(1)  # [w h]
             dk = _project(change, w_k)
             dk = dk.repeat_interleave(group, dim=3)
-            dlog = torch.einsum("bthe,wbshe->wbhts", q_low, dk).double() / scale
-            new = (logits[None] + dlog).softmax(-1)
+            dlog = torch.einsum("bthe,wbshe->wbhts", q_low, dk).double()
+            new = facts.logits(raw[None] + dlog).softmax(-1)
             key = ((new - base_pattern[None]) * weight[None]).sum((-1, -2)).sum(1)
             key = einops.reduce(key, "w (g r) -> w g", "sum", r=group)
             writers = slice(start, start + chunk.shape[0])

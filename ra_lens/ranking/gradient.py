@@ -133,12 +133,14 @@ def temperature_scores(
     """
 
     def score(model: HookedModel, part: Part) -> Tensor:
-        ra = reversed_attention(model, part.prompts, target_nll(part.targets), keep="maps")
+        # dL/dS itself (not s * RA, which differs under an attention soft-cap)
+        ra = reversed_attention(
+            model, part.prompts, target_nll(part.targets), keep="maps", convention="scores"
+        )
         assert ra.maps is not None and ra.patterns is not None
         maps, patterns = ra.maps.double(), ra.patterns.double()
         log_a = torch.where(patterns > 0, patterns.clamp_min(1e-300).log(), 0.0)
-        scales = torch.tensor(ra.scales, dtype=torch.float64)[None, :, None]
-        return ((maps * log_a).sum((-2, -1)) * scales).float()
+        return (maps * log_a).sum((-2, -1)).float()
 
     return rank(
         model,

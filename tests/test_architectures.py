@@ -1,0 +1,234 @@
+"""The architecture matrix: every capability on tiny random float64 models of the architectures
+researchers study, against ground truth read inside HuggingFace's own attention code
+(`helpers.hf_attention_grads`), never against TransformerLens's hooks (which share the adapters'
+assumptions). A capability is exact on an architecture or refuses naming the true cause."""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+import pytest
+import torch
+from helpers import hf_attention_grads, hf_qk_factor
+
+import ra_lens
+from ra_lens.metrics import target_nll
+from ra_lens.toy_models import MATRIX_ARCHITECTURES, hf_model, tiny_model
+
+pytestmark = pytest.mark.tl4  # the matrix boots TransformerBridges (TL 2 has its own tests below)
+
+PROMPT = "The quick brown fox jumps over"
+TARGET = 5
+#: MoE's grouped matmul has no float64 kernel: Mixtral runs in float32.
+DTYPES = {"mixtral": torch.float32}
+
+
+@cache
+def pair(arch: str) -> tuple[Any, Any]:
+    """(bridge, its plain HuggingFace twin), both float64 (float32 where noted), eval mode."""
+    pytest.importorskip("transformer_lens.model_bridge")
+    dtype = DTYPES.get(arch, torch.float64)
+    bridge = tiny_model(arch, dtype=dtype, spread=True)
+    return bridge, hf_model(arch, spread=True).to(dtype)
+
+
+def tolerance(arch: str) -> float:
+    return 1e-5 if DTYPES.get(arch) == torch.float32 else 1e-9
+
+
+@pytest.mark.parametrize("memory", ["full", "layerwise"])
+@pytest.mark.parametrize("convention", ["qk", "scores"])
+@pytest.mark.parametrize("arch", MATRIX_ARCHITECTURES)
+def test_ra_is_the_gradient_inside_huggingfaces_attention(
+    arch: str, convention: str, memory: str
+) -> None:
+    """RA ("qk") = dM/d(QK^T) at HF's QK matmul, "scores" = dM/d(softmax input): scale-free
+    GPT-Neo, Gemma-2's soft-cap (through the tanh) and final logit cap, ALiBi, windows, qk-norms,
+    MoE, partial rotary and parallel blocks; in one backward pass and layer by layer."""
+    bridge, hf = pair(arch)
+    tokens = bridge.to_tokens(PROMPT)
+    metric = target_nll([TARGET])
+    truth = hf_attention_grads(hf, tokens, metric)[convention]
+    ra = ra_lens.reversed_attention(bridge, tokens, metric, convention=convention, memory=memory)
+    assert ra.maps is not None and len(truth) == bridge.cfg.n_layers
+    for layer, grad in enumerate(truth):
+        factor = hf_qk_factor(hf, layer) if convention == "qk" else 1.0
+        expected = grad[0].double() * factor
+        if convention == "scores":  # masked entries: HF adds a finite minimum, A is 0 there
+            expected = expected * (ra.patterns[0, layer] > 0)
+        got = ra.maps[0, layer].double()
+        assert got.shape == expected.shape
+        scale = float(expected.abs().max())
+        assert scale > 0
+        # maps are float32: compare at float32 precision relative to the largest entry
+        assert float((got - expected).abs().max()) <= max(1e-6, tolerance(arch)) * scale * 10
+
+
+#: attention_attribution's refusals (architecture -> words in the message); every other
+#: architecture of the matrix is exact.
+ATTRIBUTION_REFUSALS = {
+    "gpt_neo": "delegates attention to HuggingFace",
+    "gptj": "delegates attention to HuggingFace",
+    "opt": "delegates attention to HuggingFace",
+    "bloom": "ALiBi",
+}
+EXACT_SOFTMAX = tuple(a for a in MATRIX_ARCHITECTURES if a not in ATTRIBUTION_REFUSALS)
+
+
+@pytest.mark.parametrize("arch", sorted(ATTRIBUTION_REFUSALS))
+def test_attribution_refuses_naming_the_cause(arch: str) -> None:
+    from helpers import TOY_CLEAN, TOY_CORRUPTED
+
+    bridge, _ = pair(arch)
+    metric = ra_lens.metrics.logit_diff([5], [7])
+    with pytest.raises((RuntimeError, ValueError), match=ATTRIBUTION_REFUSALS[arch]):
+        ra_lens.attention_attribution(bridge, TOY_CLEAN[2], TOY_CORRUPTED[2], metric)
+
+
+@pytest.mark.parametrize("arch", EXACT_SOFTMAX)
+def test_exact_query_node_is_the_models_own_changed_row(arch: str) -> None:
+    """attention_attribution's exact query node = sum_s R_ts (A'_ts - A_ts), where A' is the
+    pattern the model itself computes with head h's query at position t taken from the other run:
+    the soft-cap (Gemma-2) and sliding windows (Mistral, Gemma-2) recomputed as the model does."""
+    from helpers import TOY_CLEAN, TOY_CORRUPTED
+
+    from ra_lens import capture
+
+    bridge, _ = pair(arch)
+    clean, corrupted = TOY_CLEAN[2], TOY_CORRUPTED[2]  # one token apart, 3 before the end
+    metric = ra_lens.metrics.logit_diff([5], [7])
+    att = ra_lens.attention_attribution(bridge, clean, corrupted, metric, nodes=["query"])
+    # layer 0's row at the changed token: its query moves, and the last position (the metric's)
+    # still sees it through a 4-token window
+    differ = (bridge.to_tokens(clean) != bridge.to_tokens(corrupted))[0].nonzero()
+    layer, head, t = 0, 1, int(differ[0])
+    # The rotated query where the adapter fires hook_rot_q; else hook_q (the rotation is linear
+    # per position, so patching one head's q at t patches its rotated q at t the same way).
+    q_name = capture.query_hook_name(bridge, layer)
+    with capture.recorded(bridge, [q_name, capture.Q.format(layer)]) as source:
+        bridge(bridge.to_tokens(clean))
+    if q_name not in source:
+        q_name = capture.Q.format(layer)
+
+    def patch(q: torch.Tensor, hook: Any) -> torch.Tensor:
+        q = q.clone()
+        q[:, t, head] = source[q_name][:, t, head].to(q)
+        return q
+
+    pattern = capture.PATTERN.format(layer)
+    with capture.recorded(bridge, [pattern]) as changed, bridge.hooks([(q_name, patch)]):
+        bridge(bridge.to_tokens(corrupted))
+    new_row = changed[pattern][0, head, t].double()
+    old_row = att.patterns[0, layer, head, t].double()
+    grad_row = att.pattern_grads[0, layer, head, t].double()
+    expected = float((grad_row * (new_row - old_row)).sum())
+    got = float(att.by_position["query"][0, layer, head, t])
+    assert abs(expected) > 1e-8
+    assert got == pytest.approx(expected, rel=1e-4, abs=1e-9)
+
+
+#: The circuits' refusals, each naming its true cause (architecture -> words in the message).
+CIRCUIT_REFUSALS = {
+    "gemma2": "post-norm blocks",
+    "gemma3": "post-norm blocks",
+    "olmo2": "post-norm blocks",
+    "gpt_neox": "parallel attention/MLP",
+    "gptj": "parallel attention/MLP",
+    "phi": "parallel attention/MLP",
+    "falcon": "parallel attention/MLP",
+}
+#: The exact edge methods' refusals on models whose eap circuits work.
+EXACT_REFUSALS = {
+    "qwen3": "q/k norms",
+    "bloom": "ALiBi",
+    "gpt_neo": "delegates attention to HuggingFace",
+    "opt": "delegates attention to HuggingFace",
+}
+
+
+@pytest.mark.parametrize("arch", MATRIX_ARCHITECTURES)
+def test_circuits_are_exact_at_both_ends_or_refuse_naming_the_cause(arch: str) -> None:
+    """eap and exact edge scores, and faithfulness: full circuit 1, empty circuit 0 (float64),
+    or a refusal whose message names the architectural cause."""
+    from helpers import TOY_CLEAN, TOY_CORRUPTED
+
+    from ra_lens import circuits
+
+    bridge, _ = pair(arch)
+    metric = ra_lens.metrics.logit_diff([5, 6, 7], [7, 5, 6])
+    if arch in CIRCUIT_REFUSALS:
+        with pytest.raises(NotImplementedError, match=CIRCUIT_REFUSALS[arch]):
+            circuits.attribute(bridge, TOY_CLEAN, TOY_CORRUPTED, metric, method="eap")
+        return
+    scores = circuits.attribute(bridge, TOY_CLEAN, TOY_CORRUPTED, metric, method="eap")
+    assert bool(scores.scores.abs().gt(0).any())
+    graph = scores.graph
+    full = circuits.Circuit(graph, graph.real.clone())
+    empty = circuits.Circuit(graph, torch.zeros_like(graph.real))
+    for circuit, value in ((full, 1.0), (empty, 0.0)):
+        got = circuits.faithfulness(bridge, circuit, TOY_CLEAN, TOY_CORRUPTED, metric).value
+        assert got == pytest.approx(value, abs=1e-6)
+    if arch in EXACT_REFUSALS:
+        with pytest.raises((NotImplementedError, RuntimeError), match=EXACT_REFUSALS[arch]):
+            circuits.attribute(bridge, TOY_CLEAN, TOY_CORRUPTED, metric, method="exact")
+    else:
+        exact = circuits.attribute(bridge, TOY_CLEAN, TOY_CORRUPTED, metric, method="exact")
+        assert exact.scores.shape == scores.scores.shape
+
+
+#: edit_dynamics's refusals (architecture -> words in the message).
+DYNAMICS_REFUSALS = {
+    "gptj": "interleaved rotary",
+    "bloom": "ALiBi",
+    "qwen3": "q/k norms",
+    "gemma3": "q/k norms",
+    "olmo2": "q/k norms",
+}
+
+
+@pytest.mark.parametrize("arch", MATRIX_ARCHITECTURES)
+def test_edit_dynamics_is_exact_to_second_order_or_refuses(arch: str) -> None:
+    """RA's gradient of W_q, b_q, W_k, b_k is autograd's, and predicted (first order) + the
+    second-order term is the change a real SGD step makes (soft-cap and windows included)."""
+    bridge, _ = pair(arch)
+    metric = target_nll([TARGET])
+    if arch in DYNAMICS_REFUSALS:
+        with pytest.raises(NotImplementedError, match=DYNAMICS_REFUSALS[arch]):
+            ra_lens.edit_dynamics(bridge, PROMPT, metric, 1e-3)
+        return
+    dyn = ra_lens.edit_dynamics(bridge, PROMPT, metric, 1e-3)
+    assert float(dyn.grad_error.max()) < tolerance(arch) * 1e3
+    total = (dyn.predicted + dyn.second_order).double()
+    error = float((total - dyn.actual.double()).abs().max() / dyn.actual.double().abs().max())
+    assert error < tolerance(arch) * 1e3
+    assert float(dyn.pattern_cosine.min()) > 0.999
+
+
+#: Adapters that hand attention to HuggingFace and fire hook_pattern after the fact: an edit
+#: there never reaches the output, so attention patching refuses (with `model=`).
+DELEGATED = ("gpt_neo", "gptj", "opt")
+
+
+@pytest.mark.parametrize("arch", MATRIX_ARCHITECTURES)
+def test_attention_patching_is_huggingfaces_own_patched_attention(arch: str) -> None:
+    """Logits under attention_patch_hooks(ra, eta) = HF's logits with eta * RA added to the
+    softmax output inside its own attention code."""
+    from helpers import hf_logits_with_pattern_added
+
+    bridge, hf = pair(arch)
+    tokens = bridge.to_tokens(PROMPT)
+    ra = ra_lens.reversed_attention(bridge, tokens, target_nll([TARGET]))
+    if arch in DELEGATED:
+        with pytest.raises(RuntimeError, match="delegates attention to HuggingFace"):
+            ra_lens.attention_patch_hooks(ra, -4.0, model=bridge)
+        return
+    with torch.no_grad(), bridge.hooks(fwd_hooks=ra_lens.attention_patch_hooks(ra, -4.0)):
+        patched = bridge(tokens).double()
+    assert ra.maps is not None
+    added = [-4.0 * ra.maps[:, layer].double() for layer in range(bridge.cfg.n_layers)]
+    expected = hf_logits_with_pattern_added(hf, tokens, added).double()
+    unpatched = hf(tokens).logits.detach().double()
+    assert float((expected - unpatched).abs().max()) > 1e-4  # the edit matters
+    scale = float(expected.abs().max())
+    assert float((patched - expected).abs().max()) < 1e-5 * scale

@@ -74,10 +74,12 @@ def run(tiny: bool, edges: int, repeats: int, log: Any = print) -> dict[str, Any
     build = time.perf_counter() - start
     log(f"{name}: {scores.graph.n_edges:,} edges in the graph, circuit of {circuit.n_edges:,}; "
         f"page {len(page.html) / 1e6:.2f} MB built in {build:.1f} s")  # fmt: skip
-    folder = Path(tempfile.mkdtemp(prefix="ra_lens_page_bench_"))
-    path = page.save(folder / "circuit.html")
     first_paint, drawn = [], 0
-    with headless_chromium() as driver:
+    with (
+        tempfile.TemporaryDirectory(prefix="ra_lens_page_bench_") as folder,
+        headless_chromium() as driver,
+    ):
+        path = page.save(Path(folder) / "circuit.html")
         for i in range(repeats + 1):  # the first load warms the browser's caches: not counted
             open_page(driver, path)
             value = None

@@ -68,6 +68,7 @@ bench: setup
 	$(PY) benchmarks/bench_ra.py --json bench_out/bench_ra.json
 	$(PY) benchmarks/bench_long_context.py --compare 1024 --json bench_out/long_context_1024.json
 	$(PY) benchmarks/bench_circuits.py --json bench_out/bench_circuits.json
+	$(PY) benchmarks/bench_circuit_page.py --json bench_out/bench_circuit_page.json
 
 figures: setup
 	$(PY) docs/make_figures.py

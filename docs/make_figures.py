@@ -14,6 +14,9 @@ Everything runs on the embedded SmolLM2-135M-Instruct on the CPU, through the pu
 - ranking_study_auc.png, ranking_study_curves.png: the head-ranking study (every ranking, 4
   tasks x 0/5 shots x zero/mean ablation) read from docs/results/ranking_study.json, which
   `python -m ra_lens.experiments.ranking_study` writes (README: how it ran, on a GPU); no model.
+- circuit_page.png: the page of `ra-lens circuit --html` for IOI (4 pairs, "exact" edge scores,
+  the faithfulness curve at MIB's fractions, a 150-edge circuit), one head open, screenshot by
+  headless Chromium (`ra_lens.circuits.browser`; a few minutes).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ TARGET = " Florence"
 STUDY_JSON = Path(__file__).resolve().parent / "results" / "ranking_study.json"
 #: The rankings the curve figure draws (all twelve are in the heat map).
 CURVE_RANKINGS = ("ra", "ra_temperature", "causal_mediation", "cm_first_order", "random")
-FIGURES = ("figure1", "patching", "ranking", "circuit")
+FIGURES = ("figure1", "patching", "ranking", "circuit", "page")
 
 
 def figure1(model: Any, out: Path) -> list[Path]:
@@ -218,6 +221,42 @@ def circuit_study(out: Path, source: Path = CIRCUIT_JSON) -> list[Path]:
     return [path]
 
 
+def circuit_page(model: Any, out: Path) -> list[Path]:
+    """A screenshot of the circuit page, as `ra-lens circuit --html` writes it, with the head of
+    the largest |node score| in the circuit open (found through the page's search box)."""
+    import tempfile
+
+    from ra_lens import circuits
+    from ra_lens.circuits.browser import console_errors, headless_chromium, open_page
+    from ra_lens.tasks import ioi
+
+    pairs = ioi.usable(model, ioi.ioi_pairs(40))[:4]
+    clean, corrupted, metric = ioi.paired_batch(model, pairs)
+    scores = circuits.attribute(model, clean, corrupted, metric, method="exact")
+    curve = circuits.faithfulness_curve(model, scores, clean, corrupted, metric)
+    circuit = scores.top(150)
+    kept = circuits.faithfulness(model, circuit, clean, corrupted, metric)
+    page = scores.to_html(
+        curve=curve, circuit=circuit, faithfulness=kept.value, model=model, clean=clean,
+        metric=metric, title=f"smollm2-135m: exact circuits, {len(pairs)} IOI pairs",
+    )  # fmt: skip
+    graph = scores.graph
+    node = scores.scores.mul(graph.real).sum(1).abs()
+    heads = [n for n in circuit.nodes if n.startswith("a")]
+    head = max(heads, key=lambda n: float(node[graph.writer_index[n]]))
+    path = out / "circuit_page.png"
+    with tempfile.TemporaryDirectory() as folder, headless_chromium(1500, 1000) as driver:
+        open_page(driver, page.save(Path(folder) / "page.html"))
+        box = driver.find_element("id", "search")
+        box.send_keys(head + "\n")  # selects the head and scrolls it into view
+        errors = console_errors(driver)
+        if errors:
+            raise RuntimeError(f"the page logged errors: {errors}")
+        driver.save_screenshot(str(path))
+    print(f"circuit page: {circuit.n_edges} edges, faithfulness {kept.value:.3f}, head {head}")
+    return [path]
+
+
 def main(argv: list[str] | None = None) -> list[Path]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=OUT)
@@ -237,6 +276,8 @@ def main(argv: list[str] | None = None) -> list[Path]:
             paths += patching(model, args.out)
         elif name == "circuit":
             paths += circuit_study(args.out)
+        elif name == "page":
+            paths += circuit_page(model, args.out)
         else:
             paths += ranking(args.out)
         print(f"{name}: {time.perf_counter() - start:.0f} s")

@@ -28,7 +28,9 @@
 # 3. measure circuits of increasing size by edge patching (every edge outside the circuit gets
 #    the writer's corrupted output) and compare the three faithfulness curves (MIB's CPR: area
 #    under the curve, higher is better; CMD: area between the curve and 1, lower is better);
-# 4. save the circuit in EAP-IG's graph JSON (the file MIB's circuit track reads) and read it
+# 4. open the circuits in one offline, interactive page (each head's pattern and RA on the
+#    pairs' tokens);
+# 5. save the circuit in EAP-IG's graph JSON (the file MIB's circuit track reads) and read it
 #    back.
 #
 # Three pairs and three circuit sizes keep it short; `ra-lens circuit --task ioi` runs the same
@@ -134,6 +136,28 @@ ax.set_title(f"IOI on SmolLM2-135M, {len(pairs)} pairs")
 display(ax.figure)
 for name, curve in curves.items():
     assert all(-1 < v < 2 for v in curve.values), f"{name}: faithfulness out of range"
+
+# %% [markdown]
+# ## See the circuit: one offline page
+#
+# `scores.to_html(path, ...)` writes one self-contained HTML file (everything inlined, no request
+# ever: open it from disk in any browser) that walks the circuits at the curve's sizes beside the
+# faithfulness curve, plus the circuit above, which it opens on. Click a head for its node score,
+# its attention pattern beside its RA on a pair's tokens (`reversed_attention` of the metric) and
+# the exact q/k edges into it; click an edge for its score. `display(page)` shows it inline.
+
+# %%
+page = scores["exact"].to_html(
+    "ioi_exact_circuit.html",
+    curve=curves["exact"],
+    circuit=circuit,
+    faithfulness=result.value,
+    model=model,
+    clean=clean,
+    metric=metric,
+)
+print(page)
+display(page)  # the page inline (an iframe holding the same file)
 
 # %% [markdown]
 # ## Save, load, share

@@ -236,3 +236,35 @@ def hf_logits_with_pattern_added(hf: Any, tokens: Any, added: list[Any]) -> Any:
         logits = hf(tokens).logits
     assert len(calls) == len(added), "one softmax per layer expected"
     return logits
+
+
+# --- the circuit page ---------------------------------------------------------------------------
+
+#: Clean/corrupted pairs the tiny tokenizer takes (one-token answers, equal token lengths).
+PAGE_PAIRS = [
+    ("I like Italy", "I like Paris", " and", " the"),
+    ("I like Paris", "I like Italy", " the", " and"),
+    ("The capital of Italy is", "The capital of Paris is", " the", " and"),
+]
+
+
+def page_setup() -> Any:
+    """What a circuit page is built from, on a tiny model (Llama with grouped-query attention
+    under TL 4, HookedTransformer under TL 2): the pairs, "exact" edge scores, their faithfulness
+    curve at MIB's fractions and a 12-edge circuit with its faithfulness."""
+    from types import SimpleNamespace
+
+    from ra_lens import circuits
+    from ra_lens.tasks.ioi import PromptPair, paired_batch
+
+    model = tiny_model(arch_or_hooked("llama"))
+    pairs = [PromptPair(*p) for p in PAGE_PAIRS]
+    clean, corrupted, metric = paired_batch(model, pairs)
+    scores = circuits.attribute(model, clean, corrupted, metric, method="exact")
+    curve = circuits.faithfulness_curve(model, scores, clean, corrupted, metric)
+    circuit = scores.top(12)
+    kept = circuits.faithfulness(model, circuit, clean, corrupted, metric)
+    return SimpleNamespace(
+        model=model, pairs=pairs, clean=clean, corrupted=corrupted, metric=metric,
+        scores=scores, curve=curve, circuit=circuit, faithfulness=kept.value,
+    )  # fmt: skip

@@ -1,15 +1,17 @@
 """Circuit discovery: a component graph, edge scores with an exact softmax, circuits and their
-faithfulness, in files EAP-IG and MIB read."""
+faithfulness, in files EAP-IG and MIB read, and one offline interactive page per circuit."""
 
 from ra_lens.circuits.attribute import NodeScores, attribute
 from ra_lens.circuits.circuit import Circuit, EdgeScores
 from ra_lens.circuits.curve import MIB_FRACTIONS, FaithfulnessCurve, faithfulness_curve
 from ra_lens.circuits.faithfulness import Faithfulness, FaithfulnessEvaluator, faithfulness
 from ra_lens.circuits.graph import Graph
+from ra_lens.circuits.page import CircuitPage
 
 __all__ = [
     "MIB_FRACTIONS",
     "Circuit",
+    "CircuitPage",
     "EdgeScores",
     "Faithfulness",
     "FaithfulnessCurve",

@@ -29,7 +29,7 @@ from __future__ import annotations
 import heapq
 import math
 import numbers
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -41,10 +41,13 @@ from torch import Tensor
 
 from ra_lens._typing import Validated
 from ra_lens.circuits.graph import Graph
-from ra_lens.types import HookedModel
+from ra_lens.types import HookedModel, MetricFn, Tokens
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
+
+    from ra_lens.circuits.curve import FaithfulnessCurve
+    from ra_lens.circuits.page import CircuitPage
 
 
 @dataclass
@@ -154,6 +157,47 @@ class EdgeScores:
                 for reader in torch.nonzero(owner[:, w]).flatten().tolist():
                     push_into(reader)
         return self._circuit(edges)
+
+    def to_html(
+        self,
+        path: str | Path | None = None,
+        *,
+        curve: FaithfulnessCurve | None = None,
+        sizes: Sequence[float] | None = None,
+        selection: Literal["top", "greedy"] = "top",
+        circuit: Circuit | None = None,
+        faithfulness: float | None = None,
+        model: HookedModel | None = None,
+        clean: Tokens | None = None,
+        metric: MetricFn | None = None,
+        n_pairs: int = 3,
+        title: str | None = None,
+    ) -> CircuitPage:
+        """One self-contained offline HTML page (see `page.py`) walking the circuits these scores
+        pick at each size (`curve`'s sizes and selection, else `sizes`, default MIB's fractions,
+        and `selection`), beside the faithfulness curve when `curve` is given; `circuit` (with
+        its `faithfulness`) is one more stop, opened first. With `model`, `clean` and `metric`,
+        a click on a head shows its attention pattern and RA on each of the first `n_pairs`
+        clean prompts. Written to `path` when given; the returned page shows inline in Jupyter.
+        """
+        from ra_lens.circuits.page import scores_page
+
+        page = scores_page(
+            self,
+            curve=curve,
+            sizes=sizes,
+            selection=selection,
+            circuit=circuit,
+            faithfulness=faithfulness,
+            model=model,
+            clean=clean,
+            metric=metric,
+            n_pairs=n_pairs,
+            title=title,
+        )
+        if path is not None:
+            page.save(path)
+        return page
 
 
 @dataclass(eq=False)
@@ -323,6 +367,36 @@ class Circuit:
         from ra_lens.circuits.draw import draw_circuit
 
         return draw_circuit(self, path, title=title, max_width=max_width)
+
+    def to_html(
+        self,
+        path: str | Path | None = None,
+        *,
+        faithfulness: float | None = None,
+        model: HookedModel | None = None,
+        clean: Tokens | None = None,
+        metric: MetricFn | None = None,
+        n_pairs: int = 3,
+        title: str | None = None,
+    ) -> CircuitPage:
+        """One self-contained offline HTML page of this circuit (see `page.py`; to walk circuits
+        of several sizes use `EdgeScores.to_html`). With `model`, `clean` and `metric`, a click on
+        a head shows its attention pattern and RA on each of the first `n_pairs` clean prompts.
+        Written to `path` when given; the returned page shows inline in Jupyter."""
+        from ra_lens.circuits.page import circuit_page
+
+        page = circuit_page(
+            self,
+            faithfulness=faithfulness,
+            model=model,
+            clean=clean,
+            metric=metric,
+            n_pairs=n_pairs,
+            title=title,
+        )
+        if path is not None:
+            page.save(path)
+        return page
 
 
 def _check_finite(graph: Graph, scores: Tensor, name: str) -> None:

@@ -183,6 +183,14 @@ def _add_circuit_command(sub: Any) -> None:
         help="edges asked for in the circuit that is drawn and saved (40; fewer after pruning)",
     )
     circuit.add_argument("--batch-size", type=_positive_int, default=8, help="pairs per pass (8)")
+    circuit.add_argument(
+        "--html",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="write one self-contained offline HTML page: the circuits of the curve and the "
+        "--edges circuit, each head's attention pattern and RA on the first pairs",
+    )
     _common(circuit)
     circuit.set_defaults(run=circuit_command._run_circuit, out_files=circuit_command.OUT_FILES)
 

@@ -94,8 +94,20 @@ def _run_circuit(args: argparse.Namespace) -> int:
             title=f"{args.method}: {circuit.n_edges} edges, faithfulness {kept.value:.3f}",
         )
         circuit.to_json(files[2])
-        for f in files:
-            _say(args, f"wrote {f}")
+    if args.html is not None:
+        scores.to_html(
+            args.html,
+            curve=curve,
+            circuit=circuit,
+            faithfulness=kept.value,
+            model=model,
+            clean=clean,
+            metric=metric,
+            title=f"{args.model}: {args.method} circuits, {len(pairs)} pairs ({source})",
+        )
+        files.append(args.html)
+    for f in files:
+        _say(args, f"wrote {f}")
     _emit_json(
         args.json,
         {

@@ -1,0 +1,411 @@
+"""One self-contained, offline HTML page per circuit: see it, walk its sizes, open its heads.
+
+The page (`page_assets/`: page.html, page.css and page.js, written by hand in plain JavaScript
+and SVG, no library) draws the component graph by layer, input at the bottom and logits on top,
+heads `a{l}.h{h}` and MLPs `m{l}` as boxes; an edge runs from its writer to its reader's port
+(query left, key middle, value right of a head's box; keys dashed, values dotted), red for a
+positive score and blue for a negative one, its width |score|. A size control walks the circuits
+the page carries (MIB's fractions of the edges by default) beside the faithfulness curve, the
+current circuit marked; clicking a head shows its node score, its attention pattern beside its
+RA on the tokens of a chosen pair, and the edges into its query and key; clicking an edge its
+score (per pair where the scores keep them). Everything the page needs is inlined in one JSON
+block; a Content-Security-Policy forbids any request, so it opens offline from a file.
+
+    >>> from ra_lens import circuits
+    >>> from ra_lens.metrics import logit_diff
+    >>> clean, corrupted = ["The capital of France is"], ["The capital of Italy is"]
+    >>> metric = logit_diff([294], [52])
+    >>> scores = circuits.attribute(model, clean, corrupted, metric, method="eap")
+    >>> page = scores_page(scores, model=model, clean=clean, metric=metric)
+    >>> page.n_circuits, page.html.startswith("<!DOCTYPE html>"), "://" in page.html
+    (10, True, False)
+    >>> page.save("circuit.html")  # doctest: +SKIP
+
+Size: edges are stored once for all circuits (each circuit as what it adds to and removes from
+the previous one), a circuit with more than `max_drawn` edges draws its `max_drawn` largest
+|score| (the page says so), and the pattern and RA of a head are stored at 8 bits (pattern:
+1/255; RA: 1/127 of the head's largest |RA| on that pair) for the heads of the largest circuit
+only.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from jaxtyping import Float
+from torch import Tensor
+
+import ra_lens
+from ra_lens import capture
+from ra_lens.circuits.circuit import Circuit, EdgeScores
+from ra_lens.circuits.curve import MIB_FRACTIONS, FaithfulnessCurve
+from ra_lens.circuits.graph import Graph
+from ra_lens.types import HookedModel, MetricFn, Tokens
+
+#: Circuits with more edges draw only this many (the largest |score|): a browser draws 5,000
+#: SVG paths in well under a second, and a denser picture is no longer readable anyway.
+MAX_DRAWN = 5000
+#: The page opens on the largest circuit with at most this many edges (or on `circuit=`).
+OPEN_AT = 1000
+#: Height of the page inside a notebook cell, in pixels.
+NOTEBOOK_HEIGHT = 780
+
+
+@dataclass(frozen=True)
+class CircuitPage:
+    """A circuit page: `html` (the whole self-contained document), `n_circuits` (stops of its
+    size control). Shown inline by Jupyter (`_repr_html_`: the page in an iframe); `save(path)`
+    writes it."""
+
+    html: str
+    n_circuits: int
+
+    def save(self, path: str | Path) -> Path:
+        """Write the page to `path` (atomically, folders created); returns the file written."""
+        from ra_lens.files import write_file
+
+        return write_file(path, self.html, make_folders=True)
+
+    def _repr_html_(self) -> str:
+        # An iframe keeps the page's script and styles apart from the notebook's own.
+        return (
+            f'<iframe srcdoc="{html.escape(self.html, quote=True)}" '
+            f'style="width: 100%; height: {NOTEBOOK_HEIGHT}px; border: 1px solid #ddd"></iframe>'
+        )
+
+    def __repr__(self) -> str:
+        return f"CircuitPage({self.n_circuits} circuits, {len(self.html) / 1e3:.0f} kB)"
+
+
+@dataclass(frozen=True)
+class _Stop:
+    """One circuit of the size control: `fraction` of the graph's edges asked for (None for a
+    circuit given as is), its label and its faithfulness when measured."""
+
+    circuit: Circuit
+    label: str
+    fraction: float | None
+    faithfulness: float | None
+
+
+def scores_page(
+    scores: EdgeScores,
+    *,
+    curve: FaithfulnessCurve | None = None,
+    sizes: Sequence[float] | None = None,
+    selection: str = "top",
+    circuit: Circuit | None = None,
+    faithfulness: float | None = None,
+    model: HookedModel | None = None,
+    clean: Tokens | None = None,
+    metric: MetricFn | None = None,
+    n_pairs: int = 3,
+    max_drawn: int = MAX_DRAWN,
+    title: str | None = None,
+) -> CircuitPage:
+    """The page of the circuits `scores` picks at each size (`EdgeScores.to_html`).
+
+    Args:
+        scores: edge scores [writer reader].
+        curve: a faithfulness curve measured on these scores: its sizes and selection give the
+            circuits, its values the curve beside them (checked: each circuit's edge count).
+        sizes: fractions of the graph's edges without a curve (default MIB's 0.1 % .. 100 %).
+        selection: "top" or "greedy", without a curve.
+        circuit: one more circuit (e.g. the one a run saved), placed by its edge count; the page
+            opens on it. faithfulness: its faithfulness, marked on the curve.
+        model, clean, metric: to show each head's attention pattern and RA
+            (`ra_lens.reversed_attention` of `metric`) on the first `n_pairs` clean prompts.
+        max_drawn: the most edges drawn per circuit (the largest |score|).
+        title: the page's title.
+    """
+    graph = scores.graph
+    if curve is not None:
+        if curve.n_total != graph.n_edges:
+            raise ValueError(
+                f"the curve is over {curve.n_total} edges, the scores' graph has {graph.n_edges}"
+            )
+        sizes, selection = curve.sizes, curve.selection
+    fractions = list(MIB_FRACTIONS if sizes is None else sizes)
+    if selection not in ("top", "greedy"):
+        raise ValueError(f"selection={selection!r}: expected 'top' or 'greedy'")
+    stops = []
+    for i, k in enumerate(fractions):
+        if not 0 < k <= 1:
+            raise ValueError(f"sizes: {k} is not a fraction of the graph's edges in (0, 1]")
+        n = int(k * graph.n_edges)  # as faithfulness_curve and MIB: rounded down
+        chosen = scores.top(n) if selection == "top" else scores.greedy(n)
+        value = None
+        if curve is not None:
+            if curve.n_edges[i] != chosen.n_edges:
+                raise ValueError(
+                    f"the curve's circuit at {k:g} has {curve.n_edges[i]} edges, these scores "
+                    f"give {chosen.n_edges}: pass the curve measured on these scores"
+                )
+            value = curve.values[i]
+        stops.append(_Stop(chosen, f"{100 * k:g} % ({chosen.n_edges:,} edges)", k, value))
+    start = max((i for i, s in enumerate(stops) if s.circuit.n_edges <= OPEN_AT), default=0)
+    if circuit is not None:
+        if circuit.graph != graph:
+            raise ValueError(f"circuit is for {circuit.graph}, the scores for {graph}")
+        start = sum(s.circuit.n_edges <= circuit.n_edges for s in stops)
+        label = f"the chosen circuit ({circuit.n_edges:,} edges)"
+        stops.insert(start, _Stop(circuit, label, None, faithfulness))
+    summary = (
+        f"{scores.method} edge scores ({scores.direction}), circuits by {selection} |score| "
+        f"at {len(fractions)} sizes, pruned to input -> logits paths"
+    )
+    return _page(
+        graph,
+        stops,
+        start,
+        scores=scores.scores,
+        node_scores=scores.node_scores,
+        per_pair=scores.per_pair,
+        curve=curve,
+        method=scores.method,
+        direction=scores.direction,
+        ra=(model, clean, metric, n_pairs),
+        max_drawn=max_drawn,
+        title=title or f"Circuit: {scores.method} edge scores",
+        summary=summary,
+    )
+
+
+def circuit_page(
+    circuit: Circuit,
+    *,
+    faithfulness: float | None = None,
+    model: HookedModel | None = None,
+    clean: Tokens | None = None,
+    metric: MetricFn | None = None,
+    n_pairs: int = 3,
+    max_drawn: int = MAX_DRAWN,
+    title: str | None = None,
+) -> CircuitPage:
+    """The page of one circuit (`Circuit.to_html`); arguments as `scores_page`. The edges'
+    scores are the circuit's own (`circuit.scores`), uniform grey lines without them."""
+    stop = _Stop(circuit, f"{circuit.n_edges:,} edges", None, faithfulness)
+    return _page(
+        circuit.graph,
+        [stop],
+        0,
+        scores=circuit.scores,
+        node_scores=circuit.node_scores,
+        per_pair=None,
+        curve=None,
+        method="given",
+        direction="",
+        ra=(model, clean, metric, n_pairs),
+        max_drawn=max_drawn,
+        title=title or f"Circuit: {circuit.n_edges:,} edges",
+        summary=f"one circuit of {circuit.graph.n_edges:,} edges' graph",
+    )
+
+
+def _page(
+    graph: Graph,
+    stops: list[_Stop],
+    start: int,
+    *,
+    scores: Float[Tensor, "writer reader"] | None,
+    node_scores: Float[Tensor, " writer"] | None,
+    per_pair: Float[Tensor, "pair writer reader"] | None,
+    curve: FaithfulnessCurve | None,
+    method: str,
+    direction: str,
+    ra: tuple[Any, Any, Any, int],
+    max_drawn: int,
+    title: str,
+    summary: str,
+) -> CircuitPage:
+    """Assemble the page's JSON and inline it, with the script and styles, into the template."""
+    if max_drawn < 1:
+        raise ValueError(f"max_drawn={max_drawn}: draw at least one edge")
+    n_readers = len(graph.readers)
+    dense = None if scores is None else scores.detach().to("cpu", torch.float64)
+
+    # What each circuit draws, as flat indices w * n_readers + r: all of its edges, or its
+    # max_drawn largest |score|.
+    drawn_sets: list[set[int]] = []
+    for stop in stops:
+        flat = torch.nonzero(stop.circuit.edges.flatten()).flatten()
+        if flat.numel() > max_drawn and dense is not None:
+            keys = dense.flatten()[flat].abs()
+            flat = flat[torch.argsort(keys, descending=True, stable=True)[:max_drawn]]
+        elif flat.numel() > max_drawn:
+            flat = flat[:max_drawn]
+        drawn_sets.append(set(flat.tolist()))
+    stored = sorted(set().union(*drawn_sets))
+    row = {flat: i for i, flat in enumerate(stored)}
+    writers = [flat // n_readers for flat in stored]
+    readers = [flat % n_readers for flat in stored]
+    edge_scores = None if dense is None else [_num(dense[w, r]) for w, r in zip(writers, readers)]
+
+    payload_stops, previous = [], set()
+    for stop, drawn in zip(stops, drawn_sets):
+        n_total = graph.n_edges
+        payload_stops.append(
+            {
+                "label": stop.label,
+                "fraction": stop.fraction,
+                # where the curve puts it: the fraction asked, else the share of edges kept
+                "x": stop.fraction if stop.fraction is not None else stop.circuit.n_edges / n_total,
+                "n_edges": stop.circuit.n_edges,
+                "n_nodes": len(stop.circuit.nodes),
+                "faithfulness": None if stop.faithfulness is None else _num(stop.faithfulness),
+                "add": sorted(row[f] for f in drawn - previous),
+                "remove": sorted(row[f] for f in previous - drawn),
+            }
+        )
+        previous = drawn
+
+    if node_scores is not None:
+        nodes, note = [_num(v) for v in node_scores.tolist()], "as given with the scores"
+    elif dense is not None:
+        # attribute(level="node")'s writer score: the sum of its outgoing edges' scores
+        nodes = [_num(v) for v in (dense * graph.real).sum(1).tolist()]
+        note = "sum of its outgoing edges' scores"
+    else:
+        nodes, note = None, "no scores"
+
+    model, clean, metric, n_pairs = ra
+    largest = max(stops, key=lambda s: s.circuit.n_edges).circuit
+    heads = [n for n in largest.nodes if n.startswith("a")]
+    pairs, head_maps, metric_name = [], {}, ""
+    if model is not None:
+        if clean is None or metric is None:
+            raise ValueError("pass clean= and metric= with model= (for the heads' RA)")
+        pairs, head_maps = _head_maps(model, clean, metric, graph, heads, n_pairs)
+        metric_name = _metric_name(metric)
+    elif clean is not None or metric is not None:
+        raise ValueError("pass model= with clean= and metric= (for the heads' RA)")
+
+    pair_rows = None
+    if per_pair is not None and pairs:
+        cut = per_pair.detach().to("cpu", torch.float64)[: len(pairs)]
+        pair_rows = [[_num(p[w, r]) for w, r in zip(writers, readers)] for p in cut]
+
+    data = {
+        "summary": summary,
+        "method": method,
+        "direction": direction,
+        "metric": metric_name or "the metric",
+        "graph": {
+            "n_layers": graph.n_layers,
+            "n_heads": graph.n_heads,
+            "n_kv_heads": graph.n_kv_heads,
+            "n_edges": graph.n_edges,
+            "writers": graph.writers,
+            "readers": graph.readers,
+        },
+        "edges": {"w": writers, "r": readers, "s": edge_scores},
+        "per_pair": pair_rows,
+        "node_scores": nodes,
+        "node_score_note": note,
+        "stops": payload_stops,
+        "start": start,
+        "curve": None if curve is None else {"cpr": _num(curve.cpr), "cmd": _num(curve.cmd)},
+        "pairs": pairs,
+        "heads": head_maps,
+    }
+    text = _template("page.html")
+    parts = {
+        "TITLE": html.escape(title),
+        "VERSION": ra_lens.__version__,
+        "CSS": _template("page.css"),
+        # "<" escaped inside the JSON (still the same JSON) so no text can close the script tag
+        "DATA": json.dumps(data, separators=(",", ":"), allow_nan=False).replace("<", "\\u003c"),
+        "JS": _template("page.js"),
+    }
+    # One pass, so that nothing substituted is itself searched for placeholders.
+    page = re.sub(r"\{\{([A-Z]+)\}\}", lambda m: parts[m.group(1)], text)
+    return CircuitPage(html=page, n_circuits=len(stops))
+
+
+def _head_maps(
+    model: HookedModel,
+    clean: Tokens,
+    metric: MetricFn,
+    graph: Graph,
+    heads: list[str],
+    n_pairs: int,
+) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]]]:
+    """The first n_pairs clean prompts' tokens, and for each head its attention pattern and RA
+    (`reversed_attention` of `metric`, keep="maps", convention "qk") on each of them, 8-bit."""
+    from ra_lens.core import reversed_attention
+
+    if Graph.from_model(model) != graph:
+        raise ValueError(f"the model's graph {Graph.from_model(model)} is not the page's {graph}")
+    if n_pairs < 1:
+        raise ValueError(f"n_pairs={n_pairs}: show at least one pair")
+    batch = capture.to_batch(model, clean)
+    k = min(n_pairs, batch.tokens.shape[0])
+    # A metric of ra_lens.metrics is cut to the chosen prompts; any other callable gets them all.
+    if hasattr(metric, "__getitem__"):
+        metric = metric[0:k]
+    else:
+        k = batch.tokens.shape[0]
+    width = int(batch.lengths[:k].max())
+    part = capture.Batch(batch.tokens[:k, :width], batch.lengths[:k])
+    result = reversed_attention(model, part, metric, keep="maps")  # leaves the model as found
+    tokens = result.str_tokens or [[str(t) for t in row] for row in part.tokens.tolist()]
+    pairs = []
+    for i in range(k):
+        n = int(part.lengths[i])
+        text = "".join(tokens[i][:n]).replace("\n", " ")
+        pairs.append(
+            {
+                "label": f"{i + 1}: {text[:60]}{'...' if len(text) > 60 else ''}",
+                "tokens": tokens[i][:n],
+            }
+        )
+    head_maps = {}
+    for name in heads:
+        w = graph.writer(name)
+        layer = result.layers.index(w.layer)
+        entry: dict[str, list[Any]] = {"pattern": [], "ra": [], "scale": []}
+        for i in range(k):
+            n = int(part.lengths[i])
+            pattern = result.patterns[i, layer, w.head, :n, :n].double().numpy()
+            ra = torch.tril(result.maps[i, layer, w.head, :n, :n]).double().numpy()
+            scale = float(np.abs(ra).max())
+            entry["pattern"].append(_bytes(np.rint(np.clip(pattern, 0, 1) * 255).astype(np.uint8)))
+            q = np.rint(ra / scale * 127) if scale > 0 else np.zeros_like(ra)
+            entry["ra"].append(_bytes(q.astype(np.int8)))
+            entry["scale"].append(_num(scale))
+        head_maps[name] = entry
+    return pairs, head_maps
+
+
+def _bytes(array: np.ndarray) -> str:
+    """Row-major bytes of an 8-bit array, base64 (decoded by the page's `decode`)."""
+    return base64.b64encode(np.ascontiguousarray(array).tobytes()).decode("ascii")
+
+
+def _num(value: float | Tensor) -> float | None:
+    """Four significant digits (enough for a picture and a table); None for NaN."""
+    x = float(value)
+    return None if math.isnan(x) else float(f"{x:.4g}")
+
+
+def _metric_name(metric: MetricFn) -> str:
+    from ra_lens.metrics import LogitDiff
+
+    if isinstance(metric, LogitDiff):
+        return "M = logit(answer) - logit(wrong)"
+    return f"M = {type(metric).__name__}"
+
+
+def _template(name: str) -> str:
+    return resources.files("ra_lens.circuits").joinpath("page_assets", name).read_text("utf-8")

@@ -1,0 +1,206 @@
+"""The circuit page's contents, without a browser: self-contained, its circuits the scores'
+circuits at every size, its heads' pattern and RA those of `reversed_attention` on each pair, the
+model left as found, and `ra-lens circuit --html` writing the same page as the API.
+(tests/test_circuit_page_browser.py opens it in headless Chromium.)"""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from ra_lens import circuits, reversed_attention
+from ra_lens.circuits.page import CircuitPage, circuit_page, scores_page
+from ra_lens.cli import main
+from tests.helpers import PAGE_PAIRS, arch_or_hooked, page_setup, snapshot
+
+
+@pytest.fixture(scope="module")
+def setup() -> Any:
+    return page_setup()
+
+
+@pytest.fixture(scope="module")
+def page(setup: Any) -> CircuitPage:
+    s = setup
+    return s.scores.to_html(
+        curve=s.curve, circuit=s.circuit, faithfulness=s.faithfulness, model=s.model,
+        clean=s.clean, metric=s.metric,
+    )  # fmt: skip
+
+
+def payload(html: str) -> dict[str, Any]:
+    """The page's JSON block."""
+    match = re.search(
+        r'<script type="application/json" id="ra-lens-data">(.*?)</script>', html, re.S
+    )
+    assert match is not None
+    return json.loads(match.group(1))
+
+
+def drawn_sets(data: dict[str, Any]) -> list[set[str]]:
+    """Each stop's drawn edges by name, rebuilt from its add/remove lists as the page does."""
+    g, e = data["graph"], data["edges"]
+    names = [f"{g['writers'][w]}->{g['readers'][r]}" for w, r in zip(e["w"], e["r"])]
+    current: set[int] = set()
+    out = []
+    for stop in data["stops"]:
+        current = (current - set(stop["remove"])) | set(stop["add"])
+        out.append({names[i] for i in current})
+    return out
+
+
+def test_page_is_self_contained(page: CircuitPage) -> None:
+    html = page.html
+    assert html.startswith("<!DOCTYPE html>") and html.rstrip().endswith("</html>")
+    assert "://" not in html, "no URL of any kind: nothing remote, nothing local either"
+    assert not re.search(r"<[^>]*\b(src|href)\s*=", html), "no element loads a resource"
+    assert "<link" not in html and "@import" not in html and "url(" not in html
+    assert "Content-Security-Policy" in html and "default-src 'none'" in html
+    assert html.count("<script") == 2  # the JSON block and the inlined script
+
+
+def test_stops_are_the_scores_circuits_at_every_mib_fraction(setup: Any, page: CircuitPage) -> None:
+    data = payload(page.html)
+    graph, scores = setup.scores.graph, setup.scores
+    mib = [s for s in data["stops"] if s["fraction"] is not None]
+    assert [s["fraction"] for s in mib] == list(circuits.MIB_FRACTIONS)
+    sets = drawn_sets(data)
+    for stop, drawn in zip(data["stops"], sets):
+        if stop["fraction"] is None:
+            expected = setup.circuit
+        else:
+            expected = scores.top(int(stop["fraction"] * graph.n_edges))
+        assert stop["n_edges"] == expected.n_edges == len(drawn)
+        assert drawn == set(expected.edge_names)
+        assert stop["n_nodes"] == len(expected.nodes)
+    assert [s["faithfulness"] for s in mib] == pytest.approx(setup.curve.values, abs=1e-3, rel=1e-3)
+    assert sets[-1] == set(circuits.Circuit.full(graph).edge_names)  # 100 %: every edge
+    # the chosen circuit sits among the others by its edge count, and the page opens on it
+    chosen = data["stops"][data["start"]]
+    assert chosen["fraction"] is None and chosen["n_edges"] == setup.circuit.n_edges
+    assert chosen["faithfulness"] == pytest.approx(setup.faithfulness, rel=1e-3)
+    counts = [s["n_edges"] for s in data["stops"]]
+    assert counts == sorted(counts)
+    # every stored score is the edge's score (4 significant digits)
+    e = data["edges"]
+    for w, r, value in zip(e["w"], e["r"], e["s"]):
+        assert value == pytest.approx(float(scores.scores[w, r]), rel=1e-3, abs=1e-12)
+
+
+def test_heads_carry_pattern_and_ra_of_each_pair(setup: Any, page: CircuitPage) -> None:
+    data = payload(page.html)
+    graph = setup.scores.graph
+    heads = [w for w in graph.writers if w.startswith("a")]
+    assert sorted(data["heads"]) == sorted(heads)  # the largest circuit (100 %) has them all
+    assert len(data["pairs"]) == 3
+    for i, pair in enumerate(setup.pairs):
+        ra = reversed_attention(setup.model, pair.clean, setup.metric[i])
+        tokens = ra.str_tokens[0]
+        assert data["pairs"][i]["tokens"] == tokens
+        n = len(tokens)
+        for name in ("a0.h1", f"a{graph.n_layers - 1}.h{graph.n_heads - 1}"):
+            w = graph.writer(name)
+            stored = data["heads"][name]
+            pattern = np.frombuffer(base64.b64decode(stored["pattern"][i]), np.uint8) / 255
+            expected = ra.patterns[0, w.layer, w.head].numpy()
+            assert np.abs(pattern.reshape(n, n) - expected).max() <= 0.5 / 255 + 1e-6
+            scale = stored["scale"][i]
+            exact = torch.tril(ra.maps[0, w.layer, w.head]).numpy()
+            assert scale == pytest.approx(np.abs(exact).max(), rel=1e-3)
+            got = np.frombuffer(base64.b64decode(stored["ra"][i]), np.int8) / 127 * scale
+            assert np.abs(got.reshape(n, n) - exact).max() <= scale * (0.5 / 127 + 1e-3)
+            assert np.abs(exact).max() > 0
+
+
+def test_model_is_left_as_found(setup: Any) -> None:
+    model = setup.model
+    model.train()
+    before = snapshot(model)
+    try:
+        setup.circuit.to_html(model=model, clean=setup.clean, metric=setup.metric, n_pairs=1)
+        after = snapshot(model)
+    finally:
+        model.eval()
+    assert before[0] == after[0] is True and before[1] == after[1] and before[3] == after[3]
+    assert all(a is None and b is None for a, b in zip(before[2], after[2]))
+
+
+def test_a_large_circuit_draws_its_largest_scores(setup: Any) -> None:
+    scores = setup.scores
+    data = payload(scores_page(scores, sizes=[0.5, 1.0], max_drawn=20).html)
+    for stop, drawn in zip(data["stops"], drawn_sets(data)):
+        circuit = scores.top(int(stop["fraction"] * scores.graph.n_edges))
+        assert stop["n_edges"] == circuit.n_edges > 20 and len(drawn) == 20
+        keys = {
+            name: abs(float(scores.scores[scores.graph.edge_index(name)]))
+            for name in circuit.edge_names
+        }
+        smallest_drawn = min(keys[name] for name in drawn)
+        assert all(keys[name] <= smallest_drawn for name in set(keys) - drawn)
+
+
+def test_one_circuit_page(setup: Any) -> None:
+    bare = circuits.Circuit.from_edges(setup.scores.graph, setup.circuit.edge_names)
+    data = payload(circuit_page(bare, faithfulness=0.25).html)
+    assert len(data["stops"]) == 1 and data["stops"][0]["faithfulness"] == 0.25
+    assert drawn_sets(data)[0] == set(setup.circuit.edge_names)
+    assert data["edges"]["s"] is None and data["node_scores"] is None and data["pairs"] == []
+    scored = payload(setup.circuit.to_html().html)
+    i = setup.scores.graph.writer_index["a0.h1"]
+    expected = float((setup.scores.scores[i] * setup.scores.graph.real[i]).sum())
+    assert scored["node_scores"][i] == pytest.approx(expected, rel=1e-3, abs=1e-12)
+
+
+def test_bad_arguments_are_refused(setup: Any) -> None:
+    other = circuits.EdgeScores(setup.scores.graph, setup.scores.scores.flip(0) * setup.scores.graph.real,
+                                method="eap", direction="denoise")  # fmt: skip
+    with pytest.raises(ValueError, match="pass the curve measured on these scores"):
+        other.to_html(curve=setup.curve)
+    with pytest.raises(ValueError, match="pass clean= and metric= with model="):
+        setup.scores.to_html(model=setup.model)
+    with pytest.raises(ValueError, match="fraction of the graph's edges"):
+        setup.scores.to_html(sizes=[10])
+
+
+def test_save_and_notebook_display(page: CircuitPage, tmp_path: Path) -> None:
+    written = page.save(tmp_path / "sub" / "page.html")
+    assert written.read_text() == page.html
+    frame = page._repr_html_()
+    assert frame.startswith('<iframe srcdoc="&lt;!DOCTYPE html&gt;') and "</script>" not in frame
+    assert repr(page).startswith(f"CircuitPage({page.n_circuits} circuits")
+
+
+def test_cli_html_is_the_api_page(setup: Any, page: CircuitPage, tmp_path: Path) -> None:
+    pairs = tmp_path / "pairs.jsonl"
+    keys = ("clean", "corrupted", "answer", "wrong")
+    pairs.write_text("".join(json.dumps(dict(zip(keys, p))) + "\n" for p in PAGE_PAIRS))
+    out = tmp_path / "page.html"
+    code = main(["circuit", "--pairs", str(pairs), "--model", f"tiny-{arch_or_hooked('llama')}",
+                 "--method", "exact", "--edges", "12", "--html", str(out)])  # fmt: skip
+    assert code == 0
+    got, expected = payload(out.read_text()), payload(page.html)
+    assert got == expected
+
+
+def test_per_pair_scores_of_the_shown_pairs(setup: Any) -> None:
+    s = setup
+    graph = s.scores.graph
+    per_pair = torch.stack([s.scores.scores * (i + 1) for i in range(3)])  # pair i: (i + 1) x mean
+    scores = circuits.EdgeScores(graph, s.scores.scores, "exact", "denoise", per_pair=per_pair)
+    data = payload(
+        scores_page(scores, model=s.model, clean=s.clean, metric=s.metric, n_pairs=2).html
+    )
+    assert len(data["pairs"]) == 2 and len(data["per_pair"]) == 2
+    e = data["edges"]
+    for i, row in enumerate(data["per_pair"]):
+        for w, r, value in zip(e["w"], e["r"], row):
+            assert value == pytest.approx(
+                (i + 1) * float(s.scores.scores[w, r]), rel=1e-3, abs=1e-12
+            )

@@ -129,9 +129,6 @@ def test_exact_query_node_is_the_models_own_changed_row(arch: str) -> None:
 
 #: The circuits' refusals, each naming its true cause (architecture -> words in the message).
 CIRCUIT_REFUSALS = {
-    "gemma2": "post-norm blocks",
-    "gemma3": "post-norm blocks",
-    "olmo2": "post-norm blocks",
     "gpt_neox": "parallel attention/MLP",
     "gptj": "parallel attention/MLP",
     "phi": "parallel attention/MLP",
@@ -140,6 +137,8 @@ CIRCUIT_REFUSALS = {
 #: The exact edge methods' refusals on models whose eap circuits work.
 EXACT_REFUSALS = {
     "qwen3": "q/k norms",
+    "gemma3": "q/k norms",
+    "olmo2": "q/k norms",
     "bloom": "ALiBi",
 }
 
@@ -232,3 +231,87 @@ def test_attention_patching_is_huggingfaces_own_patched_attention(arch: str) -> 
     assert float((expected - unpatched).abs().max()) > 1e-4  # the edit matters
     scale = float(expected.abs().max())
     assert float((patched - expected).abs().max()) < 1e-5 * scale
+
+
+#: Post-norm blocks: a reader sees N(a - S), the norm of the heads' sum with its patched heads'
+#: changes S taken out (circuits/_edges.py).
+POST_NORM = ("gemma2", "gemma3", "olmo2")
+
+
+@pytest.mark.parametrize(
+    "arch", [a for a in MATRIX_ARCHITECTURES if a not in CIRCUIT_REFUSALS and a != "mixtral"]
+)
+def test_patching_every_edge_of_a_head_is_patching_the_head(arch: str) -> None:
+    """Every out-edge of head h patched = h's output (hook_z) patched, measured on the model's
+    own forward pass: exact, post-norm blocks (the reader sees the real norm) included."""
+    from helpers import TOY_CLEAN, TOY_CORRUPTED
+
+    from ra_lens import capture, circuits
+
+    bridge, _ = pair(arch)
+    metric = ra_lens.metrics.logit_diff([5, 6, 7], [7, 5, 6])
+    graph = circuits.Graph.from_model(bridge)
+    clean = capture.to_batch(bridge, TOY_CLEAN)
+    evaluate = circuits.FaithfulnessEvaluator(bridge, TOY_CLEAN, TOY_CORRUPTED, metric)
+    layer, head = graph.n_layers - 1, 1
+    keep = graph.real.clone()
+    keep[graph.writers.index(f"a{layer}.h{head}")] = False
+    by_edges = evaluate(circuits.Circuit(graph, keep)).circuit_metric
+    z = capture.Z.format(layer)
+    with capture.recorded(bridge, [z]) as source, torch.no_grad():
+        bridge(capture.to_batch(bridge, TOY_CORRUPTED).tokens)
+
+    def patch(value: torch.Tensor, hook: Any) -> torch.Tensor:
+        value = value.clone()
+        value[:, :, head] = source[z][:, :, head]
+        return value
+
+    with torch.no_grad(), bridge.hooks(fwd_hooks=[(z, patch)]):
+        by_head = float(metric(bridge(clean.tokens), lengths=clean.lengths).mean())
+    with torch.no_grad():
+        plain = float(metric(bridge(clean.tokens), lengths=clean.lengths).mean())
+    effect = by_head - plain
+    assert abs(effect) > 1e-6
+    error = abs((by_edges - plain) - effect) / abs(effect)
+    assert error < 1e-6
+
+
+@pytest.mark.parametrize("arch", POST_NORM)
+def test_eap_score_of_a_post_norm_head_is_its_exact_residual_effect_times_the_gradient(
+    arch: str,
+) -> None:
+    """eap (denoise) edge head -> logits = (N(a + d_h) - N(a)) . dM/d(final residual) on the
+    corrupted run, d_h = o_h(clean) - o_h(corrupted), N the model's own post-attention norm."""
+    from helpers import TOY_CLEAN, TOY_CORRUPTED
+
+    from ra_lens import capture, circuits
+
+    bridge, _ = pair(arch)
+    clean, corrupted = TOY_CLEAN[2], TOY_CORRUPTED[2]
+    metric = ra_lens.metrics.logit_diff([5], [7])
+    scores = circuits.attribute(bridge, clean, corrupted, metric, method="eap")
+    layer, head = bridge.cfg.n_layers - 1, 2
+    z, a_in = capture.Z.format(layer), f"blocks.{layer}.ln1_post.hook_in"
+    final = f"blocks.{layer}.hook_resid_post"
+    W_O = bridge.blocks[layer].attn.W_O.detach()
+    with capture.recorded(bridge, [z]) as clean_run, torch.no_grad():
+        bridge(bridge.to_tokens(clean))
+    store: dict[str, torch.Tensor] = {}
+
+    def leaf(value: torch.Tensor, hook: Any) -> torch.Tensor:
+        store["resid"] = value.detach().requires_grad_(True)
+        return store["resid"]
+
+    with capture.recorded(bridge, [z, a_in]) as corrupted_run, bridge.hooks([(final, leaf)]):
+        logits = bridge(bridge.to_tokens(corrupted))
+    (grad,) = torch.autograd.grad(metric(logits).sum(), [store["resid"]])
+    d = (clean_run[z][0, :, head] - corrupted_run[z][0, :, head]) @ W_O[head]
+    norm = bridge.blocks[layer].ln1_post.original_component
+    a = corrupted_run[a_in][0]
+    with torch.no_grad():
+        effect = norm(a + d) - norm(a)
+    expected = float((effect * grad[0]).sum())
+    graph = scores.graph
+    got = float(scores.scores[graph.writers.index(f"a{layer}.h{head}"), len(graph.readers) - 1])
+    assert abs(expected) > 1e-8
+    assert got == pytest.approx(expected, rel=1e-9, abs=1e-12)

@@ -13,6 +13,15 @@ input). Writers' outputs are read where TransformerLens exposes them: `input` at
   duration of the pass and switched back);
 - the logits' input: the last block's `hook_resid_post` (it feeds ln_final only).
 
+Post-norm blocks (Gemma-2, Gemma-3, OLMo-2) add N(a) to the residual, a = sum_h o_h the heads'
+outputs and N the norm after the attention. A head's writer output there is o_h itself (before
+the norm), and a reader sees the block's contribution through the real norm: with S the sum of
+the differences of the heads patched for that reader, it reads N(a - S) where the model wrote
+N(a). Patching any set of a head's edges is therefore exactly patching that head for those
+readers (one head, several, or all). Edge scores use each head's exact effect on the residual,
+N(a + d_h) - N(a), where d_h is the head's change (`residual_effects`). The MLP writes N2(m),
+one writer.
+
 delta_r = sum over the writers w in `mask[:, r]` of (w's output in this run - `reference[w]`)
 (edge patching), plus `leaf[r]` (a zero tensor whose gradient is dM/d input_r) when gradients are
 wanted. Readers with nothing to change keep the model's own value bit for bit.
@@ -36,6 +45,8 @@ from ra_lens.circuits.graph import Graph
 MLP_OUT = "blocks.{}.hook_mlp_out"
 RESID_POST = "blocks.{}.hook_resid_post"
 BRIDGE_MLP_IN = "blocks.{}.ln2.hook_in"
+BRIDGE_BARE_MLP_IN = "blocks.{}.mlp.hook_in"
+POST_ATTN_IN = "blocks.{}.ln1_post.hook_in"
 HOOKED_MLP_IN = "blocks.{}.hook_mlp_in"
 
 
@@ -52,6 +63,9 @@ class LayerWeights:
     W_V: Float[Tensor, "kv_head d_model d_head"]
     b_V: Float[Tensor, "kv_head d_head"]
     W_O: Float[Tensor, "head d_head d_model"]
+    # Post-norm blocks: the norm after the attention (the HuggingFace module: calling it fires
+    # no TransformerLens hook); None in pre-norm blocks.
+    post_attn: Any = None
 
 
 def layer_weights(model: HookedModel, layer: int) -> LayerWeights:
@@ -73,8 +87,9 @@ def layer_weights(model: HookedModel, layer: int) -> LayerWeights:
         return value
 
     W_Q, W_K, W_V = weight("W_Q"), weight("W_K"), weight("W_V")
+    post = getattr(block, "ln1_post", None)
     return LayerWeights(
-        ln1=block.ln1,
+        ln1=block.ln1 if hasattr(block, "ln1") else torch.nn.Identity(),  # OLMo-2: no pre-norm
         W_Q=W_Q,
         b_Q=bias("b_Q", W_Q),
         W_K=W_K,
@@ -82,6 +97,7 @@ def layer_weights(model: HookedModel, layer: int) -> LayerWeights:
         W_V=W_V,
         b_V=bias("b_V", W_V),
         W_O=weight("W_O"),
+        post_attn=None if post is None else getattr(post, "original_component", None) or post,
     )
 
 
@@ -101,17 +117,16 @@ def check_supported(model: HookedModel) -> None:
             "the MLP and the attention of a layer read one norm's output, which has no hook per "
             "reader; use a sequential model (GPT-2, Llama, SmolLM2, ...)"
         )
-    post_norm = getattr(cfg, "use_normalization_before_and_after", False) or any(
-        hasattr(block, "ln1_post") for block in model.blocks
-    )
-    if post_norm:
+    if getattr(cfg, "use_normalization_before_and_after", False):
         raise NotImplementedError(
-            "post-norm blocks (Gemma-2, Gemma-3, OLMo-2) add norm(sum of the heads' outputs) to "
-            "the residual stream, so a single head's output is not what it writes there and its "
-            "edges are not defined by ra_lens.circuits yet; use a pre-norm model (GPT-2, Llama, "
-            "Qwen2/3, Mistral, SmolLM2, ...), or ra_lens.attention_attribution for head-level "
-            "query/key attribution"
+            "post-norm blocks on HookedTransformer (TransformerLens 2's Gemma-2/3): their norm "
+            "after the attention has no input hook here, so a head's share of it cannot be "
+            "taken; load the model as a TransformerBridge (TransformerLens >= 3), where "
+            "ra_lens.circuits supports post-norm blocks"
         )
+    for layer, block in enumerate(model.blocks):
+        if getattr(block, "ln1_post", None) is not None:
+            _check_post_norm(model, layer)
     shape = capture.model_shape(model)
     if getattr(cfg, "ungroup_grouped_query_attention", False) and shape.n_kv_heads < shape.n_heads:
         raise NotImplementedError(
@@ -128,12 +143,29 @@ def check_supported(model: HookedModel) -> None:
         )
 
 
+def _check_post_norm(model: HookedModel, layer: int) -> None:
+    """A post-norm block's output projection must be bias-free: a bias passes through the norm
+    with the heads, and no writer would own it."""
+    b_O = getattr(model.blocks[layer].attn, "b_O", None)
+    if isinstance(b_O, Tensor) and bool(b_O.detach().ne(0).any()):
+        raise NotImplementedError(
+            f"layer {layer}: a post-norm block whose output projection has a bias: the bias "
+            "passes through the norm with the heads' outputs, so no writer owns it"
+        )
+
+
 def mlp_in_hook(model: HookedModel, layer: int, points: Any = None) -> str:
     """The hook point that sees the MLP's input before its norm, and feeds nothing else
-    (`points`: model.hook_dict, which a bridge rebuilds on every access, read once)."""
-    bridge = BRIDGE_MLP_IN.format(layer)
+    (`points`: model.hook_dict, which a bridge rebuilds on every access, read once): a
+    bridge's ln2.hook_in, its mlp.hook_in where the block has no pre-norm (OLMo-2), or
+    HookedTransformer's hook_mlp_in."""
     points = model.hook_dict if points is None else points
-    return bridge if bridge in points else HOOKED_MLP_IN.format(layer)
+    if BRIDGE_MLP_IN.format(layer) in points:
+        return BRIDGE_MLP_IN.format(layer)
+    bare = BRIDGE_BARE_MLP_IN.format(layer)
+    if bare in points and getattr(model.blocks[layer], "ln1_post", None) is not None:
+        return bare
+    return HOOKED_MLP_IN.format(layer)
 
 
 @contextlib.contextmanager
@@ -186,6 +218,8 @@ class EdgeRun:
     # their running sum (the delta of a reader that keeps no edge).
     _diffs: Tensor | None = None
     _diff_total: Tensor | None = None
+    # Post-norm blocks: each layer's sum of head outputs a, the norm's input in this run.
+    post_input: dict[int, Tensor] = field(default_factory=dict)
 
     # ---- writers
 
@@ -242,21 +276,33 @@ class EdgeRun:
         fewer the sum is taken as (all writers' diffs) - (the circuit's): the cost follows the
         smaller side."""
         assert self._diffs is not None and self._diff_total is not None
+        post = {la: r for la, r in self._post_rows().items() if r.start < cols.shape[0]}
+        if post:  # heads behind a norm: the reader sees N(a - S), S its patched heads' sum
+            linear = cols.clone()
+            for rows in post.values():
+                linear[rows] = False
+            total = self._weighted(linear)
+            for layer, rows in post.items():
+                norm, a = self.weights[layer].post_attn, self.post_input[layer]
+                patched = self._weighted(cols[rows], offset=rows.start).to(a)
+                total = total + (norm(a)[None] - norm(a[None] - patched)).to(total)
+            return total
         real = self.graph.real[: cols.shape[0], readers]
         kept = real & ~cols
         if bool(real.all()) and int(kept.sum()) < int(cols.sum()):
             return self._diff_total[None] - self._weighted(kept)
         return self._weighted(cols)
 
-    def _weighted(self, select: Tensor) -> Tensor:
-        """sum over writers w of select[w, r] * diff_w, reading only the writers in use."""
+    def _weighted(self, select: Tensor, offset: int = 0) -> Tensor:
+        """sum over writers w of select[w, r] * diff_(offset + w), reading only the writers in
+        use."""
         assert self._diffs is not None
-        rows = select.any(1).nonzero().squeeze(1)
+        rows = select.any(1).nonzero().squeeze(1) + offset
         shape = (select.shape[1], *self._diffs.shape[1:])
         if rows.numel() == 0:
             return self._diffs.new_zeros(shape)
         used = self._diffs.index_select(0, rows.to(self._diffs.device)).flatten(1)
-        weights = select[rows].T.to(used.device, used.dtype)
+        weights = select[rows - offset].T.to(used.device, used.dtype)
         return (weights @ used).view(shape)
 
     # ---- hooks
@@ -275,6 +321,8 @@ class EdgeRun:
                 (capture.V.format(layer), self._qkv_hook(layer, "v")),
                 (capture.Z.format(layer), self._z_hook(layer)),
             ]
+            if self.weights[layer].post_attn is not None:  # heads write through N(a)
+                hooks.append((POST_ATTN_IN.format(layer), self._post_in_hook(layer)))
             if not self.attn_only:
                 hooks += [
                     (mlp_in_hook(model, layer, points), self._subtract_hook(layer, "mlp")),
@@ -333,6 +381,34 @@ class EdgeRun:
                 )
 
         return hook
+
+    def _post_in_hook(self, layer: int):
+        def hook(value: Tensor, hook: Any) -> None:
+            self.post_input[layer] = value.detach()
+
+        return hook
+
+    def residual_effects(
+        self, diffs: Float[Tensor, "writer batch pos d_model"]
+    ) -> Float[Tensor, "writer batch pos d_model"]:
+        """Each writer's change as the residual stream receives it: post-norm heads' changes d_h
+        become N(a + d_h) - N(a) (a: this run's sum of the layer's heads), others are as given.
+        """
+        out = diffs.clone()
+        for layer, rows in self._post_rows().items():
+            norm, a = self.weights[layer].post_attn, self.post_input[layer].to(diffs)
+            d = diffs[rows]
+            out[rows] = (norm(a[None] + d) - norm(a)[None]).to(diffs)
+        return out
+
+    def _post_rows(self) -> dict[int, slice]:
+        """Writer rows of the heads of each post-norm layer."""
+        g, rows = self.graph, {}
+        for layer, weights in enumerate(self.weights):
+            if weights.post_attn is not None:
+                first = g.writers.index(f"a{layer}.h0")
+                rows[layer] = slice(first, first + g.n_heads)
+        return rows
 
     def _mlp_out_hook(self, value: Tensor, hook: Any) -> None:
         self._add_writers(value[None])

@@ -156,7 +156,7 @@ def attribute(
                 step = _Step(model, graph, weights, base, part_metric, point, exact)
                 if base_out is None:
                     base_out = step.outputs
-                diffs = other_out - base_out.to(other_out.device)
+                diffs = step.run.residual_effects(other_out - base_out.to(other_out.device))
                 total += step.scores(diffs, base.real_mask()).cpu() / n_steps
                 bar.update(1)
     bar.close()
@@ -207,6 +207,7 @@ class _Step:
             torch.zeros_like(leaf) if g is None else g for leaf, g in zip(leaves, self.grads)
         ]
         self.firsts = sorted(run.leaf)
+        self.run = run
         self.outputs = run.outputs()
         self.resid = {la: x.detach() for la, x in run.resid.items()}
         capture.fill_rotated(model, acts, layers)

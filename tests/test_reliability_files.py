@@ -27,7 +27,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 
 import ra_lens
-from ra_lens import smollm2
+from ra_lens import embedded, smollm2
 from ra_lens.cli import main
 from ra_lens.files import write_file
 from ra_lens.models import bridge_available
@@ -216,7 +216,7 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     folder = tmp_path / "cache"
     monkeypatch.setenv("RA_LENS_CACHE", str(folder))
     monkeypatch.setattr(smollm2, "_packaged_gguf", lambda: None)
-    monkeypatch.setattr(smollm2.subprocess, "run", pip_offline)
+    monkeypatch.setattr(embedded.subprocess, "run", pip_offline)
     return folder
 
 
@@ -234,7 +234,7 @@ def test_a_wheel_corrupted_after_its_first_use_is_dropped_and_fetched_again(
     assert recorded == smollm2._sha256(wheel)
     flip_a_byte_of_the_gguf(wheel)
     (folder / "model.safetensors").write_bytes(b"\1" * 64)  # the copy needs a rebuild
-    monkeypatch.setattr(smollm2.subprocess, "run", pip_fetches_a_good_wheel)
+    monkeypatch.setattr(embedded.subprocess, "run", pip_fetches_a_good_wheel)
     assert smollm2.smollm2_hf_dir() == folder
     err = capsys.readouterr().err
     assert f"deleting the damaged wheel {wheel} (its sha256 is not the {recorded[:12]}" in err
@@ -275,7 +275,7 @@ def test_a_full_disk_is_reported_with_the_cache_path(
 ) -> None:
     make_wheel(cache)
     if where == "extracting":
-        monkeypatch.setattr(smollm2.shutil, "copyfileobj", disk_full_while_extracting)
+        monkeypatch.setattr(embedded.shutil, "copyfileobj", disk_full_while_extracting)
     else:
         monkeypatch.setattr(smollm2, "_convert_gguf", disk_full_while_saving)
     with pytest.raises(RuntimeError) as info:
@@ -364,14 +364,14 @@ def test_a_load_waits_for_another_process_converting_then_uses_its_copy(
     calls: list[Path] = []
     monkeypatch.setattr(smollm2, "_convert_gguf", convert(calls))
     waiting = threading.Event()
-    say = smollm2._say
+    say = embedded._say
 
     def noting_say(message: str) -> None:
         say(message)
         if "another process is converting SmolLM2" in message:
             waiting.set()
 
-    monkeypatch.setattr(smollm2, "_say", noting_say)
+    monkeypatch.setattr(embedded, "_say", noting_say)
     other = subprocess.Popen(
         [sys.executable, "-c", OTHER_CONVERTER, str(cache)],
         stdin=subprocess.PIPE,
@@ -425,7 +425,7 @@ def test_a_read_only_cache_that_needs_a_rebuild_names_the_variable(
     def read_only(*args: Any, **kwargs: Any) -> str:  # as on a read-only mount (tests run as root)
         raise OSError(errno.EROFS, "Read-only file system", str(cache))
 
-    monkeypatch.setattr(smollm2.tempfile, "mkdtemp", read_only)
+    monkeypatch.setattr(embedded.tempfile, "mkdtemp", read_only)
     with pytest.raises(RuntimeError) as info:
         smollm2.smollm2_hf_dir()
     message = str(info.value)

@@ -14,7 +14,8 @@ from ra_lens.cli.pairs import CIRCUIT_TASKS
 from ra_lens.cli.patch_rank import _run_patch, _run_rank
 
 MODEL_HELP = (
-    "model: 'smollm2-135m' (default, embedded, offline), a hub name for users with a network, "
+    "model: 'smollm2-135m' (default, embedded, offline), 'gemma3-270m' (embedded, offline; "
+    "Gemma Terms of Use), a hub name for users with a network, "
     "or a tiny model with random weights, for trying the tool in seconds: 'tiny-gpt2', "
     "'tiny-llama', 'tiny-opt', 'tiny-native' (TransformerLens >= 3) or 'tiny-hooked' "
     "(TransformerLens 2)"

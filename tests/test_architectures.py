@@ -127,15 +127,9 @@ def test_exact_query_node_is_the_models_own_changed_row(arch: str) -> None:
     assert got == pytest.approx(expected, rel=1e-4, abs=1e-9)
 
 
-#: The circuits' refusals, each naming its true cause (architecture -> words in the message).
-CIRCUIT_REFUSALS = {
-    "gpt_neox": "parallel attention/MLP",
-    "gptj": "parallel attention/MLP",
-    "phi": "parallel attention/MLP",
-    "falcon": "parallel attention/MLP",
-}
 #: The exact edge methods' refusals on models whose eap circuits work.
 EXACT_REFUSALS = {
+    "gptj": "interleaved rotary",
     "qwen3": "q/k norms",
     "gemma3": "q/k norms",
     "olmo2": "q/k norms",
@@ -145,18 +139,15 @@ EXACT_REFUSALS = {
 
 @pytest.mark.parametrize("arch", MATRIX_ARCHITECTURES)
 def test_circuits_are_exact_at_both_ends_or_refuse_naming_the_cause(arch: str) -> None:
-    """eap and exact edge scores, and faithfulness: full circuit 1, empty circuit 0 (float64),
-    or a refusal whose message names the architectural cause."""
+    """eap edge scores and faithfulness on every architecture (parallel and post-norm blocks
+    included): full circuit 1, empty circuit 0 (float64); exact edge scores, or a refusal whose
+    message names the architectural cause."""
     from helpers import TOY_CLEAN, TOY_CORRUPTED
 
     from ra_lens import circuits
 
     bridge, _ = pair(arch)
     metric = ra_lens.metrics.logit_diff([5, 6, 7], [7, 5, 6])
-    if arch in CIRCUIT_REFUSALS:
-        with pytest.raises(NotImplementedError, match=CIRCUIT_REFUSALS[arch]):
-            circuits.attribute(bridge, TOY_CLEAN, TOY_CORRUPTED, metric, method="eap")
-        return
     scores = circuits.attribute(bridge, TOY_CLEAN, TOY_CORRUPTED, metric, method="eap")
     assert bool(scores.scores.abs().gt(0).any())
     graph = scores.graph
@@ -238,9 +229,7 @@ def test_attention_patching_is_huggingfaces_own_patched_attention(arch: str) -> 
 POST_NORM = ("gemma2", "gemma3", "olmo2")
 
 
-@pytest.mark.parametrize(
-    "arch", [a for a in MATRIX_ARCHITECTURES if a not in CIRCUIT_REFUSALS and a != "mixtral"]
-)
+@pytest.mark.parametrize("arch", MATRIX_ARCHITECTURES)
 def test_patching_every_edge_of_a_head_is_patching_the_head(arch: str) -> None:
     """Every out-edge of head h patched = h's output (hook_z) patched, measured on the model's
     own forward pass: exact, post-norm blocks (the reader sees the real norm) included."""
@@ -273,7 +262,7 @@ def test_patching_every_edge_of_a_head_is_patching_the_head(arch: str) -> None:
     effect = by_head - plain
     assert abs(effect) > 1e-6
     error = abs((by_edges - plain) - effect) / abs(effect)
-    assert error < 1e-6
+    assert error < tolerance(arch) * 1e3
 
 
 @pytest.mark.parametrize("arch", POST_NORM)

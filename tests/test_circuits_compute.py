@@ -514,3 +514,36 @@ def test_a_metric_without_gradient_is_refused_and_leaves_the_model(model, batche
         "torch.no_grad()"
     )
     assert snapshot(model)[:2] == before[:2] and snapshot(model)[3] == before[3]
+
+
+@pytest.mark.skipif(has_bridge(), reason="HookedTransformer (TransformerLens 2.x) only")
+def test_parallel_blocks_on_hooked_transformer_are_exact():
+    """TL 2's parallel attention/MLP blocks (Pythia, GPT-J): the MLP reads resid_pre (its
+    hook_mlp_in), not the heads of its own layer; full and empty circuits exact, and dropping a
+    head's edges is patching its hook_z."""
+    model = _hooked(parallel_attn_mlp=True)
+    clean, corrupted = to_batch(model, CLEAN), to_batch(model, CORRUPTED)
+    graph = Graph.from_model(model)
+    assert graph.parallel_attn_mlp and not bool(graph.real[graph.writer_index["a1.h0"], -2])
+    full = faithfulness(model, Circuit(graph, graph.real.clone()), clean, corrupted, METRIC)
+    empty = faithfulness(
+        model, Circuit(graph, torch.zeros_like(graph.real)), clean, corrupted, METRIC
+    )
+    assert full.value == pytest.approx(1.0, abs=1e-9) and empty.value == pytest.approx(
+        0.0, abs=1e-9
+    )
+    edges = graph.real.clone()
+    edges[graph.writer_index["a0.h1"]] = False
+    result = faithfulness(model, Circuit(graph, edges), clean, corrupted, METRIC)
+    with torch.no_grad(), capture.recorded(model, [capture.Z.format(0)]) as z:
+        model(corrupted.tokens)
+
+    def patch(value, hook):
+        value = value.clone()
+        value[:, :, 1] = z[capture.Z.format(0)][:, :, 1]
+        return value
+
+    expected = _metric_with(model, clean, [(capture.Z.format(0), patch)])
+    assert torch.allclose(result.circuit_per_pair, expected.double(), atol=1e-10)
+    scores = attribute(model, clean, corrupted, METRIC, method="exact")
+    assert bool(scores.scores.abs().gt(0).any())

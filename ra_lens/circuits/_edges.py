@@ -111,12 +111,6 @@ def _has(attn: Any, name: str) -> bool:
 def check_supported(model: HookedModel) -> None:
     """Refuse models whose readers this module cannot rewrite, naming why."""
     cfg = model.cfg
-    if getattr(cfg, "parallel_attn_mlp", False):
-        raise NotImplementedError(
-            "parallel attention/MLP blocks are not supported by ra_lens.circuits edge patching: "
-            "the MLP and the attention of a layer read one norm's output, which has no hook per "
-            "reader; use a sequential model (GPT-2, Llama, SmolLM2, ...)"
-        )
     if getattr(cfg, "use_normalization_before_and_after", False):
         raise NotImplementedError(
             "post-norm blocks on HookedTransformer (TransformerLens 2's Gemma-2/3): their norm "
@@ -152,6 +146,17 @@ def _check_post_norm(model: HookedModel, layer: int) -> None:
             f"layer {layer}: a post-norm block whose output projection has a bias: the bias "
             "passes through the norm with the heads' outputs, so no writer owns it"
         )
+
+
+def shares_norm(model: HookedModel, layer: int) -> bool:
+    """A TransformerBridge block with parallel attention and MLP and one norm for both (GPT-J,
+    Phi, Falcon): its MLP reads ln1's output (GPT-NeoX/Pythia has its own ln2)."""
+    block = model.blocks[layer]
+    return (
+        bool(getattr(model.cfg, "parallel_attn_mlp", False))
+        and not hasattr(block, "ln2")
+        and BRIDGE_BARE_MLP_IN.format(layer) in model.hook_dict
+    )
 
 
 def mlp_in_hook(model: HookedModel, layer: int, points: Any = None) -> str:
@@ -324,10 +329,11 @@ class EdgeRun:
             if self.weights[layer].post_attn is not None:  # heads write through N(a)
                 hooks.append((POST_ATTN_IN.format(layer), self._post_in_hook(layer)))
             if not self.attn_only:
-                hooks += [
-                    (mlp_in_hook(model, layer, points), self._subtract_hook(layer, "mlp")),
-                    (MLP_OUT.format(layer), self._mlp_out_hook),
-                ]
+                if shares_norm(model, layer):  # the MLP reads ln1's output: give it its own
+                    mlp_in = (BRIDGE_BARE_MLP_IN.format(layer), self._renorm_hook(layer))
+                else:
+                    mlp_in = (mlp_in_hook(model, layer, points), self._subtract_hook(layer, "mlp"))
+                hooks += [mlp_in, (MLP_OUT.format(layer), self._mlp_out_hook)]
         hooks.append((RESID_POST.format(g.n_layers - 1), self._subtract_hook(g.n_layers, "logits")))
         return hooks
 
@@ -412,6 +418,19 @@ class EdgeRun:
 
     def _mlp_out_hook(self, value: Tensor, hook: Any) -> None:
         self._add_writers(value[None])
+
+    def _renorm_hook(self, layer: int):
+        """A parallel block whose MLP reads the attention's norm (GPT-J, Phi, Falcon): the MLP's
+        input is ln1(resid - delta), recomputed only when its delta is not empty."""
+
+        def hook(value: Tensor, hook: Any) -> Tensor:
+            (reader,) = self._readers_of(layer)[-1:]
+            deltas = self._delta([reader], value)
+            if reader not in deltas:
+                return value
+            return self.weights[layer].ln1(self.resid[layer] - deltas[reader]).to(value.dtype)
+
+        return hook
 
     def _subtract_hook(self, layer: int, kind: str):
         def hook(value: Tensor, hook: Any) -> Tensor:

@@ -277,15 +277,17 @@ def output_softcap(model: HookedModel) -> float | None:
 @dataclass(frozen=True)
 class AttentionFacts:
     """What turns one layer's q k^T into its softmax input: S = c tanh(q k^T / (s c)) (without a
-    soft-cap c: q k^T / s), -inf outside the causal mask and outside a sliding window of w keys
-    (key s visible from query t iff t - w < s <= t). Read by `attention_facts`; `logits` is the
-    one recomputation of attention scores that attribution, circuits and dynamics share."""
+    soft-cap c: q k^T / s), plus ALiBi's bias m_h * (key position) where there is one (BLOOM),
+    -inf outside the causal mask and outside a sliding window of w keys (key s visible from
+    query t iff t - w < s <= t). Read by `attention_facts`; `logits` is the one recomputation of
+    attention scores that attribution, circuits and dynamics share."""
 
     scale: float
     softcap: float | None = None
     window: int | None = None
     qk_norm: bool = False  # q/k normalised after the projection (Qwen3, Gemma-3, OLMo-2)
     alibi: bool = False  # position biases added to the scores (BLOOM)
+    alibi_slopes: tuple[float, ...] | None = None  # m_h per head, where they could be read
 
     def mask(self, n_pos: int, device: torch.device | str | None = None) -> Tensor:
         """Bool [query, key]: True where the key is visible."""
@@ -305,12 +307,16 @@ class AttentionFacts:
         scores = raw / self.scale
         if self.softcap is not None:
             scores = self.softcap * torch.tanh(scores / self.softcap)
+        if self.alibi_slopes is not None:  # [.., head, query, key]: m_h * key position
+            slopes = torch.tensor(self.alibi_slopes, dtype=raw.dtype, device=raw.device)
+            positions = torch.arange(raw.shape[-1], dtype=raw.dtype, device=raw.device)
+            scores = scores + slopes[:, None, None] * positions
         return scores.masked_fill(~self.mask(raw.shape[-1], raw.device), float("-inf"))
 
     def refusal(self) -> str | None:
         """Why q/k changes cannot be replayed through these facts alone (None: they can)."""
-        if self.alibi:
-            return "ALiBi position biases (BLOOM) are not modelled"
+        if self.alibi and self.alibi_slopes is None:
+            return "ALiBi position biases whose slopes ra-lens cannot read here are not modelled"
         if self.qk_norm:
             return (
                 "q/k norms (Qwen3, Gemma-3, OLMo-2) sit between the projection and the softmax, "
@@ -325,8 +331,8 @@ def attention_facts(model: HookedModel, layer: int) -> AttentionFacts:
     config's; TL 2's `window_size` on local layers), q/k norms and ALiBi.
 
     >>> facts = attention_facts(model, 0)  # GPT-2: plain causal softmax attention
-    >>> facts.softcap, facts.window, facts.qk_norm, facts.alibi, facts.refusal()
-    (None, None, False, False, None)
+    >>> facts.softcap, facts.window, facts.qk_norm, facts.alibi_slopes, facts.refusal()
+    (None, None, False, None, None)
     """
     inner = getattr(model.blocks[layer].attn, "original_component", None)
     cfg = model.cfg
@@ -353,4 +359,16 @@ def attention_facts(model: HookedModel, layer: int) -> AttentionFacts:
         window=int(window) if window else None,
         qk_norm=bool(qk_norm),
         alibi=bool(alibi),
+        alibi_slopes=_alibi_slopes(inner) if alibi else None,
     )
+
+
+def _alibi_slopes(inner: Any) -> tuple[float, ...] | None:
+    """BLOOM's per-head ALiBi slopes, from HuggingFace's own function (None elsewhere)."""
+    if not type(inner).__name__.startswith("Bloom"):
+        return None
+    from transformers.models.bloom.modeling_bloom import build_alibi_tensor
+
+    ones = torch.ones(1, 2, dtype=torch.long)
+    alibi = build_alibi_tensor(ones, int(inner.num_heads), torch.float64)  # [head, 1, 2]
+    return tuple(float(m) for m in alibi[:, 0, 1])

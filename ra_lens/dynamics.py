@@ -40,7 +40,7 @@ SUPPORTED = (
     "grouped-query attention, sliding windows and an attention soft-cap c: GPT-2, OPT, "
     "Llama-style (Llama, SmolLM2, Mistral, Qwen2), Gemma, Gemma-2 and boot_native models; not "
     "HookedTransformer, joint qkv projections (GPT-NeoX, Phi, Falcon), q/k norms (Qwen3, "
-    "Gemma-3, OLMo-2), ALiBi (BLOOM)"
+    "Gemma-3, OLMo-2)"
 )
 
 
@@ -164,7 +164,7 @@ def edit_dynamics(
     batch = capture.to_batch(model, tokens)
     facts = [capture.attention_facts(model, layer) for layer in chosen]
     for layer, fact in zip(chosen, facts):
-        if fact.qk_norm or fact.alibi:
+        if fact.refusal() is not None:
             raise NotImplementedError(
                 f"edit_dynamics: layer {layer}: {fact.refusal()}, so a step on W_q/W_k does not "
                 f"move QK^T linearly in the step; supported: {SUPPORTED}"

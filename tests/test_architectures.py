@@ -70,7 +70,6 @@ def test_ra_is_the_gradient_inside_huggingfaces_attention(
 #: architecture of the matrix is exact.
 ATTRIBUTION_REFUSALS = {
     "gptj": "interleaved rotary",
-    "bloom": "ALiBi",
 }
 EXACT_SOFTMAX = tuple(a for a in MATRIX_ARCHITECTURES if a not in ATTRIBUTION_REFUSALS)
 
@@ -133,7 +132,6 @@ EXACT_REFUSALS = {
     "qwen3": "q/k norms",
     "gemma3": "q/k norms",
     "olmo2": "q/k norms",
-    "bloom": "ALiBi",
 }
 
 
@@ -167,7 +165,6 @@ def test_circuits_are_exact_at_both_ends_or_refuse_naming_the_cause(arch: str) -
 #: edit_dynamics's refusals (architecture -> words in the message).
 DYNAMICS_REFUSALS = {
     "gptj": "interleaved rotary",
-    "bloom": "ALiBi",
     "qwen3": "q/k norms",
     "gemma3": "q/k norms",
     "olmo2": "q/k norms",

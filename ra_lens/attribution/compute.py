@@ -28,8 +28,8 @@ from ra_lens.capture import PATTERN, RESID_PRE, Batch, HookedModel
 from ra_lens.core import metric_loss
 from ra_lens.types import MetricFn, Tokens
 
-#: Largest |softmax(q k^T / s + causal mask) - A| accepted before the recomputed attention is
-#: declared not to be the model's (soft-capping, ALiBi, sliding windows are not modelled).
+#: Largest |recomputed softmax - A| accepted before the recomputed attention is declared not to
+#: be the model's (`capture.AttentionFacts` models scale, soft-cap, ALiBi and windows).
 #: HF's eager attention takes the softmax in float32 even for a float64 model; half-precision
 #: patterns are rounded to ~1e-3.
 _RECOMPUTE_TOLERANCE = {torch.float64: 1e-4, torch.float32: 1e-4}
@@ -87,7 +87,8 @@ def attention_attribution(
 
     Raises:
         ValueError: unknown node/method/direction, pairs of unequal token length, attention that
-            is not softmax(c tanh(q k^T / (s c)) + causal or sliding-window mask) (e.g. ALiBi).
+            the recomputed softmax(c tanh(q k^T / (s c)) + ALiBi + causal or window mask) does
+            not reproduce (`capture.AttentionFacts`).
         RuntimeError: `hook_pattern` outside the autograd graph (no R; e.g. OPT on TL 4).
 
     method="linear" is dM/dq . (q_clean - q) on the corrupted run, here checked with autograd

@@ -319,20 +319,27 @@ def _capture(model: HookedModel, tokens: Tensor, layers: list[int]) -> dict[int,
     with torch.no_grad(), capture.recorded(model, names.values()) as acts:
         model(tokens)
     capture.fill_rotated(model, acts, layers)
+    turns = {}
+    for layer in layers:
+        rotate = capture.rotary_function(model, layer, acts)
+        if rotate is not None and capture.ROT_Q.format(layer) in acts:
+            q = acts[capture.Q.format(layer)]
+            turns[layer] = capture.rotation_matrices(rotate, q.shape[1], q.shape[-1], q.device)
     store: dict[int, dict[str, Tensor]] = {layer: {} for layer in layers}
     for (layer, key), name in names.items():
         if name in acts:
             store[layer][key] = acts[name].clone()
     for layer, acts_of_layer in store.items():
+        if layer in turns:
+            acts_of_layer["turn"] = turns[layer]
         for key in ("x_q", "x_k"):
             if key not in acts_of_layer and "x" in acts_of_layer:
                 acts_of_layer[key] = acts_of_layer["x"]
         rotary = getattr(model.cfg, "positional_embedding_type", "") == "rotary"
-        if rotary and "rot_q" not in acts_of_layer:
+        if rotary and "turn" not in acts_of_layer:
             raise NotImplementedError(
-                f"edit_dynamics: layer {layer} rotates q/k inside HuggingFace's attention and the "
-                "adapter exposes neither the rotated q/k (hook_rot_q) nor its cos/sin tables "
-                f"(GPT-J's interleaved rotary); supported: {SUPPORTED}"
+                f"edit_dynamics: layer {layer} rotates q/k and ra-lens cannot read its rotation "
+                f"(no hook_rot_q, no cos/sin tables); supported: {SUPPORTED}"
             )
         missing = [k for k in ("x_q", "x_k", "q", "k", "pattern") if k not in acts_of_layer]
         if missing:
@@ -343,28 +350,15 @@ def _capture(model: HookedModel, tokens: Tensor, layers: list[int]) -> dict[int,
     return store
 
 
-def _rotate_half(x: Tensor) -> Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-
-
 def _rot(
     x: Float[Tensor, "batch pos head d_head"], acts: dict[str, Tensor], transpose: bool = False
 ) -> Float[Tensor, "batch pos head d_head"]:
-    """Rotate-half rotary embedding (or its transpose) on the first cos.shape[-1] dims; identity
-    when the layer has no rotary hooks."""
-    if "cos" not in acts or "rot_q" not in acts:
+    """The rotary embedding (or its transpose) as its per-position matrices `acts["turn"]`
+    (`capture.rotation_matrices`); the identity when the layer has none."""
+    if "turn" not in acts:
         return x
-    cos, sin = acts["cos"], acts["sin"]
-    r = cos.shape[-1]
-    cos = cos.reshape(-1, cos.shape[-2], 1, r).to(x.dtype)
-    sin = sin.reshape(-1, sin.shape[-2], 1, r).to(x.dtype)
-    part, rest = x[..., :r], x[..., r:]
-    if transpose:
-        part = part * cos - _rotate_half(part * sin)
-    else:
-        part = part * cos + _rotate_half(part) * sin
-    return torch.cat([part, rest], dim=-1)
+    turn = acts["turn"].to(x)
+    return torch.einsum("bphd,ped->bphe" if transpose else "bphd,pde->bphe", x, turn)
 
 
 def _qk(acts: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
@@ -461,9 +455,9 @@ def _check_form(
         ("hook_k = X W_k + b_k", _linear(k_lin, acts["x_k"]).reshape(acts["k"].shape), acts["k"]),
     ]
     if "rot_q" in acts:
-        if "cos" not in acts:
+        if "turn" not in acts:
             raise NotImplementedError(
-                f"layer {layer} rotates q/k but exposes no hook_cos/hook_sin; "
+                f"layer {layer} rotates q/k but ra-lens cannot read its rotation; "
                 f"supported: {SUPPORTED}"
             )
         checks.append(("hook_rot_q = rot(hook_q)", _rot(acts["q"], acts), acts["rot_q"]))

@@ -66,25 +66,7 @@ def test_ra_is_the_gradient_inside_huggingfaces_attention(
         assert float((got - expected).abs().max()) <= max(1e-6, tolerance(arch)) * scale * 10
 
 
-#: attention_attribution's refusals (architecture -> words in the message); every other
-#: architecture of the matrix is exact.
-ATTRIBUTION_REFUSALS = {
-    "gptj": "interleaved rotary",
-}
-EXACT_SOFTMAX = tuple(a for a in MATRIX_ARCHITECTURES if a not in ATTRIBUTION_REFUSALS)
-
-
-@pytest.mark.parametrize("arch", sorted(ATTRIBUTION_REFUSALS))
-def test_attribution_refuses_naming_the_cause(arch: str) -> None:
-    from helpers import TOY_CLEAN, TOY_CORRUPTED
-
-    bridge, _ = pair(arch)
-    metric = ra_lens.metrics.logit_diff([5], [7])
-    with pytest.raises((RuntimeError, ValueError), match=ATTRIBUTION_REFUSALS[arch]):
-        ra_lens.attention_attribution(bridge, TOY_CLEAN[2], TOY_CORRUPTED[2], metric)
-
-
-@pytest.mark.parametrize("arch", EXACT_SOFTMAX)
+@pytest.mark.parametrize("arch", MATRIX_ARCHITECTURES)
 def test_exact_query_node_is_the_models_own_changed_row(arch: str) -> None:
     """attention_attribution's exact query node = sum_s R_ts (A'_ts - A_ts), where A' is the
     pattern the model itself computes with head h's query at position t taken from the other run:
@@ -128,7 +110,6 @@ def test_exact_query_node_is_the_models_own_changed_row(arch: str) -> None:
 
 #: The exact edge methods' refusals on models whose eap circuits work.
 EXACT_REFUSALS = {
-    "gptj": "interleaved rotary",
     "qwen3": "q/k norms",
     "gemma3": "q/k norms",
     "olmo2": "q/k norms",
@@ -164,7 +145,6 @@ def test_circuits_are_exact_at_both_ends_or_refuse_naming_the_cause(arch: str) -
 
 #: edit_dynamics's refusals (architecture -> words in the message).
 DYNAMICS_REFUSALS = {
-    "gptj": "interleaved rotary",
     "qwen3": "q/k norms",
     "gemma3": "q/k norms",
     "olmo2": "q/k norms",

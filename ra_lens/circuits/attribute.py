@@ -326,36 +326,17 @@ def _rotation(model: HookedModel, layer: int, acts: dict[str, Tensor]) -> Tensor
     rotated = capture.ROT_Q.format(layer)
     if rotated not in acts:
         return None
-    cos_name, sin_name = capture.COS.format(layer), capture.SIN.format(layer)
-    if cos_name in acts:  # TransformerBridge: HuggingFace's rotate-half with its cos/sin tables
-        cos, sin = acts[cos_name][0].double(), acts[sin_name][0].double()  # [pos rot_dims]
-        r = cos.shape[-1]
-
-        def rotate(x: Tensor) -> Tensor:
-            part, rest = x[..., :r], x[..., r:]
-            half = torch.cat([-part[..., r // 2 :], part[..., : r // 2]], dim=-1)
-            return torch.cat([part * cos[:, None, :] + half * sin[:, None, :], rest], dim=-1)
-    else:  # HookedTransformer: the attention module's own rotation
-        attn = model.blocks[layer].attn
-
-        def rotate(x: Tensor) -> Tensor:
-            lead = x.shape[:-3]
-            flat = x.reshape(-1, *x.shape[-3:])
-            return (
-                attn.apply_rotary(flat.to(attn.rotary_sin.dtype), 0)
-                .double()
-                .reshape(*lead, *x.shape[-3:])
-            )
-
+    rotate = capture.rotary_function(model, layer, acts)
+    if rotate is None:
+        raise ValueError(
+            f"layer {layer}: the rotary embedding could not be read (no cos/sin tables, no "
+            "known rotation); use method='eap'"
+        )
     q = acts[capture.Q.format(layer)].double()
     error = float((rotate(q) - acts[rotated].double()).abs().max())
     if error > 1e-4 * max(1.0, float(q.abs().max())):
         raise ValueError(
-            f"layer {layer}: the rotary embedding could not be reproduced (error {error:.2g}): "
-            "the exact methods support rotate-half rotary embeddings; use method='eap'"
+            f"layer {layer}: the rotary embedding could not be reproduced (error {error:.2g}); "
+            "use method='eap'"
         )
-    # It is linear, so its matrix is read off by rotating the unit vectors at every position.
-    d_head, n_pos = q.shape[-1], q.shape[-3]
-    eye = torch.eye(d_head, dtype=torch.float64, device=q.device)
-    units = einops.repeat(eye, "i e -> i 1 p 1 e", p=n_pos)
-    return einops.rearrange(rotate(units)[:, 0, :, 0], "i p e -> p i e")
+    return capture.rotation_matrices(rotate, q.shape[-3], q.shape[-1], q.device)

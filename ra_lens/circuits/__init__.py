@@ -3,12 +3,19 @@ faithfulness, in files EAP-IG and MIB read."""
 
 from ra_lens.circuits.attribute import NodeScores, attribute
 from ra_lens.circuits.circuit import Circuit, EdgeScores
-from ra_lens.circuits.curve import MIB_FRACTIONS, FaithfulnessCurve, faithfulness_curve
+from ra_lens.circuits.curve import (
+    MIB_FRACTIONS,
+    FaithfulnessCurve,
+    faithfulness_curve,
+    mib_circuits,
+)
 from ra_lens.circuits.faithfulness import Faithfulness, FaithfulnessEvaluator, faithfulness
+from ra_lens.circuits.files import MIB_SUBMISSION_FRACTIONS, export_mib
 from ra_lens.circuits.graph import Graph
 
 __all__ = [
     "MIB_FRACTIONS",
+    "MIB_SUBMISSION_FRACTIONS",
     "Circuit",
     "EdgeScores",
     "Faithfulness",
@@ -17,6 +24,8 @@ __all__ = [
     "Graph",
     "NodeScores",
     "attribute",
+    "export_mib",
     "faithfulness",
     "faithfulness_curve",
+    "mib_circuits",
 ]

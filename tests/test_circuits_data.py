@@ -478,6 +478,31 @@ def test_export_mib_reads_back(tmp_path: Path) -> None:
         export_mib(scores.scores, tmp_path / "x")  # type: ignore[arg-type]
 
 
+def test_signed_rankings_and_mib_files_put_helpful_edges_first_in_both_directions(
+    tmp_path: Path,
+) -> None:
+    """MIB's signed ranking wants the edges that help the metric: a denoise score is positive for
+    one, a noise score negative (m(clean with the edge corrupted) - m(clean)). Noise scores that
+    are the exact negatives of denoise scores give the same signed circuits and the same file."""
+    g = Graph(n_layers=2, n_heads=4, n_kv_heads=2, d_model=8)
+    denoise = random_scores(g, 6)
+    noise = EdgeScores(g, -denoise.scores, method="eap", direction="noise")
+    assert torch.equal(noise.helps, denoise.helps) and torch.equal(denoise.helps, denoise.scores)
+    for n in (5, 20, 60):
+        assert noise.top(n, absolute=False) == denoise.top(n, absolute=False)
+        assert noise.top(n, absolute=False, units="ungrouped") == denoise.top(
+            n, absolute=False, units="ungrouped"
+        )
+        assert noise.greedy(n, absolute=False) == denoise.greedy(n, absolute=False)
+        assert noise.top(n) == denoise.top(n)  # |score| does not care
+    assert noise.threshold(0.5, absolute=False) == denoise.threshold(0.5, absolute=False)
+    a = json.loads(export_mib(denoise, tmp_path / "d", circuits=False)[0].read_text())
+    b = json.loads(export_mib(noise, tmp_path / "n", circuits=False)[0].read_text())
+    assert a == b and a["edges"]["a0.h1->a1.h0<q>"]["score"] == float(
+        denoise.scores[g.edge_index("a0.h1->a1.h0<q>")]
+    )
+
+
 def test_faithfulness_curve_measures_both_rankings_each_distinct_circuit_once() -> None:
     model = tiny_model(arch_or_hooked("llama"))  # grouped-query attention on TL 4
     g = Graph.from_model(model)

@@ -105,9 +105,19 @@ class EdgeScores:
             f"{self.graph.n_edges} edges, {self.graph})"
         )
 
-    def _keys(self, absolute: bool) -> Float[Tensor, "writer reader"]:
-        """The ranking key per edge (|score| or score); -inf where there is no edge."""
+    @property
+    def helps(self) -> Float[Tensor, "writer reader"]:
+        """The scores in MIB's sign, positive where the edge helps the metric: denoise scores as
+        they are (m(corrupted run with the edge clean) - m(corrupted) > 0 for an edge that helps),
+        noise scores negated (m(clean run with the edge corrupted) - m(clean) < 0 for one). The
+        signed rankings (absolute=False) and MIB files use it; float64 on the CPU, detached."""
         keys = self.scores.detach().to("cpu", torch.float64)
+        return keys if self.direction == "denoise" else -keys
+
+    def _keys(self, absolute: bool) -> Float[Tensor, "writer reader"]:
+        """The ranking key per edge (|score|, or `helps` for a signed ranking); -inf where there
+        is no edge."""
+        keys = self.helps
         keys = keys.abs() if absolute else keys
         return keys.masked_fill(~self.graph.real, float("-inf"))
 
@@ -128,7 +138,8 @@ class EdgeScores:
     def top(
         self, n: Validated[int], *, absolute: bool = True, units: Validated[Units] = "grouped"
     ) -> Circuit:
-        """The `n` edges with the largest |score| (the largest score with absolute=False),
+        """The `n` edges with the largest |score| (with absolute=False: the largest `helps`, the
+        score in MIB's sign, so the edges that help the metric most, for noise scores too),
         pruned to those on a path from input to logits (so at most n edges; ties go to the edge
         earlier in graph order).
 
@@ -142,7 +153,7 @@ class EdgeScores:
             edges[order[:n]] = True
             return self._circuit(edges.view_as(self.graph.real))
         g = self.graph
-        share = self.scores.detach().to("cpu", torch.float64) / g.copies[None, :]
+        share = self.helps / g.copies[None, :]
         keys = (share.abs() if absolute else share).masked_fill(~g.real, float("-inf"))
         ukeys = keys[:, g.ungrouped_target]  # [writer, ungrouped reader], EAP-IG's layout
         order = torch.argsort(ukeys.flatten(), descending=True, stable=True)
@@ -155,7 +166,7 @@ class EdgeScores:
         return self._circuit((n_picked == g.copies[None, :]) & g.real)
 
     def threshold(self, t: float, *, absolute: bool = True) -> Circuit:
-        """The edges with |score| >= t (score >= t with absolute=False), pruned."""
+        """The edges with |score| >= t (`helps` >= t with absolute=False), pruned."""
         return self._circuit(self._keys(absolute) >= t)
 
     def greedy(
@@ -163,7 +174,7 @@ class EdgeScores:
     ) -> Circuit:
         """Grow a circuit from the logits, as EAP-IG's greedy: start with the edges into
         `logits` as candidates; `n` times, add the best candidate (by |score|, or by score with
-        absolute=False); when that adds a new writer, its incoming edges become candidates (a
+        absolute=False: by `helps`); when that adds a new writer, its incoming edges become candidates (a
         head's: those into its `<q>` and into its key/value head's `<k>` and `<v>`). Then prune.
         Ties go to the edge earlier in graph order.
 

@@ -131,9 +131,9 @@ class FaithfulnessCurve:
         ):
             rows.append(f"| {100 * k:g} | {ns} | {vs:.4f} | {na} | {va:.4f} |")
         rows.append(
-            f"\n{self.units} edges, {self.n_total} in all; faithfulness normalised by the "
-            f"{self.baseline} ({self.ablation})\nCPR {self.cpr:.4f} (signed ranking, higher is "
-            f"better), CMD {self.cmd:.4f} (|score| ranking, lower is better)"
+            f"\n{self.units} edges, {self.n_total} in all; ablation {self.ablation}; "
+            f"faithfulness normalised by the {self.baseline}\nCPR {self.cpr:.4f} (signed "
+            f"ranking, higher is better), CMD {self.cmd:.4f} (|score| ranking, lower is better)"
         )
         return "\n".join(rows)
 

@@ -252,7 +252,9 @@ def export_mib(
 
     - `folder/importances.json`: every edge's score in EAP-IG's ungrouped layout (this module's
       docstring: a key/value edge on each query head of its group, with an equal share of its
-      score), every edge in_graph. This is the file MIB's `run_evaluation.py` loads for a task
+      score), every edge in_graph. The scores carry MIB's sign, positive where the edge helps
+      the metric (`EdgeScores.helps`: denoise scores as they are, noise scores negated), since
+      MIB ranks them signed for CPR. This is the file MIB's `run_evaluation.py` loads for a task
       and model: name the folder `{circuit_dir}/{method}_{ablation}_{level}/{task}_{model}`
       (e.g. `circuits/ra-lens_patching_edge/ioi_qwen2.5`) or pass the file with
       `--circuit-files`; it then selects and evaluates circuits itself, with and without
@@ -284,9 +286,10 @@ def export_mib(
     out = Path(folder)
     out.mkdir(parents=True, exist_ok=True)
     g = scores.graph
-    everything = Circuit(
-        g, g.real.clone(), scores=scores.scores.detach().cpu(), node_scores=scores.node_scores
-    )
+    # MIB ranks the file's scores with and without abs(): they carry its sign (positive = helps)
+    sign = 1.0 if scores.direction == "denoise" else -1.0
+    node_scores = None if scores.node_scores is None else sign * scores.node_scores.detach().cpu()
+    everything = Circuit(g, g.real.clone(), scores=scores.helps, node_scores=node_scores)
     paths = [out / "importances.json"]
     write_json(everything, paths[0])
     if circuits:

@@ -173,9 +173,10 @@ class EdgeScores:
         self, n: Validated[int], *, absolute: bool = True, units: Validated[Units] = "grouped"
     ) -> Circuit:
         """Grow a circuit from the logits, as EAP-IG's greedy: start with the edges into
-        `logits` as candidates; `n` times, add the best candidate (by |score|, or by score with
-        absolute=False: by `helps`); when that adds a new writer, its incoming edges become candidates (a
-        head's: those into its `<q>` and into its key/value head's `<k>` and `<v>`). Then prune.
+        `logits` as candidates; `n` times, add the best candidate (by |score|, or with
+        absolute=False by `helps`); when that adds a new writer, its incoming edges become
+        candidates (a head's: those into its `<q>` and into its key/value head's `<k>` and
+        `<v>`). Then prune.
         Ties go to the edge earlier in graph order.
 
         units="ungrouped": n counts ungrouped edges; a key/value edge is ranked by its share

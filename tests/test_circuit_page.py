@@ -76,11 +76,15 @@ def test_stops_are_the_scores_circuits_at_every_mib_fraction(setup: Any, page: C
         if stop["fraction"] is None:
             expected = setup.circuit
         else:
-            expected = scores.top(int(stop["fraction"] * graph.n_edges))
+            expected = scores.top(
+                int(stop["fraction"] * graph.n_edges_ungrouped), units="ungrouped"
+            )
         assert stop["n_edges"] == expected.n_edges == len(drawn)
         assert drawn == set(expected.edge_names)
         assert stop["n_nodes"] == len(expected.nodes)
-    assert [s["faithfulness"] for s in mib] == pytest.approx(setup.curve.values, abs=1e-3, rel=1e-3)
+    assert [s["faithfulness"] for s in mib] == pytest.approx(
+        setup.curve.abs_values, abs=1e-3, rel=1e-3
+    )
     assert sets[-1] == set(circuits.Circuit.full(graph).edge_names)  # 100 %: every edge
     # the chosen circuit sits among the others by its edge count, and the page opens on it
     chosen = data["stops"][data["start"]]
@@ -136,7 +140,9 @@ def test_a_large_circuit_draws_its_largest_scores(setup: Any) -> None:
     scores = setup.scores
     data = payload(scores_page(scores, sizes=[0.5, 1.0], max_drawn=20).html)
     for stop, drawn in zip(data["stops"], drawn_sets(data)):
-        circuit = scores.top(int(stop["fraction"] * scores.graph.n_edges))
+        circuit = scores.top(
+            int(stop["fraction"] * scores.graph.n_edges_ungrouped), units="ungrouped"
+        )
         assert stop["n_edges"] == circuit.n_edges > 20 and len(drawn) == 20
         keys = {
             name: abs(float(scores.scores[scores.graph.edge_index(name)]))

@@ -93,7 +93,10 @@ def test_head_nodes_and_size_control_are_in_the_dom(setup: Any, browser: Any) ->
 def test_drawn_edges_follow_the_size_control(setup: Any, browser: Any) -> None:
     driver = browser[0]
     scores, graph = setup.scores, setup.scores.graph
-    expected = [scores.top(int(k * graph.n_edges)).n_edges for k in setup.curve.sizes]
+    expected = [
+        scores.top(int(k * graph.n_edges_ungrouped), units="ungrouped").n_edges
+        for k in setup.curve.sizes
+    ]
     start = sum(n <= setup.circuit.n_edges for n in expected)
     expected.insert(start, setup.circuit.n_edges)
     assert int(driver.find_element("id", "size").get_attribute("value")) == start

@@ -68,9 +68,10 @@ def test_cpr_and_cmd_are_mibs_trapezoids_of_the_curve(saved):
     fractions = study["config"]["fractions"]
     columns = fraction_columns(task, fractions)
     for entry in task["summary"]["methods"].values():
-        for e in entry.values():
+        for e in entry.values():  # CPR: the signed ranking's curve; CMD: the |score| ranking's
+            signed = [e["signed_faithfulness"][i] for i in columns]
+            assert e["cpr"]["estimate"] == pytest.approx(trapezoid_auc(fractions, signed))
             curve = [e["faithfulness"][i] for i in columns]
-            assert e["cpr"]["estimate"] == pytest.approx(trapezoid_auc(fractions, curve))
             cmd = trapezoid_auc(fractions, [abs(1 - v) for v in curve])
             assert e["cmd"]["estimate"] == pytest.approx(cmd)
 
@@ -90,8 +91,8 @@ def test_paired_differences(saved):
 
 
 def test_the_curve_matches_faithfulness_curve(saved):
-    """The study's patching curve is `circuits.faithfulness_curve` of the same scores (patching:
-    the empty circuit is the corrupted run, so both normalise alike)."""
+    """The study's patching curves, CPR and CMD are `circuits.faithfulness_curve`'s for the same
+    scores: both rankings, sizes in ungrouped edges, normalised by the empty circuit."""
     from ra_lens.toy_models import tiny_model
 
     study, _ = saved
@@ -102,10 +103,17 @@ def test_the_curve_matches_faithfulness_curve(saved):
     scores = circuits.attribute(model, clean, corrupted, metric, method="eap", batch_size=4)
     fractions = cfg["fractions"]
     curve = circuits.faithfulness_curve(model, scores, clean, corrupted, metric, sizes=fractions)
-    ours = task["summary"]["methods"]["eap"]["patching"]["faithfulness"]
+    ours = task["summary"]["methods"]["eap"]["patching"]
     columns = fraction_columns(task, fractions)
-    assert curve.values == pytest.approx([ours[i] for i in columns], abs=1e-4)
-    assert torch.isfinite(torch.tensor(curve.values)).all()
+    assert curve.abs_values == pytest.approx([ours["faithfulness"][i] for i in columns], abs=1e-4)
+    signed = [ours["signed_faithfulness"][i] for i in columns]
+    assert curve.signed_values == pytest.approx(signed, abs=1e-4)
+    assert curve.cpr == pytest.approx(ours["cpr"]["estimate"], abs=1e-4)
+    assert curve.cmd == pytest.approx(ours["cmd"]["estimate"], abs=1e-4)
+    assert curve.n_total == task["n_edges_total"] == scores.graph.n_edges_ungrouped
+    assert curve.signed_n_edges == [task["methods"]["eap"]["signed_n_edges"][i] for i in columns]
+    assert torch.isfinite(torch.tensor(curve.signed_values + curve.abs_values)).all()
+    assert study["config"]["faithfulness_baseline"] == curve.baseline
 
 
 @pytest.mark.parametrize(
@@ -190,6 +198,7 @@ def test_merging_parts_with_other_ablations_pools_each_methods_ablations(saved, 
         task["reference"] = {ablation: task["reference"][ablation]}
         for result in task["methods"].values():
             result["circuit"] = {ablation: result["circuit"][ablation]}
+            result["signed_circuit"] = {ablation: result["signed_circuit"][ablation]}
         part["config"]["ablations"] = [ablation]
         (tmp_path / f"{ablation}.json").write_text(json.dumps(part))
         parts.append(str(tmp_path / f"{ablation}.json"))

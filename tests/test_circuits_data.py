@@ -16,11 +16,14 @@ from helpers import arch_or_hooked
 
 from ra_lens.circuits import (
     MIB_FRACTIONS,
+    MIB_SUBMISSION_FRACTIONS,
     Circuit,
     EdgeScores,
     FaithfulnessCurve,
     Graph,
+    export_mib,
     faithfulness_curve,
+    mib_circuits,
 )
 from ra_lens.circuits.circuit import _reader_owners
 from ra_lens.circuits.files import ungrouped_readers
@@ -279,12 +282,14 @@ def test_json_gqa_repeats_key_value_edges_on_each_query_head(tmp_path: Path) -> 
     ungrouped = Graph(n_layers=2, n_heads=4, n_kv_heads=4, d_model=8)
     assert len(data["edges"]) == ungrouped.n_edges  # EAP-IG's ungrouped edge set
     e = data["edges"]
-    for h in (2, 3):  # key/value head 1 is read by query heads 2 and 3
+    for h in (2, 3):  # key/value head 1 is read by query heads 2 and 3, each with half its score
         assert e[f"a0.h0->a1.h{h}<v>"] == {
-            "score": float(s[g.edge_index("a0.h0->a1.h1<v>")]),
+            "score": float(s[g.edge_index("a0.h0->a1.h1<v>")]) / 2,
             "in_graph": "a0.h0->a1.h1<v>" in circuit.edge_names,
         }
-    assert Circuit.from_json(path, g) == circuit
+    assert e["a0.h0->a1.h2<q>"]["score"] == float(s[g.edge_index("a0.h0->a1.h2<q>")])
+    back = Circuit.from_json(path, g)
+    assert back == circuit and torch.equal(back.scores, s)  # the copies' shares sum back
     # read as the ungrouped model EAP-IG sees: each key/value edge on every head of its group
     flat = Circuit.from_json(path, ungrouped)
     expected = set()
@@ -310,8 +315,8 @@ def test_json_refuses_a_group_that_disagrees(tmp_path: Path) -> None:
         Circuit.from_json(path, g)
     assert "input->a0.h1<k>" in Circuit.from_json(path, g, kv="any").edge_names
     assert "input->a0.h1<k>" not in Circuit.from_json(path, g, kv="all").edge_names
-    # copies that differ: their mean
-    assert Circuit.from_json(path, g, kv="any").scores[g.edge_index("input->a0.h1<k>")] == 1.0
+    # copies that differ: their sum (the shared input's score is the sum of its copies')
+    assert Circuit.from_json(path, g, kv="any").scores[g.edge_index("input->a0.h1<k>")] == 2.0
 
 
 def test_json_errors_name_the_file(tmp_path: Path) -> None:
@@ -437,80 +442,234 @@ def test_draw_writes_png_and_svg_with_one_arrow_per_drawn_edge(tmp_path: Path) -
 # ---------------------------------------------------------------- curves
 
 
-def test_curve_areas_match_hand_computed_trapezoids(tmp_path) -> None:
+def test_curve_areas_are_mibs_evaluate_area_under_curve_by_hand(tmp_path) -> None:
+    """MIB's evaluate_area_under_curve: percentages (.001 .. 1), area_under = sum of (x2 - x1) *
+    (f1 + f2) / 2 and area_from_1 = sum of (x2 - x1) * (|1 - f1| + |1 - f2|) / 2 over consecutive
+    sizes, x the fraction itself; print_results.py reports CPR = area_under of the run without
+    --absolute and CMD = area_from_1 of the run with it. The expected numbers are worked out by
+    hand below."""
+    signed = [0.2, 0.3, 0.5, 0.8, 1.1, 1.4, 1.6, 1.5, 1.2, 1.0]
+    by_abs = [0.1, 0.2, 0.4, 0.6, 0.8, 0.9, 0.95, 1.0, 1.0, 1.0]
     curve = FaithfulnessCurve(
-        sizes=[0.01, 0.1, 0.5, 1.0],
-        n_edges=[1, 8, 41, 82],
-        values=[-0.5, 0.5, 1.5, 1.0],
-        n_total=82,
+        sizes=list(MIB_FRACTIONS),
+        n_total=1000,
+        signed_values=signed,
+        signed_n_edges=[1, 2, 5, 10, 20, 50, 100, 200, 500, 1000],
+        abs_values=by_abs,
+        abs_n_edges=[1, 2, 5, 10, 20, 50, 100, 200, 500, 1000],
     )
-    # trapezoids over k: mean f per interval 0, 1, 1.25; mean |1 - f| 1, 0.5, 0.25
-    assert curve.cpr == pytest.approx(0.09 * 0.0 + 0.4 * 1.0 + 0.5 * 1.25, rel=1e-12)
-    assert curve.cmd == pytest.approx(0.09 * 1.0 + 0.4 * 0.5 + 0.5 * 0.25, rel=1e-12)
-    perfect = FaithfulnessCurve(list(MIB_FRACTIONS), [0] * 10, [1.0] * 10, n_total=100)
+    # widths .001 .003 .005 .01 .03 .05 .1 .3 .5; signed means .25 .4 .65 .95 1.25 1.5 1.55 1.35 1.1
+    cpr = 0.00025 + 0.0012 + 0.00325 + 0.0095 + 0.0375 + 0.075 + 0.155 + 0.405 + 0.55
+    # |1 - f| means .85 .7 .5 .3 .15 .075 .025 0 0
+    cmd = 0.00085 + 0.0021 + 0.0025 + 0.003 + 0.0045 + 0.00375 + 0.0025
+    assert cpr == pytest.approx(1.2367, abs=1e-12) and cmd == pytest.approx(0.0192, abs=1e-12)
+    assert curve.cpr == pytest.approx(cpr, abs=1e-12)
+    assert curve.cmd == pytest.approx(cmd, abs=1e-12)
+    perfect = FaithfulnessCurve(
+        list(MIB_FRACTIONS), 100, [1.0] * 10, [0] * 10, [1.0] * 10, [0] * 10
+    )
     assert perfect.cpr == pytest.approx(0.999) and perfect.cmd == 0.0
     d = curve.to_dict()
-    assert d["cpr"] == curve.cpr and d["values"] == [-0.5, 0.5, 1.5, 1.0]
-    assert "| 50 | 41 | 1.5000 |" in curve.table()
+    assert d["cpr"] == curve.cpr and d["cmd"] == curve.cmd and d["signed_values"] == signed
+    assert d["units"] == "ungrouped" and d["baseline"].startswith("empty circuit")
+    assert "| 50 | 500 | 1.2000 | 500 | 1.0000 |" in curve.table()
     fig = curve.plot(tmp_path / "curve.svg")
     (ax,) = fig.axes
     assert (tmp_path / "curve.svg").read_text().startswith("<?xml")
-    assert ax.get_xscale() == "log" and list(ax.lines[0].get_xdata()) == [1.0, 10.0, 50.0, 100.0]
+    assert ax.get_xscale() == "log" and len(ax.lines) == 4  # two curves and the lines at 0 and 1
+    assert list(ax.lines[0].get_ydata()) == signed and list(ax.lines[1].get_ydata()) == by_abs
     with pytest.raises(ValueError, match="one of each per circuit"):
-        FaithfulnessCurve([0.1], [1, 2], [0.5], n_total=10)
+        FaithfulnessCurve([0.1], 10, [0.5], [1], [0.5, 0.6], [1])
 
 
-def test_faithfulness_curve_measures_each_distinct_circuit_once() -> None:
-    model = tiny_model(arch_or_hooked("gpt2"))
+def random_scores(graph: Graph, seed: int) -> EdgeScores:
+    torch.manual_seed(seed)
+    s = torch.randn(len(graph.writers), len(graph.readers), dtype=torch.float64) * graph.real
+    return EdgeScores(graph, s, method="eap", direction="denoise")
+
+
+@pytest.mark.parametrize("absolute", [False, True])
+def test_every_mib_size_keeps_its_budget_in_ungrouped_edges(tmp_path: Path, absolute: bool) -> None:
+    """For each of MIB's sizes, the circuit of int(k * N) ungrouped edges (N = EAP-IG's edge count)
+    keeps at most that many ungrouped edges, and keeps exactly the grouped edges whose every
+    query-head copy is among MIB's top int(k * N) of the scores file (ranked here independently,
+    from the file's names and scores), then pruned."""
+    g = Graph(n_layers=3, n_heads=6, n_kv_heads=2, d_model=8)  # groups of 3 query heads
+    flat = Graph(n_layers=3, n_heads=6, n_kv_heads=6, d_model=8)
+    assert g.n_edges_ungrouped == flat.n_edges > g.n_edges
+    scores = random_scores(g, 4)
+    (path,) = export_mib(scores, tmp_path, circuits=False)
+    file_edges = json.loads(path.read_text())["edges"]
+    assert len(file_edges) == g.n_edges_ungrouped
+    ranked = sorted(file_edges, key=lambda n: -(abs if absolute else float)(file_edges[n]["score"]))
+    for k in MIB_FRACTIONS:
+        n = int(k * g.n_edges_ungrouped)
+        circuit = scores.top(n, absolute=absolute, units="ungrouped")
+        assert circuit.n_edges_ungrouped <= n
+        mib_top = set(ranked[:n])
+        chosen = torch.zeros_like(g.real)
+        for w, writer in enumerate(g.writers):
+            for r, reader in enumerate(g.readers):
+                if g.real[w, r]:
+                    copies = ungrouped_names(g, writer, reader)
+                    chosen[w, r] = all(c in mib_top for c in copies)
+        assert circuit == Circuit(g, chosen).prune(), k
+    full = scores.top(g.n_edges_ungrouped, units="ungrouped")
+    assert full.n_edges_ungrouped == g.n_edges_ungrouped and full.n_edges == g.n_edges
+    with pytest.raises(ValueError, match=r"edges \(ungrouped\)"):
+        scores.top(g.n_edges_ungrouped + 1, units="ungrouped")
+    greedy = scores.greedy(40, absolute=absolute, units="ungrouped")
+    assert 0 < greedy.n_edges_ungrouped <= 40  # pruning may keep fewer, never more
+
+
+def ungrouped_names(g: Graph, writer: str, reader: str) -> list[str]:
+    """The names EAP-IG's ungrouped graph gives the edge writer -> reader of `g`."""
+    if reader.endswith(("<k>", "<v>")):
+        layer, head = reader[:-3].split(".h")
+        kind = reader[-3:]
+        return [f"{writer}->{layer}.h{g.group * int(head) + i}{kind}" for i in range(g.group)]
+    return [f"{writer}->{reader}"]
+
+
+def test_export_mib_reads_back(tmp_path: Path) -> None:
+    """The MIB folder: importances.json holds every edge's score in EAP-IG's ungrouped layout
+    (read back: the same scores), and the nine circuits are the signed ranking's at 0.1 .. 50 %,
+    each within its budget counted in the file itself, as MIB counts (in_graph edges)."""
+    g = Graph(n_layers=2, n_heads=4, n_kv_heads=2, d_model=8)
+    scores = random_scores(g, 5)
+    paths = export_mib(scores, tmp_path / "ioi_smollm2")
+    assert [p.relative_to(tmp_path / "ioi_smollm2").as_posix() for p in paths] == [
+        "importances.json"
+    ] + [f"circuits/circuit_{k:g}.json" for k in MIB_SUBMISSION_FRACTIONS]
+    assert MIB_SUBMISSION_FRACTIONS == MIB_FRACTIONS[:-1]
+    data = json.loads(paths[0].read_text())
+    assert data["cfg"] == {"n_layers": 2, "n_heads": 4, "parallel_attn_mlp": False, "d_model": 8}
+    assert len(data["edges"]) == g.n_edges_ungrouped
+    assert all(e["in_graph"] for e in data["edges"].values())
+    kv = float(scores.scores[g.edge_index("a0.h1->a1.h0<k>")])
+    assert data["edges"]["a0.h1->a1.h0<k>"]["score"] == data["edges"]["a0.h1->a1.h1<k>"]["score"]
+    assert data["edges"]["a0.h1->a1.h1<k>"]["score"] == kv / 2
+    back = Circuit.from_json(paths[0], g)
+    assert back == Circuit.full(g) and torch.equal(back.scores, scores.scores)
+    expected = mib_circuits(scores, MIB_SUBMISSION_FRACTIONS, absolute=False)
+    for k, path, circuit in zip(MIB_SUBMISSION_FRACTIONS, paths[1:], expected, strict=True):
+        in_file = [n for n, e in json.loads(path.read_text())["edges"].items() if e["in_graph"]]
+        assert len(in_file) == circuit.n_edges_ungrouped <= int(k * g.n_edges_ungrouped)
+        assert Circuit.from_json(path, g) == circuit
+    assert expected[-1].n_edges > 0 and expected[-1] == scores.top(55, absolute=False, units="ungrouped")  # fmt: skip
+    with pytest.raises(TypeError, match="EdgeScores"):
+        export_mib(scores.scores, tmp_path / "x")  # type: ignore[arg-type]
+
+
+def test_signed_rankings_and_mib_files_put_helpful_edges_first_in_both_directions(
+    tmp_path: Path,
+) -> None:
+    """MIB's signed ranking wants the edges that help the metric: a denoise score is positive for
+    one, a noise score negative (m(clean with the edge corrupted) - m(clean)). Noise scores that
+    are the exact negatives of denoise scores give the same signed circuits and the same file."""
+    g = Graph(n_layers=2, n_heads=4, n_kv_heads=2, d_model=8)
+    denoise = random_scores(g, 6)
+    noise = EdgeScores(g, -denoise.scores, method="eap", direction="noise")
+    assert torch.equal(noise.helps, denoise.helps) and torch.equal(denoise.helps, denoise.scores)
+    for n in (5, 20, 60):
+        assert noise.top(n, absolute=False) == denoise.top(n, absolute=False)
+        assert noise.top(n, absolute=False, units="ungrouped") == denoise.top(
+            n, absolute=False, units="ungrouped"
+        )
+        assert noise.greedy(n, absolute=False) == denoise.greedy(n, absolute=False)
+        assert noise.top(n) == denoise.top(n)  # |score| does not care
+    assert noise.threshold(0.5, absolute=False) == denoise.threshold(0.5, absolute=False)
+    a = json.loads(export_mib(denoise, tmp_path / "d", circuits=False)[0].read_text())
+    b = json.loads(export_mib(noise, tmp_path / "n", circuits=False)[0].read_text())
+    assert a == b and a["edges"]["a0.h1->a1.h0<q>"]["score"] == float(
+        denoise.scores[g.edge_index("a0.h1->a1.h0<q>")]
+    )
+
+
+def test_faithfulness_curve_measures_both_rankings_each_distinct_circuit_once() -> None:
+    model = tiny_model(arch_or_hooked("llama"))  # grouped-query attention on TL 4
     g = Graph.from_model(model)
-    torch.manual_seed(0)
-    scores = EdgeScores(g, torch.randn(g.real.shape) * g.real, method="eap", direction="denoise")
+    scores = random_scores(g, 0)
     seen: list[Circuit] = []
     ablations: list[str] = []
 
-    def share_of_edges(model, circuit, clean, corrupted, metric, *, ablation):  # noqa: ANN001, ANN202
+    def signed_sum(model, circuit, clean, corrupted, metric, *, ablation):  # noqa: ANN001, ANN202
         assert clean == "a b" and corrupted == "a c" and metric is len
         seen.append(circuit)
         ablations.append(ablation)
-        return circuit.n_edges / g.n_edges
+        return float((scores.scores * circuit.edges).sum())
 
     sizes = [0.001, 0.002, 0.1, 0.5, 1.0]
     curve = faithfulness_curve(
-        model, scores, "a b", "a c", len, sizes=sizes, ablation="mean", evaluate=share_of_edges
+        model, scores, "a b", "a c", len, sizes=sizes, ablation="mean", evaluate=signed_sum
     )
-    expected = [scores.top(int(k * g.n_edges)) for k in sizes]
-    assert curve.sizes == sizes and curve.n_total == g.n_edges
-    assert curve.n_edges == [c.n_edges for c in expected]
-    assert curve.values == [c.n_edges / g.n_edges for c in expected]
-    assert curve.n_edges[0] == curve.n_edges[1] == 0  # int(0.002 * n) = 0 edges
-    assert len(seen) == len({c.edges.numpy().tobytes() for c in expected}) < len(sizes)
-    assert curve.values[-1] == 1.0 and curve.method == "eap" and set(ablations) == {"mean"}
+    n_total = g.n_edges_ungrouped
+    signed = [scores.top(int(k * n_total), absolute=False, units="ungrouped") for k in sizes]
+    by_abs = [scores.top(int(k * n_total), units="ungrouped") for k in sizes]
+    assert curve.sizes == sizes and curve.n_total == n_total and curve.units == "ungrouped"
+    assert curve.signed_n_edges == [c.n_edges_ungrouped for c in signed]
+    assert curve.abs_n_edges == [c.n_edges_ungrouped for c in by_abs]
+    assert curve.signed_values == [float((scores.scores * c.edges).sum()) for c in signed]
+    assert curve.abs_values == [float((scores.scores * c.edges).sum()) for c in by_abs]
+    assert curve.signed_values[3] > curve.abs_values[3]  # the signed ranking keeps what helps
+    distinct = {c.edges.numpy().tobytes() for c in signed + by_abs}
+    assert len(seen) == len(distinct) < 2 * len(sizes)  # the empty and full circuits once each
+    assert curve.method == "eap" and set(ablations) == {"mean"}
+    grouped = faithfulness_curve(
+        model, scores, "a b", "a c", len, sizes=[0.5], units="grouped", evaluate=signed_sum
+    )
+    assert grouped.n_total == g.n_edges and grouped.abs_n_edges == [
+        scores.top(int(0.5 * g.n_edges)).n_edges
+    ]
     greedy = faithfulness_curve(
-        model, scores, "a b", "a c", len, sizes=[0.5], selection="greedy", evaluate=share_of_edges
+        model, scores, "a b", "a c", len, sizes=[0.5], selection="greedy", evaluate=signed_sum
     )
-    assert greedy.n_edges == [scores.greedy(int(0.5 * g.n_edges)).n_edges]
+    assert greedy.abs_n_edges == [scores.greedy(int(0.5 * n_total), units="ungrouped").n_edges_ungrouped]  # fmt: skip
     for bad, message in [([50, 100], "fractions"), ([0.5, 0.1], "increasing"), ([], "fractions")]:
         with pytest.raises(ValueError, match=message):
-            faithfulness_curve(model, scores, "a", "b", len, sizes=bad, evaluate=share_of_edges)
+            faithfulness_curve(model, scores, "a", "b", len, sizes=bad, evaluate=signed_sum)
+    with pytest.raises(ValueError, match="units"):
+        faithfulness_curve(model, scores, "a", "b", len, units="heads", evaluate=signed_sum)  # type: ignore[arg-type]
     other = EdgeScores(Graph(1, 4, 4, 32), torch.zeros(6, 14), method="eap", direction="noise")
     with pytest.raises(ValueError, match="the scores are for"):
-        faithfulness_curve(model, other, "a", "b", len, evaluate=share_of_edges)
+        faithfulness_curve(model, other, "a", "b", len, evaluate=signed_sum)
 
 
-def test_faithfulness_curve_with_edge_patching_ends_at_exactly_0_and_1() -> None:
+@pytest.mark.parametrize("ablation", ["patching", "mean", "zero"])
+def test_faithfulness_curve_with_edge_patching_ends_at_exactly_0_and_1(ablation: str) -> None:
+    """Normalised by the empty circuit under the same ablation (MIB's baseline): the empty
+    circuit gives exactly 0 and the full one 1 under every ablation, and the one definition
+    holds for `faithfulness`, the evaluator and the curve alike."""
+    from ra_lens.circuits import FaithfulnessEvaluator, faithfulness
     from ra_lens.metrics import logit_diff
 
     model = tiny_model(arch_or_hooked("llama"), dtype=torch.float64)  # GQA on TL 4
     g = Graph.from_model(model)
-    torch.manual_seed(0)
-    scores = EdgeScores(g, torch.randn(g.real.shape) * g.real, method="eap", direction="denoise")
+    scores = random_scores(g, 0)
     clean, corrupted = "The capital of France is", "The capital of Italy is"
+    metric = logit_diff([294], [52])
     curve = faithfulness_curve(
-        model, scores, clean, corrupted, logit_diff([294], [52]), sizes=[0.001, 1.0]
+        model, scores, clean, corrupted, metric, sizes=[0.001, 0.3, 1.0], ablation=ablation
     )
-    assert curve.n_edges == [0, g.n_edges]
-    assert curve.values == pytest.approx([0.0, 1.0], abs=1e-10)
-    assert curve.cpr == pytest.approx(0.999 / 2, abs=1e-10)
+    assert curve.signed_n_edges[0] == curve.abs_n_edges[0] == 0
+    assert curve.signed_n_edges[-1] == curve.abs_n_edges[-1] == g.n_edges_ungrouped
+    assert curve.signed_values[0] == curve.abs_values[0] == 0.0
+    assert curve.signed_values[-1] == pytest.approx(1.0, abs=1e-10)
+    middle = scores.top(int(0.3 * g.n_edges_ungrouped), absolute=False, units="ungrouped")
+    result = faithfulness(model, middle, clean, corrupted, metric, ablation=ablation)
+    evaluator = FaithfulnessEvaluator(model, clean, corrupted, metric, ablation=ablation)
+    assert curve.signed_values[1] == evaluator(middle).value == result.value
+    expected = (result.circuit_metric - result.empty_metric) / (
+        result.clean_metric - result.empty_metric
+    )
+    assert result.value == pytest.approx(expected, rel=1e-12)
+    assert result.baseline.startswith("empty circuit") and result.ablation == ablation
+    empty = faithfulness(model, Circuit.empty(g), clean, corrupted, metric, ablation=ablation)
+    assert empty.circuit_metric == empty.empty_metric and empty.value == 0.0
+    if ablation == "patching":  # every edge patched is the corrupted run
+        assert empty.empty_metric == pytest.approx(empty.corrupted_metric, abs=1e-10)
+    elif ablation == "zero":  # not the corrupted run: normalising by it would differ
+        assert abs(empty.empty_metric - empty.corrupted_metric) > 1e-3
 
 
 def gqa_and_ungrouped_copy() -> tuple[object, object]:

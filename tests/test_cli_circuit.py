@@ -52,11 +52,16 @@ def test_curve_and_circuit_match_the_api(run: tuple[Path, dict]) -> None:
     clean, corrupted, metric = paired_batch(model, PAIRS)
     scores = circuits.attribute(model, clean, corrupted, metric, method="exact")
     curve = circuits.faithfulness_curve(model, scores, clean, corrupted, metric, sizes=SIZES)
-    assert report["curve"]["n_edges"] == curve.n_edges
-    assert report["curve"]["values"] == pytest.approx(curve.values, abs=1e-6)
+    for key in ("signed_n_edges", "abs_n_edges", "n_total", "units", "baseline"):
+        assert report["curve"][key] == getattr(curve, key), key
+    assert report["curve"]["signed_values"] == pytest.approx(curve.signed_values, abs=1e-6)
+    assert report["curve"]["abs_values"] == pytest.approx(curve.abs_values, abs=1e-6)
     assert report["curve"]["cpr"] == pytest.approx(curve.cpr, abs=1e-6)
     assert report["curve"]["cmd"] == pytest.approx(curve.cmd, abs=1e-6)
-    assert report["curve"]["values"][-1] == pytest.approx(1.0, abs=1e-5)  # the full graph
+    assert report["curve"]["abs_values"][-1] == pytest.approx(1.0, abs=1e-5)  # the full graph
+    assert report["curve"]["units"] == "ungrouped" and report["curve"]["ablation"] == "patching"
+    assert report["faithfulness_baseline"] == kept_baseline()
+    assert report["empty_metric"] == pytest.approx(report["corrupted_metric"], abs=1e-5)
     expected = scores.top(12)
     saved = circuits.Circuit.from_json(out / "circuit.json", model)
     assert saved.edge_names == expected.edge_names and saved.n_edges == report["circuit"]["n_edges"]
@@ -64,6 +69,46 @@ def test_curve_and_circuit_match_the_api(run: tuple[Path, dict]) -> None:
     assert report["circuit"]["faithfulness"] == pytest.approx(kept.value, abs=1e-6)
     assert report["clean_metric"] == pytest.approx(kept.clean_metric, abs=1e-6)
     assert report["n_edges_total"] == scores.graph.n_edges and len(report["pairs"]) == 3
+    assert report["n_edges_ungrouped"] == scores.graph.n_edges_ungrouped
+
+
+def kept_baseline() -> str:
+    from ra_lens.circuits.faithfulness import BASELINE
+
+    return BASELINE
+
+
+def test_batch_size_reaches_every_pass_and_mib_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--batch-size 2 on 3 pairs: every forward pass of the run (scoring, the faithfulness curve,
+    the saved circuit) sees at most 2 prompts, counted by a hook on the first block; --mib writes
+    the MIB folder, whose scores read back as the API's."""
+    import ra_lens.cli.circuit as cli_circuit
+
+    seen: list[int] = []
+    model = tiny_model(ARCH)
+    # (shape[1] > 3: not ra-lens's one-prompt, 3-token liveness probe of hook_pattern)
+    model.blocks[0].register_forward_pre_hook(
+        lambda module, args: seen.append(args[0].shape[0]) if args[0].shape[1] > 3 else None
+    )
+    monkeypatch.setattr(cli_circuit, "_model", lambda args: model)
+    pairs = _write_pairs(tmp_path / "pairs.jsonl", PAIRS)
+    code = main(
+        ["circuit", "--pairs", str(pairs), "--model", f"tiny-{ARCH}", "--method", "eap",
+         "--sizes", "0.1,1", "--batch-size", "2", "--mib", str(tmp_path / "mib"),
+         "--json", str(tmp_path / "run.json")]
+    )  # fmt: skip
+    assert code == 0
+    # each pass over 3 pairs in batches of 2 is a batch of 2 then 1; 32 would have given 3
+    assert seen and max(seen) == 2 and seen.count(2) == seen.count(1)
+    report = json.loads((tmp_path / "run.json").read_text())
+    names = sorted(Path(f).relative_to(tmp_path / "mib").as_posix() for f in report["files"])
+    assert names[-1] == "importances.json" and len(names) == 10
+    clean, corrupted, metric = paired_batch(model, PAIRS)
+    scores = circuits.attribute(model, clean, corrupted, metric, method="eap")
+    back = circuits.Circuit.from_json(tmp_path / "mib" / "importances.json", model)
+    assert torch.allclose(back.scores, scores.scores.double(), atol=1e-6)
 
 
 def test_pictures_are_written(run: tuple[Path, dict]) -> None:

@@ -3,13 +3,20 @@ faithfulness, in files EAP-IG and MIB read, and one offline interactive page per
 
 from ra_lens.circuits.attribute import NodeScores, attribute
 from ra_lens.circuits.circuit import Circuit, EdgeScores
-from ra_lens.circuits.curve import MIB_FRACTIONS, FaithfulnessCurve, faithfulness_curve
+from ra_lens.circuits.curve import (
+    MIB_FRACTIONS,
+    FaithfulnessCurve,
+    faithfulness_curve,
+    mib_circuits,
+)
 from ra_lens.circuits.faithfulness import Faithfulness, FaithfulnessEvaluator, faithfulness
+from ra_lens.circuits.files import MIB_SUBMISSION_FRACTIONS, export_mib
 from ra_lens.circuits.graph import Graph
 from ra_lens.circuits.page import CircuitPage
 
 __all__ = [
     "MIB_FRACTIONS",
+    "MIB_SUBMISSION_FRACTIONS",
     "Circuit",
     "CircuitPage",
     "EdgeScores",
@@ -19,6 +26,8 @@ __all__ = [
     "Graph",
     "NodeScores",
     "attribute",
+    "export_mib",
     "faithfulness",
     "faithfulness_curve",
+    "mib_circuits",
 ]

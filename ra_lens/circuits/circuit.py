@@ -17,6 +17,29 @@ choose one from scores and prune it to the edges on a path from `input` to `logi
     >>> (scores.top(3) | Circuit.from_edges(g, ["input->m0", "m0->logits"])).n_edges
     4
 
+Sizes in ungrouped units (`units="ungrouped"`, what MIB counts on a grouped-query model). A
+grouped key/value edge stands for `group` edges of EAP-IG's ungrouped graph, one per query head of
+its group. Its score estimates patching the shared key/value input, which sums what the query
+heads of the group get from it, so each copy carries an equal share, score / group, in the
+ungrouped ranking (as the copies' scores add up to the shared input's in EAP-IG's graph). Edge
+patching here patches a key/value head's input for all its query heads at once, so a circuit of n
+ungrouped edges keeps a grouped edge when ALL its copies are among the n best: the kept circuit
+never spends more than n ungrouped edges (a group cut by the boundary is left out, at most
+group - 1 edges unspent). Without grouped-query attention both units agree.
+
+    >>> gqa = Graph(n_layers=1, n_heads=2, n_kv_heads=1, d_model=8)
+    >>> s = torch.zeros(len(gqa.writers), len(gqa.readers))
+    >>> for name, value in [("input->a0.h0<k>", 6.0), ("input->a0.h0<q>", 2.0),
+    ...                     ("a0.h0->logits", 2.5), ("input->logits", 0.1)]:
+    ...     s[gqa.edge_index(name)] = value
+    >>> kv = EdgeScores(gqa, s, method="eap", direction="denoise")
+    >>> kv.top(3, units="ungrouped").edge_names  # the k edge: 2 copies of 3.0, 2 edges
+    ['input->a0.h0<k>', 'a0.h0->logits']
+    >>> kv.top(3, units="ungrouped").n_edges_ungrouped
+    3
+    >>> kv.top(4, units="ungrouped").n_edges_ungrouped  # + input->a0.h0<q> (2.0)
+    4
+
 Pruning: an edge w -> r is kept when w is reached from `input` and r leads to `logits` through
 edges of the circuit. A writer is reached when it is `input` or one of its readers has an
 incoming edge from a reached writer; a head's readers are its `<q>` and the `<k>`/`<v>` of its
@@ -42,6 +65,9 @@ from torch import Tensor
 from ra_lens._typing import Validated
 from ra_lens.circuits.graph import Graph
 from ra_lens.types import HookedModel, MetricFn, Tokens
+
+Units = Literal["grouped", "ungrouped"]
+UNITS: tuple[str, ...] = ("grouped", "ungrouped")
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -85,9 +111,19 @@ class EdgeScores:
             f"{self.graph.n_edges} edges, {self.graph})"
         )
 
-    def _keys(self, absolute: bool) -> Float[Tensor, "writer reader"]:
-        """The ranking key per edge (|score| or score); -inf where there is no edge."""
+    @property
+    def helps(self) -> Float[Tensor, "writer reader"]:
+        """The scores in MIB's sign, positive where the edge helps the metric: denoise scores as
+        they are (m(corrupted run with the edge clean) - m(corrupted) > 0 for an edge that helps),
+        noise scores negated (m(clean run with the edge corrupted) - m(clean) < 0 for one). The
+        signed rankings (absolute=False) and MIB files use it; float64 on the CPU, detached."""
         keys = self.scores.detach().to("cpu", torch.float64)
+        return keys if self.direction == "denoise" else -keys
+
+    def _keys(self, absolute: bool) -> Float[Tensor, "writer reader"]:
+        """The ranking key per edge (|score|, or `helps` for a signed ranking); -inf where there
+        is no edge."""
+        keys = self.helps
         keys = keys.abs() if absolute else keys
         return keys.masked_fill(~self.graph.real, float("-inf"))
 
@@ -96,24 +132,47 @@ class EdgeScores:
             self.graph, edges, scores=self.scores.detach().cpu(), node_scores=self.node_scores
         ).prune()
 
-    def _check_count(self, n: Validated[int]) -> None:
+    def _check_count(self, n: Validated[int], units: Validated[Units] = "grouped") -> None:
+        if units not in UNITS:
+            raise ValueError(f"units={units!r}: expected 'grouped' or 'ungrouped'")
         if not isinstance(n, int) or isinstance(n, bool):
             raise TypeError(f"n={n!r}: pass a whole number of edges (int)")
-        if not 0 <= n <= self.graph.n_edges:
-            raise ValueError(f"n={n}: the graph has {self.graph.n_edges} edges; pass 0..that")
+        total = self.graph.n_edges if units == "grouped" else self.graph.n_edges_ungrouped
+        if not 0 <= n <= total:
+            raise ValueError(f"n={n}: the graph has {total} edges ({units}); pass 0..that")
 
-    def top(self, n: Validated[int], *, absolute: bool = True) -> Circuit:
-        """The `n` edges with the largest |score| (the largest score with absolute=False),
+    def top(
+        self, n: Validated[int], *, absolute: bool = True, units: Validated[Units] = "grouped"
+    ) -> Circuit:
+        """The `n` edges with the largest |score| (with absolute=False: the largest `helps`, the
+        score in MIB's sign, so the edges that help the metric most, for noise scores too),
         pruned to those on a path from input to logits (so at most n edges; ties go to the edge
-        earlier in graph order)."""
-        self._check_count(n)
-        order = torch.argsort(self._keys(absolute).flatten(), descending=True, stable=True)
-        edges = torch.zeros(self.graph.real.numel(), dtype=torch.bool)
-        edges[order[:n]] = True
-        return self._circuit(edges.view_as(self.graph.real))
+        earlier in graph order).
+
+        units="ungrouped": n counts edges of EAP-IG's ungrouped graph, as MIB does; each
+        key/value edge enters the ranking once per query head of its group with an equal share
+        of its score, and is kept when all its copies are among the n best (module docstring)."""
+        self._check_count(n, units)
+        if units == "grouped":
+            order = torch.argsort(self._keys(absolute).flatten(), descending=True, stable=True)
+            edges = torch.zeros(self.graph.real.numel(), dtype=torch.bool)
+            edges[order[:n]] = True
+            return self._circuit(edges.view_as(self.graph.real))
+        g = self.graph
+        share = self.helps / g.copies[None, :]
+        keys = (share.abs() if absolute else share).masked_fill(~g.real, float("-inf"))
+        ukeys = keys[:, g.ungrouped_target]  # [writer, ungrouped reader], EAP-IG's layout
+        order = torch.argsort(ukeys.flatten(), descending=True, stable=True)
+        picked = torch.zeros(ukeys.numel(), dtype=torch.long)
+        picked[order[:n]] = 1
+        index = g.ungrouped_target.expand(len(g.writers), -1)
+        n_picked = torch.zeros(g.real.shape, dtype=torch.long).scatter_add(
+            1, index, picked.view_as(ukeys)
+        )
+        return self._circuit((n_picked == g.copies[None, :]) & g.real)
 
     def threshold(self, t: Validated[float], *, absolute: bool = True) -> Circuit:
-        """The edges with |score| >= t (score >= t with absolute=False), pruned."""
+        """The edges with |score| >= t (`helps` >= t with absolute=False), pruned."""
         if isinstance(t, bool) or not isinstance(t, numbers.Real):
             raise TypeError(f"t={t!r}: pass the threshold as a number (float)")
         if math.isnan(t):
@@ -124,15 +183,26 @@ class EdgeScores:
         # Entries off the graph hold -inf keys, which t=-inf would take in: keep to the graph.
         return self._circuit((self._keys(absolute) >= t) & self.graph.real)
 
-    def greedy(self, n: Validated[int], *, absolute: bool = True) -> Circuit:
+    def greedy(
+        self, n: Validated[int], *, absolute: bool = True, units: Validated[Units] = "grouped"
+    ) -> Circuit:
         """Grow a circuit from the logits, as EAP-IG's greedy: start with the edges into
-        `logits` as candidates; `n` times, add the best candidate (by |score|, or by score with
-        absolute=False); when that adds a new writer, its incoming edges become candidates (a
-        head's: those into its `<q>` and into its key/value head's `<k>` and `<v>`). Then prune.
-        Ties go to the edge earlier in graph order."""
-        self._check_count(n)
+        `logits` as candidates; `n` times, add the best candidate (by |score|, or with
+        absolute=False by `helps`); when that adds a new writer, its incoming edges become
+        candidates (a head's: those into its `<q>` and into its key/value head's `<k>` and
+        `<v>`). Then prune.
+        Ties go to the edge earlier in graph order.
+
+        units="ungrouped": n counts ungrouped edges; a key/value edge is ranked by its share
+        (score / group) and costs `group` edges; growing stops when the best candidate no longer
+        fits (its copies would be cut by the boundary)."""
+        self._check_count(n, units)
         g = self.graph
         keys = self._keys(absolute)
+        cost = [1] * len(g.readers)
+        if units == "ungrouped":
+            keys = keys / g.copies[None, :]  # -inf stays -inf
+            cost = g.copies.tolist()
         owner = _reader_owners(g)
         heap: list[tuple[float, int, int]] = []
         seen_readers: set[int] = set()
@@ -147,10 +217,13 @@ class EdgeScores:
         push_into(g.reader_index["logits"])
         edges = torch.zeros_like(g.real)
         writers_in = {g.writer_index["input"]}
-        for _ in range(n):
-            if not heap:
+        budget = n
+        while heap and budget > 0:
+            _, w, r = heap[0]
+            if cost[r] > budget:
                 break
-            _, w, r = heapq.heappop(heap)
+            heapq.heappop(heap)
+            budget -= cost[r]
             edges[w, r] = True
             if w not in writers_in:
                 writers_in.add(w)
@@ -263,7 +336,20 @@ class Circuit:
 
     @property
     def n_edges(self) -> int:
+        """Edges in the circuit (a grouped key/value edge counts once)."""
         return int(self.edges.sum())
+
+    @property
+    def n_edges_ungrouped(self) -> int:
+        """Edges in the circuit counted in EAP-IG's ungrouped graph (MIB's count): a key/value
+        edge once per query head of its group, as it is written to files."""
+        return int((self.edges.long() * self.graph.copies[None, :]).sum())
+
+    def count(self, units: Validated[Units] = "grouped") -> int:
+        """`n_edges` (units="grouped") or `n_edges_ungrouped`."""
+        if units not in UNITS:
+            raise ValueError(f"units={units!r}: expected 'grouped' or 'ungrouped'")
+        return self.n_edges if units == "grouped" else self.n_edges_ungrouped
 
     @property
     def edge_names(self) -> list[str]:

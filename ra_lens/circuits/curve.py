@@ -1,20 +1,33 @@
-"""Faithfulness of circuits of increasing size, with MIB's CPR and CMD.
+"""Faithfulness of circuits of increasing size, with MIB's CPR and CMD, computed as MIB does.
 
-`faithfulness_curve` picks circuits of increasing size from edge scores (`EdgeScores.top` or
-`.greedy`, each pruned), measures each with `circuits.faithfulness`, and reports the curve. As in
-MIB's circuit track (arXiv 2504.13151; `evaluate_area_under_curve` in hannamw/MIB-circuit-track),
-a size is a fraction k of the graph's edges (the circuit asks for int(k * n_edges) edges before
-pruning), and the areas are trapezoids over k itself (not log k, no renormalisation):
+MIB's circuit track (arXiv 2504.13151; hannamw/MIB-circuit-track: `replicate.sh` runs
+`run_evaluation.py` twice per task, with and without `--absolute`; `evaluate_area_under_curve` in
+`MIB_circuit_track/evaluation.py`; `print_results.py` reports CPR from the run without
+`--absolute` and CMD from the run with it). `faithfulness_curve` does both runs:
 
-    CPR = sum_i (k[i+1] - k[i]) * (f[i] + f[i+1]) / 2                 (higher is better)
-    CMD = sum_i (k[i+1] - k[i]) * (|1 - f[i]| + |1 - f[i+1]|) / 2     (lower is better)
+- sizes: for each fraction k (default 0.001 .. 1), a circuit of int(k * N) edges (rounded down,
+  before pruning), N the edges of EAP-IG's UNGROUPED graph (MIB's `len(graph.edges)`: a grouped
+  key/value edge counts once per query head of its group; `units="grouped"` counts this graph's
+  edges instead). See `EdgeScores.top` for how a grouped key/value edge enters an ungrouped
+  ranking (each query head's copy at an equal share of its score; kept when all copies fit).
+- two rankings: the SIGNED ranking (the largest scores: edges that help the metric, with
+  absolute=False) gives the curve whose area is CPR; the |score| ranking gives the curve whose
+  area from 1 is CMD.
+- faithfulness f = (m(circuit) - m(empty)) / (m(clean) - m(empty)), the empty circuit under the
+  same ablation (`circuits.faithfulness`).
+- areas: trapezoids over k itself (not log k, no renormalisation):
 
-With the default fractions 0.001 .. 1 a perfect curve (f = 1 everywhere) has CPR 0.999, CMD 0.
+    CPR = sum_i (k[i+1] - k[i]) * (f_signed[i] + f_signed[i+1]) / 2              (higher: better)
+    CMD = sum_i (k[i+1] - k[i]) * (|1 - f_abs[i]| + |1 - f_abs[i+1]|) / 2        (lower: better)
 
-    >>> curve = FaithfulnessCurve(sizes=[0.1, 0.5, 1.0], n_edges=[8, 41, 82],
-    ...                           values=[0.2, 0.6, 1.0], n_total=82)
-    >>> round(curve.cpr, 6), round(curve.cmd, 6)  # 0.4*0.4 + 0.5*0.8; 0.4*0.6 + 0.5*0.2
-    (0.56, 0.34)
+With the default fractions a perfect curve (f = 1 everywhere) has CPR 0.999, CMD 0; CPR can
+exceed 1 (a signed circuit keeps the edges that help and patches those that hurt).
+
+    >>> curve = FaithfulnessCurve(sizes=[0.1, 0.5, 1.0], n_total=82,
+    ...                           signed_values=[0.5, 1.5, 1.0], signed_n_edges=[8, 41, 82],
+    ...                           abs_values=[0.2, 0.6, 1.0], abs_n_edges=[8, 41, 82])
+    >>> round(curve.cpr, 6), round(curve.cmd, 6)  # 0.4*1.0 + 0.5*1.25; 0.4*0.6 + 0.5*0.2
+    (1.025, 0.34)
 """
 
 from __future__ import annotations
@@ -28,7 +41,8 @@ from typing import TYPE_CHECKING, Any, Literal
 from tqdm.auto import tqdm
 
 from ra_lens._typing import Validated
-from ra_lens.circuits.circuit import Circuit, EdgeScores
+from ra_lens.circuits.circuit import UNITS, Circuit, EdgeScores, Units
+from ra_lens.circuits.faithfulness import BASELINE
 from ra_lens.circuits.graph import Graph
 from ra_lens.ranking import trapezoid_auc
 from ra_lens.types import HookedModel, MetricFn, Tokens
@@ -43,55 +57,83 @@ MIB_FRACTIONS: tuple[float, ...] = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 
 
 @dataclass(frozen=True)
 class FaithfulnessCurve:
-    """Faithfulness of circuits of increasing size.
+    """Faithfulness of circuits of increasing size, from both rankings (module docstring).
 
     Attributes:
         sizes: fractions k of the graph's edges asked for, increasing.
-        n_edges: edges in each circuit after pruning (at most int(k * n_total)).
-        values: faithfulness of each circuit, (m(circuit) - m(corrupted)) / (m(clean) -
-            m(corrupted)).
-        n_total: edges in the graph.
+        n_total: edges in the graph, in `units` (MIB's N).
+        signed_values: faithfulness of the circuit of int(k * n_total) edges with the largest
+            score (signed ranking), per size: the curve of CPR.
+        signed_n_edges: edges in those circuits after pruning, in `units`.
+        abs_values: faithfulness of the circuits by |score|, per size: the curve of CMD.
+        abs_n_edges: edges in those circuits after pruning, in `units`.
+        units: "ungrouped" (MIB's count) or "grouped" (this graph's edges).
         method, selection, ablation: how the circuits were chosen and measured.
+        baseline: what faithfulness is normalised by (the empty circuit under `ablation`).
+        seconds: time spent measuring each size (both rankings).
     """
 
     sizes: list[float]
-    n_edges: list[int]
-    values: list[float]
     n_total: int
+    signed_values: list[float]
+    signed_n_edges: list[int]
+    abs_values: list[float]
+    abs_n_edges: list[int]
+    units: str = "ungrouped"
     method: str = ""
     selection: str = "top"
     ablation: str = "patching"
+    baseline: str = BASELINE
     seconds: list[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        if not len(self.sizes) == len(self.n_edges) == len(self.values):
-            raise ValueError(
-                f"{len(self.sizes)} sizes, {len(self.n_edges)} edge counts and "
-                f"{len(self.values)} values: one of each per circuit"
+        lengths = {
+            len(x)
+            for x in (
+                self.sizes,
+                self.signed_values,
+                self.signed_n_edges,
+                self.abs_values,
+                self.abs_n_edges,
             )
+        }
+        if len(lengths) != 1:
+            raise ValueError(
+                f"{len(self.sizes)} sizes, {len(self.signed_values)}/{len(self.abs_values)} "
+                f"values and {len(self.signed_n_edges)}/{len(self.abs_n_edges)} edge counts "
+                "(signed/abs): one of each per circuit"
+            )
+        if self.units not in UNITS:
+            raise ValueError(f"units={self.units!r}: expected one of {UNITS}")
 
     @property
     def cpr(self) -> float:
-        """Area under the faithfulness curve over the fraction of edges (MIB's CPR)."""
-        return trapezoid_auc(self.sizes, self.values)
+        """MIB's CPR: the trapezoid area under the signed ranking's faithfulness over k."""
+        return trapezoid_auc(self.sizes, self.signed_values)
 
     @property
     def cmd(self) -> float:
-        """Area between the curve and 1, |1 - f| by trapezoids over the fraction of edges (MIB's
-        CMD)."""
-        return trapezoid_auc(self.sizes, [abs(1.0 - v) for v in self.values])
+        """MIB's CMD: the trapezoid area of |1 - f| over k, f from the |score| ranking."""
+        return trapezoid_auc(self.sizes, [abs(1.0 - v) for v in self.abs_values])
 
     def to_dict(self) -> dict[str, Any]:
-        """The curve and its areas as plain JSON-ready values."""
+        """The curves and their areas as plain JSON-ready values."""
         return {**asdict(self), "cpr": self.cpr, "cmd": self.cmd}
 
     def table(self) -> str:
-        """A Markdown table: one row per circuit, then CPR and CMD."""
-        rows = ["| % of edges | edges kept | faithfulness |", "|---:|---:|---:|"]
-        for k, n, v in zip(self.sizes, self.n_edges, self.values):
-            rows.append(f"| {100 * k:g} | {n} | {v:.4f} |")
+        """A Markdown table: one row per size, both rankings, then CPR and CMD."""
+        rows = [
+            "| % of edges | edges kept, signed | f, signed | edges kept, abs | f, abs |",
+            "|---:|---:|---:|---:|---:|",
+        ]
+        for k, ns, vs, na, va in zip(
+            self.sizes, self.signed_n_edges, self.signed_values, self.abs_n_edges, self.abs_values
+        ):
+            rows.append(f"| {100 * k:g} | {ns} | {vs:.4f} | {na} | {va:.4f} |")
         rows.append(
-            f"\nCPR {self.cpr:.4f} (higher is better), CMD {self.cmd:.4f} (lower is better)"
+            f"\n{self.units} edges, {self.n_total} in all; ablation {self.ablation}; "
+            f"faithfulness normalised by the {self.baseline}\nCPR {self.cpr:.4f} (signed "
+            f"ranking, higher is better), CMD {self.cmd:.4f} (|score| ranking, lower is better)"
         )
         return "\n".join(rows)
 
@@ -102,29 +144,48 @@ class FaithfulnessCurve:
         ax: Axes | None = None,
         label: str | None = None,
     ) -> Figure:
-        """Faithfulness against the share of edges kept (log x), on a new figure or, to compare
-        methods, on `ax` (one line per call); `save` also writes the figure (png, pdf, svg).
-        Returns the figure."""
+        """Faithfulness against the share of edges kept (log x), the signed ranking (solid, CPR)
+        and the |score| ranking (dashed, CMD), on a new figure or, to compare methods, on `ax`
+        (two lines per call); `save` also writes the figure (png, pdf, svg). Returns the figure."""
         if ax is None:
             from matplotlib.figure import Figure
 
             ax = Figure(figsize=(5, 3.5), layout="constrained").add_subplot()
         text = label if label is not None else (self.method or "circuit")
+        x = [100 * k for k in self.sizes]
+        (line,) = ax.plot(x, self.signed_values, marker="o", label=f"{text}, signed (CPR {self.cpr:.3f})")  # fmt: skip
         ax.plot(
-            [100 * k for k in self.sizes],
-            self.values,
-            marker="o",
-            label=f"{text} (CPR {self.cpr:.3f}, CMD {self.cmd:.3f})",
+            x,
+            self.abs_values,
+            marker="s",
+            ls="--",
+            color=line.get_color(),
+            label=f"{text}, |score| (CMD {self.cmd:.3f})",
         )
         ax.axhline(1.0, color="grey", lw=0.8, ls=":")
         ax.axhline(0.0, color="grey", lw=0.8, ls=":")
         ax.set_xscale("log")
-        ax.set_xlabel(f"edges kept (% of {self.n_total})")
+        ax.set_xlabel(f"edges kept (% of {self.n_total} {self.units})")
         ax.set_ylabel("faithfulness")
         ax.legend(fontsize=8)
         from ra_lens.viz import save_figure
 
         return save_figure(ax.figure, save)
+
+
+def mib_circuits(
+    scores: EdgeScores,
+    fractions: Sequence[float],
+    *,
+    absolute: bool,
+    selection: Literal["top", "greedy"] = "top",
+    units: Validated[Units] = "ungrouped",
+) -> list[Circuit]:
+    """The circuits MIB evaluates: for each fraction k, int(k * N) edges (N in `units`) of the
+    ranking by score (absolute=False) or |score|, by `EdgeScores.top` or `.greedy`, pruned."""
+    total = scores.graph.n_edges if units == "grouped" else scores.graph.n_edges_ungrouped
+    pick = scores.top if selection == "top" else scores.greedy
+    return [pick(int(k * total), absolute=absolute, units=units) for k in fractions]
 
 
 def faithfulness_curve(
@@ -137,48 +198,74 @@ def faithfulness_curve(
     sizes: Validated[Sequence[float]] | None = None,
     ablation: str = "patching",
     selection: Literal["top", "greedy"] = "top",
+    units: Validated[Units] = "ungrouped",
+    batch_size: int = 32,
     progress: bool = False,
     evaluate: Callable[..., Any] | None = None,
 ) -> FaithfulnessCurve:
-    """Faithfulness of the circuits `scores` picks at each size (fractions of the graph's edges,
-    increasing; default MIB's 0.1 % .. 100 %), by `EdgeScores.top` or `.greedy`.
+    """Faithfulness of the circuits `scores` picks at each size, by both rankings, as MIB
+    measures them (module docstring).
 
-    Each circuit is measured by `evaluate(model, circuit, clean, corrupted, metric,
-    ablation=ablation)` (default: one `circuits.FaithfulnessEvaluator`, which takes the clean and
-    corrupted runs once), whose result has a `.value`; sizes that give the same circuit are measured once.
+    Args:
+        model: the TransformerLens model the scores are for.
+        scores: `EdgeScores` over `Graph.from_model(model)`.
+        clean, corrupted, metric: the pairs and the metric (see `circuits.faithfulness`).
+        sizes: fractions of the graph's edges, increasing, in (0, 1]; default MIB's 0.1 % ..
+            100 % (`MIB_FRACTIONS`).
+        ablation: "patching", "mean" or "zero" (what a patched edge's writer output becomes).
+        selection: "top" (EAP-IG's apply_topn) or "greedy" (apply_greedy).
+        units: "ungrouped" (default, MIB's count on grouped-query models) or "grouped".
+        batch_size: pairs per forward pass of every faithfulness pass.
+        evaluate: instead of the default `circuits.FaithfulnessEvaluator` (which takes the
+            clean, corrupted and empty-circuit runs once), `evaluate(model, circuit, clean,
+            corrupted, metric, ablation=ablation)` returning a result with `.value` or a float.
+
+    Returns:
+        FaithfulnessCurve with `.cpr` (signed ranking) and `.cmd` (|score| ranking). A circuit
+        that two sizes or both rankings share is measured once.
     """
     graph = Graph.from_model(model)
     if graph != scores.graph:
         raise ValueError(f"the scores are for {scores.graph}, the model has {graph}")
     if selection not in ("top", "greedy"):
         raise ValueError(f"selection={selection!r}: expected 'top' or 'greedy'")
+    if units not in UNITS:
+        raise ValueError(f"units={units!r}: expected one of {UNITS}")
     fractions = _check_sizes(MIB_FRACTIONS if sizes is None else sizes)
-    if evaluate is None:  # one evaluator: the clean and corrupted runs are taken once
+    if evaluate is None:  # one evaluator: the clean, corrupted and empty runs are taken once
         from ra_lens.circuits.faithfulness import FaithfulnessEvaluator
 
-        evaluator = FaithfulnessEvaluator(model, clean, corrupted, metric, ablation=ablation)
+        evaluator = FaithfulnessEvaluator(
+            model, clean, corrupted, metric, ablation=ablation, batch_size=batch_size
+        )
 
         def evaluate(model: HookedModel, circuit: Circuit, *args: Any, **kwargs: Any) -> Any:
             return evaluator(circuit)
 
-    n_edges, values, seconds = [], [], []
+    signed = mib_circuits(scores, fractions, absolute=False, selection=selection, units=units)
+    by_abs = mib_circuits(scores, fractions, absolute=True, selection=selection, units=units)
     done: dict[bytes, float] = {}
-    for k in tqdm(fractions, desc="faithfulness curve", disable=not progress):
-        n = int(k * graph.n_edges)  # as MIB: the fraction of edges, rounded down
-        circuit = scores.top(n) if selection == "top" else scores.greedy(n)
-        key = circuit.edges.numpy().tobytes()
+    seconds = []
+    for pair in tqdm(list(zip(signed, by_abs)), desc="faithfulness curve", disable=not progress):
         start = time.perf_counter()
-        if key not in done:
-            result = evaluate(model, circuit, clean, corrupted, metric, ablation=ablation)
-            done[key] = float(getattr(result, "value", result))
-        n_edges.append(circuit.n_edges)
-        values.append(done[key])
+        for circuit in pair:
+            key = circuit.edges.numpy().tobytes()
+            if key not in done:
+                result = evaluate(model, circuit, clean, corrupted, metric, ablation=ablation)
+                done[key] = float(getattr(result, "value", result))
         seconds.append(time.perf_counter() - start)
+
+    def value(circuit: Circuit) -> float:
+        return done[circuit.edges.numpy().tobytes()]
+
     return FaithfulnessCurve(
         sizes=fractions,
-        n_edges=n_edges,
-        values=values,
-        n_total=graph.n_edges,
+        n_total=graph.n_edges if units == "grouped" else graph.n_edges_ungrouped,
+        signed_values=[value(c) for c in signed],
+        signed_n_edges=[c.count(units) for c in signed],
+        abs_values=[value(c) for c in by_abs],
+        abs_n_edges=[c.count(units) for c in by_abs],
+        units=units,
         method=scores.method,
         selection=selection,
         ablation=ablation,

@@ -4,9 +4,20 @@ One forward pass on the clean prompts in which every reader r reads
     its input in this run - sum over its incoming edges w -> r NOT in the circuit of
     (w's output in this run - w's output on the corrupted prompt),
 each reader on its own (the query of head 3 and of head 5 of one layer can differ; on a
-grouped-query model a `<k>`/`<v>` edge patches that key/value head's input). Faithfulness =
-(m(circuit) - m(corrupted)) / (m(clean) - m(corrupted)): the full circuit gives 1 and the empty
-one 0, exactly. See `_edges.py` for the hooks.
+grouped-query model a `<k>`/`<v>` edge patches that key/value head's input). See `_edges.py`
+for the hooks.
+
+Faithfulness, one definition everywhere in ra-lens (`faithfulness`, `FaithfulnessEvaluator`,
+`faithfulness_curve`, `ra-lens circuit`, the circuit study), MIB's (`evaluate_area_under_curve`
+in hannamw/MIB-circuit-track: the empty graph evaluated under the same intervention):
+
+    f = (m(circuit) - m(empty)) / (m(clean) - m(empty))
+
+m the metric's mean over pairs, "empty" the empty circuit under the chosen ablation (every edge
+patched: the corrupted run for "patching", up to float rounding; every writer's mean output for
+"mean"; zeros for "zero"), measured by the same edge-patching pass as the circuit. So the full
+circuit gives 1 and the empty one 0 under every ablation. The corrupted run's metric is reported
+too (`corrupted_metric`), but does not normalise.
 """
 
 from __future__ import annotations
@@ -15,7 +26,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from jaxtyping import Float
+from jaxtyping import Bool, Float
 from torch import Tensor
 from tqdm.auto import tqdm
 
@@ -29,6 +40,8 @@ from ra_lens.types import MetricFn, Tokens
 
 Ablation = Literal["patching", "mean", "zero"]
 ABLATIONS: tuple[str, ...] = ("patching", "mean", "zero")
+#: What every faithfulness in ra-lens is normalised by (stated in results and JSON).
+BASELINE = "empty circuit under the same ablation (MIB)"
 
 
 @dataclass
@@ -36,14 +49,18 @@ class Faithfulness:
     """The result of `faithfulness`.
 
     Attributes:
-        value: (circuit_metric - corrupted_metric) / (clean_metric - corrupted_metric), from the
-            metrics' means over pairs.
+        value: (circuit_metric - empty_metric) / (clean_metric - empty_metric), from the
+            metrics' means over pairs (the module docstring's one definition).
         per_pair: Float[Tensor, "pair"]: the same ratio per pair (nan where a pair's clean and
-            corrupted metrics are equal).
-        circuit_metric, clean_metric, corrupted_metric: the metric's mean over pairs.
-        circuit_per_pair, clean_per_pair, corrupted_per_pair: Float[Tensor, "pair"].
+            empty-circuit metrics are equal).
+        circuit_metric, clean_metric, corrupted_metric, empty_metric: the metric's mean over
+            pairs: the circuit, the clean run, the corrupted run, the empty circuit under
+            `ablation`.
+        circuit_per_pair, clean_per_pair, corrupted_per_pair, empty_per_pair:
+            Float[Tensor, "pair"].
         n_edges: edges in the circuit.
         ablation: what replaced the corrupted outputs ("patching", "mean", "zero").
+        baseline: what the value is normalised by, in words (the empty circuit).
     """
 
     value: float
@@ -55,7 +72,10 @@ class Faithfulness:
     circuit_per_pair: Float[Tensor, "pair"]
     clean_per_pair: Float[Tensor, "pair"]
     corrupted_per_pair: Float[Tensor, "pair"]
+    empty_metric: float = float("nan")
+    empty_per_pair: Float[Tensor, "pair"] | None = None
     ablation: str = "patching"
+    baseline: str = BASELINE
 
 
 def faithfulness(
@@ -84,8 +104,8 @@ def faithfulness(
         batch_size: pairs per forward pass.
 
     Returns:
-        Faithfulness: `.value`, `.per_pair`, `.circuit_metric`, `.clean_metric`,
-        `.corrupted_metric`, `.n_edges`.
+        Faithfulness: `.value` = (m(circuit) - m(empty)) / (m(clean) - m(empty)), `.per_pair`,
+        `.circuit_metric`, `.clean_metric`, `.corrupted_metric`, `.empty_metric`, `.n_edges`.
 
     Raises:
         ValueError: unknown ablation, a circuit of another model's graph, unequal pair lengths,
@@ -93,7 +113,7 @@ def faithfulness(
             mean metric.
         NotImplementedError: parallel attention/MLP blocks.
 
-    The full circuit keeps the clean metric, the empty one gives the corrupted metric:
+    The full circuit keeps the clean metric (1), the empty one is the baseline (0):
 
     >>> from ra_lens.circuits.graph import Graph
     >>> from ra_lens.metrics import logit_diff
@@ -104,9 +124,8 @@ def faithfulness(
     >>> round(result.value, 6), result.n_edges == graph.n_edges
     (1.0, True)
     >>> empty = Circuit(graph, torch.zeros_like(graph.real))
-    >>> value = faithfulness(model, empty, clean, corrupted, logit_diff([294], [52])).value
-    >>> abs(value) < 1e-4  # 0 up to float32 rounding (exactly 0 in float64)
-    True
+    >>> faithfulness(model, empty, clean, corrupted, logit_diff([294], [52])).value  # the baseline
+    0.0
     """
     _check_circuit(model, circuit)  # before any forward pass
     evaluator = FaithfulnessEvaluator(
@@ -117,8 +136,9 @@ def faithfulness(
 
 class FaithfulnessEvaluator:
     """`faithfulness` for many circuits of one model and set of pairs: the clean and corrupted
-    runs (every writer's output on the corrupted prompts, or its mean) are taken once, here, so
-    each circuit then costs one forward pass per batch instead of three (four with "mean").
+    runs (every writer's output on the corrupted prompts, or its mean) and the empty circuit
+    (the normalising baseline) are taken once, here, so each circuit then costs one forward pass
+    per batch instead of four (five with "mean").
 
     It holds every writer's output on the corrupted prompts: writers x pairs x pos x d_model
     floats (about 110 MB per 8 SmolLM2 pairs of 20 tokens), and during a call as much again for
@@ -177,11 +197,13 @@ class FaithfulnessEvaluator:
         self.clean_per_pair = torch.cat(clean_values).detach().double().cpu()
         self.corrupted_per_pair = torch.cat(corrupted_values).detach().double().cpu()
         _check_contrast(self.clean_per_pair, self.corrupted_per_pair)
+        # MIB's baseline: the empty circuit, every edge patched, by the same pass as a circuit
+        self.empty_per_pair = self._circuit_values(self.graph.real)
 
-    def __call__(self, circuit: Validated[Circuit], *, progress: bool = False) -> Faithfulness:
-        """Faithfulness of one circuit: one forward pass per batch of pairs."""
-        graph = _check_circuit(self.model, circuit)
-        mask = graph.real & ~circuit.edges.to(torch.bool).cpu()
+    def _circuit_values(
+        self, mask: Bool[Tensor, "writer reader"], progress: bool = False
+    ) -> Float[Tensor, " pair"]:
+        """The metric per pair with the edges in `mask` patched: one forward pass per batch."""
         model, parts = self.model, []
         with capture.preserved_state(model), torch.no_grad(), _edges.mlp_in_enabled(model):
             batches = zip(self._rows, self._metrics, self._references, strict=True)
@@ -189,27 +211,37 @@ class FaithfulnessEvaluator:
                 list(batches), desc="faithfulness", disable=not progress
             ):
                 clean_part = _pairs.part(self._clean, rows)
-                patched = _edges.EdgeRun(graph, self._weights, reference=reference, mask=mask)
+                patched = _edges.EdgeRun(self.graph, self._weights, reference=reference, mask=mask)
                 with model.hooks(fwd_hooks=patched.hooks(model)):
                     logits = model(clean_part.tokens)
                 parts.append(_pairs.metric_values(part_metric, logits, clean_part))
-        circuit_values = torch.cat(parts).detach().double().cpu()
-        clean_v, corrupted_v = self.clean_per_pair, self.corrupted_per_pair
-        clean_m, corrupted_m = float(clean_v.mean()), float(corrupted_v.mean())
+        return torch.cat(parts).detach().double().cpu()
+
+    def __call__(self, circuit: Validated[Circuit], *, progress: bool = False) -> Faithfulness:
+        """Faithfulness of one circuit: one forward pass per batch of pairs."""
+        graph = _check_circuit(self.model, circuit)
+        mask = graph.real & ~circuit.edges.to(torch.bool).cpu()
+        circuit_values = self._circuit_values(mask, progress)
+        clean_v, empty_v = self.clean_per_pair, self.empty_per_pair
+        clean_m, empty_m = float(clean_v.mean()), float(empty_v.mean())
         circuit_m = float(circuit_values.mean())
-        gap = clean_v - corrupted_v
-        per_pair = (circuit_values - corrupted_v) / gap
+        gap = clean_v - empty_v
+        per_pair = (circuit_values - empty_v) / gap
+        # A pair whose empty circuit is its clean run (to rounding: the two come from different
+        # passes) has no ratio: x / 0 would be +-inf or rounding noise; undefined, as 0 / 0.
+        flat = gap.abs() <= 1e-6 * torch.maximum(clean_v.abs(), empty_v.abs()).clamp_min(1e-30)
         return Faithfulness(
-            value=(circuit_m - corrupted_m) / (clean_m - corrupted_m),
-            # x / 0 is +-inf where the circuit moved a pair without contrast: undefined, as 0 / 0
-            per_pair=per_pair.masked_fill(gap == 0, float("nan")),
+            value=(circuit_m - empty_m) / (clean_m - empty_m),
+            per_pair=per_pair.masked_fill(flat, float("nan")),
             circuit_metric=circuit_m,
             clean_metric=clean_m,
-            corrupted_metric=corrupted_m,
+            corrupted_metric=float(self.corrupted_per_pair.mean()),
             n_edges=int((circuit.edges.cpu() & graph.real).sum()),
             circuit_per_pair=circuit_values,
             clean_per_pair=clean_v,
-            corrupted_per_pair=corrupted_v,
+            corrupted_per_pair=self.corrupted_per_pair,
+            empty_metric=empty_m,
+            empty_per_pair=empty_v,
             ablation=self.ablation,
         )
 

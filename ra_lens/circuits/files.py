@@ -9,16 +9,19 @@ Every edge of the graph is written, in or out of the circuit, with its score (0.
 carries none); node "score" only when the circuit carries node scores. EAP-IG's graph has no
 grouped-query attention: it has `<k>`/`<v>` readers per QUERY head. A key/value edge of a
 grouped-query model (`a0.h1->a3.h2<k>` on key/value head 2) is therefore written on every query
-head of its group (`a0.h1->a3.h{2r..2r+r-1}<k>`, r = n_heads / n_kv_heads) with the same score
-and in_graph, so EAP-IG and MIB, which load the file as an ungrouped model, patch exactly the
-key/value inputs this circuit patches.
+head of its group (`a0.h1->a3.h{2r..2r+r-1}<k>`, r = n_heads / n_kv_heads) with the same
+in_graph, so EAP-IG and MIB, which load the file as an ungrouped model, patch exactly the
+key/value inputs this circuit patches, and with an equal share of the edge's score, score / r: the
+shared key/value input's score sums what the r query heads get from it, as the r copies' scores
+sum in EAP-IG's graph, so MIB's ranking over the copies sees each copy at its share, not r copies
+of the whole (see `EdgeScores.top(units="ungrouped")`, which ranks the same way).
 
 Reading a file back (`read_json`): with `kv="strict"` (default) a key/value edge is in the
 circuit when it is in_graph on all query heads of its group and out when on none; a file where
 the heads of a group disagree is refused, naming the first such edge (a file EAP-IG wrote for an
 ungrouped copy of the model can disagree: pass `kv="any"` to keep an edge in_graph on any head
 of its group, or `kv="all"` to keep only those in_graph on all of them). A key/value edge's
-score is the value its copies share, or their mean when they differ. Edges missing from the
+score is the sum of its copies' scores (the score written, read back). Edges missing from the
 file are out of the circuit with score 0; unknown names, a mismatched `cfg` or a damaged file
 raise an error naming the file.
 
@@ -46,7 +49,7 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from ra_lens._typing import Validated
-from ra_lens.circuits.circuit import Circuit
+from ra_lens.circuits.circuit import Circuit, EdgeScores
 from ra_lens.circuits.graph import Graph
 from ra_lens.files import load_json, write_file
 from ra_lens.types import HookedModel
@@ -56,20 +59,12 @@ KvRule = Literal["strict", "any", "all"]
 
 def ungrouped_readers(graph: Graph) -> list[tuple[str, int]]:
     """EAP-IG's readers (k/v per query head) with the index of the reader of `graph` each one
-    stands for: `a3.h5<k>` -> `a3.h{5 // group}<k>`.
+    stands for (`Graph.ungrouped_readers`): `a3.h5<k>` -> `a3.h{5 // group}<k>`.
 
     >>> [name for name, _ in ungrouped_readers(Graph(1, 2, 1, 8))]
     ['a0.h0<q>', 'a0.h1<q>', 'a0.h0<k>', 'a0.h1<k>', 'a0.h0<v>', 'a0.h1<v>', 'm0', 'logits']
     """
-    out: list[tuple[str, int]] = []
-    index = graph.reader_index
-    for layer in range(graph.n_layers):
-        for kind in "qkv":
-            for h in range(graph.n_heads):
-                head = h if kind == "q" else h // graph.group
-                out.append((f"a{layer}.h{h}<{kind}>", index[f"a{layer}.h{head}<{kind}>"]))
-        out.append((f"m{layer}", index[f"m{layer}"]))
-    return out + [("logits", index["logits"])]
+    return graph.ungrouped_readers
 
 
 def write_json(circuit: Circuit, path: str | Path) -> None:
@@ -92,6 +87,8 @@ def write_json(circuit: Circuit, path: str | Path) -> None:
     nodes["logits"] = {"in_graph": True}  # EAP-IG's logits node is always in its graph
     edges: dict[str, dict[str, Any]] = {}
     readers = ungrouped_readers(g)
+    # each ungrouped copy of a key/value edge carries its share (module docstring)
+    score = score / g.copies[None, :]
     real, chosen, values = g.real.tolist(), circuit.edges.tolist(), score.tolist()
     for w, writer in enumerate(g.writers):
         for reader, r in readers:
@@ -177,14 +174,8 @@ def _merge(
             "make the group agree, or read with kv='any' (in when in on any head of the group) "
             "or kv='all' (in only when in on all of them)"
         )
-    low = torch.zeros(shape, dtype=torch.float64).scatter_reduce(
-        1, index, score, "amin", include_self=False
-    )
-    high = torch.zeros(shape, dtype=torch.float64).scatter_reduce(
-        1, index, score, "amax", include_self=False
-    )
-    mean = torch.zeros(shape, dtype=torch.float64).scatter_add(1, index, score) / copies
-    return (everywhere if kv == "all" else anywhere), torch.where(low == high, low, mean)
+    total = torch.zeros(shape, dtype=torch.float64).scatter_add(1, index, score)
+    return (everywhere if kv == "all" else anywhere), total
 
 
 def _score(value: Any) -> float | None:
@@ -250,3 +241,74 @@ def _node_scores(path: str | Path, nodes: dict[str, Any], g: Graph) -> Tensor | 
         scores[g.writer_index[name]] = value
         found = True
     return scores if found else None
+
+
+#: The circuit sizes of a MIB submission of binary circuits: 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 50 %.
+MIB_SUBMISSION_FRACTIONS: tuple[float, ...] = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5)
+
+
+def export_mib(
+    scores: EdgeScores,
+    folder: str | Path,
+    *,
+    circuits: bool = True,
+    absolute: bool = False,
+    selection: Literal["top", "greedy"] = "top",
+) -> list[Path]:
+    """Write a MIB circuit-track folder for one task and model (hannamw/MIB-circuit-track).
+
+    - `folder/importances.json`: every edge's score in EAP-IG's ungrouped layout (this module's
+      docstring: a key/value edge on each query head of its group, with an equal share of its
+      score), every edge in_graph. The scores carry MIB's sign, positive where the edge helps
+      the metric (`EdgeScores.helps`: denoise scores as they are, noise scores negated), since
+      MIB ranks them signed for CPR. This is the file MIB's `run_evaluation.py` loads for a task
+      and model: name the folder `{circuit_dir}/{method}_{ablation}_{level}/{task}_{model}`
+      (e.g. `circuits/ra-lens_patching_edge/ioi_qwen2.5`) or pass the file with
+      `--circuit-files`; it then selects and evaluates circuits itself, with and without
+      `--absolute`.
+    - with circuits=True, `folder/circuits/circuit_{k}.json` for k in 0.001 .. 0.5
+      (`MIB_SUBMISSION_FRACTIONS`): the binary circuits of int(k * N) edges, N the ungrouped
+      edge count (MIB's), by `EdgeScores.top`/`.greedy(units="ungrouped")` of the score
+      (absolute=False: the signed ranking, as MIB's CPR) or of |score|, pruned. Each keeps at
+      most int(k * N) edges in the file's ungrouped count (`Circuit.n_edges_ungrouped`).
+
+    MIB's leaderboard takes, per `{task}_{model}` folder (e.g. `ioi_gpt2`), EITHER one file of
+    scores OR the nine circuits: upload `importances.json` alone, or the files of `circuits/`
+    alone. The file names of the nine circuits are ra-lens's (MIB fixes their number and
+    budgets, not their names).
+
+    Returns:
+        The paths written: importances.json first, then the circuits by increasing size.
+
+    >>> import tempfile
+    >>> g = Graph(n_layers=1, n_heads=2, n_kv_heads=1, d_model=8)
+    >>> s = EdgeScores(g, torch.rand(len(g.writers), len(g.readers)) * g.real, "eap", "denoise")
+    >>> [p.name for p in export_mib(s, tempfile.mkdtemp())][:3]
+    ['importances.json', 'circuit_0.001.json', 'circuit_0.002.json']
+    """
+    from ra_lens.circuits.curve import mib_circuits
+
+    if not isinstance(scores, EdgeScores):
+        raise TypeError(f"scores must be circuits.EdgeScores, got {type(scores).__name__}")
+    out = Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    g = scores.graph
+    # MIB ranks the file's scores with and without abs(): they carry its sign (positive = helps)
+    sign = 1.0 if scores.direction == "denoise" else -1.0
+    node_scores = None if scores.node_scores is None else sign * scores.node_scores.detach().cpu()
+    everything = Circuit(g, g.real.clone(), scores=scores.helps, node_scores=node_scores)
+    paths = [out / "importances.json"]
+    write_json(everything, paths[0])
+    if circuits:
+        (out / "circuits").mkdir(exist_ok=True)
+        chosen = mib_circuits(
+            scores,
+            MIB_SUBMISSION_FRACTIONS,
+            absolute=absolute,
+            selection=selection,
+            units="ungrouped",
+        )
+        for k, circuit in zip(MIB_SUBMISSION_FRACTIONS, chosen):
+            paths.append(out / "circuits" / f"circuit_{k:g}.json")
+            write_json(circuit, paths[-1])
+    return paths

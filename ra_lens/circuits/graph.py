@@ -9,6 +9,11 @@ grouped-query model (n_kv_heads < n_heads) the key and value readers are per key
 `a3.h1<k>` is key/value head 1 there, read by query heads 1*r .. 1*r + r - 1 (r = n_heads /
 n_kv_heads); files written for EAP-IG's ungrouped model repeat it on each query head of its group.
 
+Edge counts come in two units. `n_edges` counts this graph's edges (a grouped key/value edge
+once); `n_edges_ungrouped` counts EAP-IG's ungrouped graph, where a key/value edge exists once per
+query head of its group (`copies[r]` = r for a `<k>`/`<v>` reader, 1 otherwise). MIB's circuit
+sizes are fractions of the ungrouped count (123,211 edges on SmolLM2, 70,651 grouped).
+
 Scores and circuits are dense `[writer, reader]` tensors; `Graph.real` says which entries are edges.
 
     >>> g = Graph(n_layers=2, n_heads=4, n_kv_heads=2, d_model=16)
@@ -18,6 +23,8 @@ Scores and circuits are dense `[writer, reader]` tensors; `Graph.real` says whic
     ['a0.h0<q>', 'a0.h1<q>', 'a0.h2<q>', 'a0.h3<q>', 'a0.h0<k>', 'a0.h1<k>', 'a0.h0<v>']
     >>> g.edge_name(g.writer_index["a0.h2"], g.reader_index["a1.h1<k>"])
     'a0.h2->a1.h1<k>'
+    >>> g.n_edges_ungrouped  # each of the 4 + 24 key/value edges counts twice
+    110
 """
 
 from __future__ import annotations
@@ -134,7 +141,47 @@ class Graph:
 
     @property
     def n_edges(self) -> int:
+        """Edges of this graph (a grouped key/value edge counts once)."""
         return int(self.real.sum())
+
+    @cached_property
+    def copies(self) -> Tensor:
+        """Int[Tensor, "reader"]: how many readers of EAP-IG's ungrouped graph each reader stands
+        for: `group` for a key/value reader, 1 for the others."""
+        return torch.tensor(
+            [self.group if name.endswith(("<k>", "<v>")) else 1 for name in self.readers]
+        )
+
+    @property
+    def n_edges_ungrouped(self) -> int:
+        """Edges of EAP-IG's ungrouped graph (MIB's `len(graph.edges)`): a key/value edge counts
+        once per query head of its group. Equals `n_edges` without grouped-query attention."""
+        return int((self.real.long() * self.copies[None, :]).sum())
+
+    @cached_property
+    def ungrouped_readers(self) -> list[tuple[str, int]]:
+        """EAP-IG's readers in its order (per layer: every query head's q, then k, then v, then
+        the MLP; logits last), each with the index of the reader of this graph it stands for:
+        `a3.h5<k>` -> `a3.h{5 // group}<k>`.
+
+        >>> [name for name, _ in Graph(1, 2, 1, 8).ungrouped_readers]
+        ['a0.h0<q>', 'a0.h1<q>', 'a0.h0<k>', 'a0.h1<k>', 'a0.h0<v>', 'a0.h1<v>', 'm0', 'logits']
+        """
+        out: list[tuple[str, int]] = []
+        index = self.reader_index
+        for layer in range(self.n_layers):
+            for kind in "qkv":
+                for h in range(self.n_heads):
+                    head = h if kind == "q" else h // self.group
+                    out.append((f"a{layer}.h{h}<{kind}>", index[f"a{layer}.h{head}<{kind}>"]))
+            out.append((f"m{layer}", index[f"m{layer}"]))
+        return out + [("logits", index["logits"])]
+
+    @cached_property
+    def ungrouped_target(self) -> Tensor:
+        """Int[Tensor, "ureader"]: for each reader of `ungrouped_readers`, the index of the reader
+        of this graph it stands for."""
+        return torch.tensor([r for _, r in self.ungrouped_readers])
 
     # Ranks place every writer and reader on one forward timeline: layer l's attention readers at
     # 3l, its head writers at 3l + 1, its MLP reader at 3l + 1 (3l with parallel attention/MLP,

@@ -49,7 +49,7 @@ from torch import Tensor
 import ra_lens
 from ra_lens import capture
 from ra_lens.circuits.circuit import Circuit, EdgeScores
-from ra_lens.circuits.curve import MIB_FRACTIONS, FaithfulnessCurve
+from ra_lens.circuits.curve import MIB_FRACTIONS, FaithfulnessCurve, mib_circuits
 from ra_lens.circuits.graph import Graph
 from ra_lens.types import HookedModel, MetricFn, Tokens
 
@@ -130,29 +130,33 @@ def scores_page(
         title: the page's title.
     """
     graph = scores.graph
+    units = "ungrouped"
     if curve is not None:
-        if curve.n_total != graph.n_edges:
+        units = curve.units
+        total = graph.n_edges if units == "grouped" else graph.n_edges_ungrouped
+        if curve.n_total != total:
             raise ValueError(
-                f"the curve is over {curve.n_total} edges, the scores' graph has {graph.n_edges}"
+                f"the curve is over {curve.n_total} edges, the scores' graph has {total} ({units})"
             )
         sizes, selection = curve.sizes, curve.selection
     fractions = list(MIB_FRACTIONS if sizes is None else sizes)
     if selection not in ("top", "greedy"):
         raise ValueError(f"selection={selection!r}: expected 'top' or 'greedy'")
-    stops = []
-    for i, k in enumerate(fractions):
+    for k in fractions:
         if not 0 < k <= 1:
             raise ValueError(f"sizes: {k} is not a fraction of the graph's edges in (0, 1]")
-        n = int(k * graph.n_edges)  # as faithfulness_curve and MIB: rounded down
-        chosen = scores.top(n) if selection == "top" else scores.greedy(n)
+    # The |score| ranking (MIB's CMD curve), int(k * N) edges in MIB's units, as the curve.
+    picked = mib_circuits(scores, fractions, absolute=True, selection=selection, units=units)
+    stops = []
+    for i, (k, chosen) in enumerate(zip(fractions, picked)):
         value = None
         if curve is not None:
-            if curve.n_edges[i] != chosen.n_edges:
+            if curve.abs_n_edges[i] != chosen.count(units):
                 raise ValueError(
-                    f"the curve's circuit at {k:g} has {curve.n_edges[i]} edges, these scores "
-                    f"give {chosen.n_edges}: pass the curve measured on these scores"
+                    f"the curve's circuit at {k:g} has {curve.abs_n_edges[i]} edges, these "
+                    f"scores give {chosen.count(units)}: pass the curve measured on these scores"
                 )
-            value = curve.values[i]
+            value = curve.abs_values[i]
         stops.append(_Stop(chosen, f"{100 * k:g} % ({chosen.n_edges:,} edges)", k, value))
     start = max((i for i, s in enumerate(stops) if s.circuit.n_edges <= OPEN_AT), default=0)
     if circuit is not None:

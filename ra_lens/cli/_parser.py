@@ -172,7 +172,15 @@ def _add_circuit_command(sub: Any) -> None:
         "--sizes",
         default=None,
         help="comma-separated fractions of the graph's edges, increasing (default MIB's "
-        "0.001,0.002,0.005,0.01,0.02,0.05,0.1,0.2,0.5,1)",
+        "0.001,0.002,0.005,0.01,0.02,0.05,0.1,0.2,0.5,1), counted as MIB counts them (EAP-IG's "
+        "ungrouped graph; see --units)",
+    )
+    circuit.add_argument(
+        "--units",
+        default="ungrouped",
+        choices=["ungrouped", "grouped"],
+        help="edge counts of the curve: ungrouped (MIB's: a grouped key/value edge once per "
+        "query head of its group) or grouped (this graph's edges)",
     )
     circuit.add_argument("--selection", default="top", choices=["top", "greedy"])
     circuit.add_argument("--ablation", default="patching", choices=["patching", "mean", "zero"])
@@ -183,7 +191,21 @@ def _add_circuit_command(sub: Any) -> None:
         metavar="N",
         help="edges asked for in the circuit that is drawn and saved (40; fewer after pruning)",
     )
-    circuit.add_argument("--batch-size", type=_positive_int, default=8, help="pairs per pass (8)")
+    circuit.add_argument(
+        "--batch-size",
+        type=_positive_int,
+        default=8,
+        help="pairs per pass, for scoring and every faithfulness pass (8)",
+    )
+    circuit.add_argument(
+        "--mib",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="also write a MIB circuit-track folder for this task and model: DIR/importances.json "
+        "(every edge's score, EAP-IG's ungrouped layout, what MIB's run_evaluation.py loads) and "
+        "DIR/circuits/ (the nine binary circuits at 0.1-50 %% of the edges, signed ranking)",
+    )
     circuit.add_argument(
         "--html",
         type=Path,

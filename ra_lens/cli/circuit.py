@@ -55,20 +55,29 @@ def _run_circuit(args: argparse.Namespace) -> int:
         sizes=sizes,
         ablation=args.ablation,
         selection=args.selection,
+        units=args.units,
+        batch_size=args.batch_size,
         progress=progress,
     )
     seconds["faithfulness_curve"] = time.perf_counter() - start
     n_edges = min(args.edges, scores.graph.n_edges)
     circuit = scores.top(n_edges) if args.selection == "top" else scores.greedy(n_edges)
     kept = circuits.faithfulness(
-        model, circuit, clean, corrupted, metric, ablation=args.ablation, batch_size=32
+        model,
+        circuit,
+        clean,
+        corrupted,
+        metric,
+        ablation=args.ablation,
+        batch_size=args.batch_size,
     )
 
     source = f"--task {args.task}" if args.pairs is None else f"--pairs {args.pairs}"
     _say(
         args,
         f"model: {args.model}   {source}: {len(pairs)} pairs   metric: logit(answer) - "
-        f"logit(wrong)   clean {kept.clean_metric:.3f}, corrupted {kept.corrupted_metric:.3f}",
+        f"logit(wrong)   clean {kept.clean_metric:.3f}, corrupted {kept.corrupted_metric:.3f}, "
+        f"empty circuit ({args.ablation}) {kept.empty_metric:.3f}",
     )
     _say(
         args,
@@ -94,6 +103,8 @@ def _run_circuit(args: argparse.Namespace) -> int:
             title=f"{args.method}: {circuit.n_edges} edges, faithfulness {kept.value:.3f}",
         )
         circuit.to_json(files[2])
+    if args.mib is not None:
+        files += circuits.export_mib(scores, args.mib, selection=args.selection)
     if args.html is not None:
         scores.to_html(
             args.html,
@@ -121,7 +132,10 @@ def _run_circuit(args: argparse.Namespace) -> int:
             "metric": "logit(answer) - logit(wrong)",
             "clean_metric": kept.clean_metric,
             "corrupted_metric": kept.corrupted_metric,
+            "empty_metric": kept.empty_metric,
+            "faithfulness_baseline": kept.baseline,
             "n_edges_total": scores.graph.n_edges,
+            "n_edges_ungrouped": scores.graph.n_edges_ungrouped,
             "curve": curve.to_dict(),
             "circuit": {
                 "edges_asked": n_edges,

@@ -2,12 +2,15 @@
 
 For each task (IOI, country-capital, antonym word pairs with a swapped query), every method scores
 all edges of the model's graph (`circuits.attribute`; "random" draws uniform scores), circuits of
-MIB's sizes (and of 100, 500, 2,000 edges) are taken from the scores (top-n by |score|, pruned;
-`--selection greedy`: grown from the logits, `EdgeScores.greedy`) and measured by edge patching (`circuits.faithfulness`) under each ablation. Faithfulness at a
-size is (m(circuit) - m(empty)) / (m(clean) - m(empty)), m the metric's mean over pairs and
-"empty" the empty circuit under that ablation (the corrupted run for "patching", every edge
-mean-ablated for "mean"), so every curve runs from 0 (no edge) to 1 (every edge). CPR and CMD are
-MIB's trapezoid areas over the fraction of edges. Intervals: 95 % percentile bootstrap over
+MIB's sizes (and of 100, 500, 2,000 edges) are taken from the scores as MIB takes them
+(`circuits.mib_circuits`): n counts edges of EAP-IG's ungrouped graph, twice, once from the
+signed ranking (the largest scores) and once from the |score| ranking (top-n, pruned;
+`--selection greedy`: grown from the logits, `EdgeScores.greedy`), and measured by edge patching
+(`circuits.faithfulness`) under each ablation. Faithfulness at a size is (m(circuit) - m(empty)) /
+(m(clean) - m(empty)), m the metric's mean over pairs and "empty" the empty circuit under that
+ablation (ra-lens's one definition, MIB's), so every curve runs from 0 (no edge) to 1 (every
+edge). CPR is MIB's trapezoid area over the fraction of edges of the signed ranking's curve, CMD
+the area of |1 - f| of the |score| ranking's curve (as MIB's print_results.py reports them). Intervals: 95 % percentile bootstrap over
 pairs, the same resamples for every method, so paired differences between methods come with
 their own interval. The per-pair metrics are saved, so every number recomputes from the JSON.
 Ground truth for head scores: each head's output patched from clean into the corrupted run
@@ -39,6 +42,7 @@ from tqdm.auto import tqdm
 
 from ra_lens import capture, circuits
 from ra_lens.circuits.curve import MIB_FRACTIONS
+from ra_lens.circuits.faithfulness import BASELINE
 
 # The statistics live in circuit_study_report; fraction_columns, paired_difference re-exported.
 from ra_lens.experiments.circuit_study_report import fraction_columns as fraction_columns
@@ -230,9 +234,11 @@ def run_task(
 ) -> dict[str, Any]:
     """Score, choose and measure: the raw per-pair metrics of one task, JSON-ready.
 
-    Returns a dict with "sizes" (edges asked for), per ablation the reference metrics per pair
-    ("clean", "corrupted", "empty"), and per method its attribution seconds, the edges kept at
-    each size after pruning and, per ablation, the circuit metric per size and pair.
+    Returns a dict with "sizes" (ungrouped edges asked for), per ablation the reference metrics
+    per pair ("clean", "corrupted", "empty"), and per method its attribution seconds and, for
+    the |score| ranking ("n_edges", "circuit") and the signed one ("signed_n_edges",
+    "signed_circuit"), the ungrouped edges kept at each size after pruning and, per ablation,
+    the circuit metric per size and pair.
     `on_method(partial result)` runs after each method (to save partial results). With
     truth_pairs > 0, head activation patching on the first truth_pairs pairs ("truth") and each
     method's head node scores on the same pairs ("head_scores", summed from their edge scores:
@@ -240,7 +246,7 @@ def run_task(
     """
     clean, corrupted, metric = ioi.paired_batch(model, list(pairs))
     graph = circuits.Graph.from_model(model)
-    sizes = edge_sizes(graph.n_edges, fractions, edge_counts)
+    sizes = edge_sizes(graph.n_edges_ungrouped, fractions, edge_counts)  # MIB's units
     measured: dict[tuple[bytes, str], list[float]] = {}  # a circuit two methods share runs once
     evaluators: dict[str, circuits.FaithfulnessEvaluator] = {}
 
@@ -268,7 +274,9 @@ def run_task(
     out: dict[str, Any] = {
         "n_pairs": len(pairs),
         "pairs": [[p.clean, p.corrupted, p.answer, p.wrong] for p in pairs],
-        "n_edges_total": graph.n_edges,
+        "n_edges_total": graph.n_edges_ungrouped,
+        "n_edges_grouped": graph.n_edges,
+        "units": "ungrouped",
         "sizes": sizes,
         "edge_counts": [c for c in edge_counts if c in sizes],
         "reference": reference,
@@ -306,15 +314,18 @@ def run_task(
             heads = head_node_scores(subset)
             out["truth"]["pearson"][label] = pearson(heads, truth)
             out["truth"].setdefault("head_scores", {})[label] = heads.tolist()
-        chosen = [scores.top(n) if selection == "top" else scores.greedy(n) for n in sizes]
+        pick = scores.top if selection == "top" else scores.greedy
+        by_abs = [pick(n, absolute=True, units="ungrouped") for n in sizes]
+        signed = [pick(n, absolute=False, units="ungrouped") for n in sizes]
         begin = time.perf_counter()
-        per_ablation = {a: [measure(c, a) for c in chosen] for a in ablations}
         out["methods"][label] = {
             "seconds": seconds,
-            "eval_seconds": time.perf_counter() - begin,
-            "n_edges": [c.n_edges for c in chosen],
-            "circuit": per_ablation,
+            "n_edges": [c.n_edges_ungrouped for c in by_abs],
+            "circuit": {a: [measure(c, a) for c in by_abs] for a in ablations},
+            "signed_n_edges": [c.n_edges_ungrouped for c in signed],
+            "signed_circuit": {a: [measure(c, a) for c in signed] for a in ablations},
         }
+        out["methods"][label]["eval_seconds"] = time.perf_counter() - begin
         out["seconds"] = time.perf_counter() - start
         if on_method is not None:
             on_method(out)
@@ -360,6 +371,10 @@ def circuit_study(
             "fractions": list(fractions),
             "edge_counts": list(edge_counts),
             "selection": selection,
+            "units": "ungrouped",
+            "faithfulness_baseline": BASELINE,
+            "cpr_from": "signed ranking (largest score)",
+            "cmd_from": "|score| ranking",
             "direction": "denoise",
             "truth_tasks": list(truth_tasks),
             "truth_pairs": truth_pairs,
@@ -453,10 +468,13 @@ def _merge_method(have: dict[str, Any], label: str, result: dict[str, Any], task
     if label not in have:
         have[label] = json.loads(json.dumps(result))
         return
-    if have[label]["n_edges"] != result["n_edges"]:
+    if have[label]["n_edges"] != result["n_edges"] or have[label].get(
+        "signed_n_edges"
+    ) != result.get("signed_n_edges"):
         raise ValueError(f"task {task!r}, method {label!r}: the parts chose different circuits")
-    for ablation, values in result["circuit"].items():
-        have[label]["circuit"].setdefault(ablation, values)
+    for key in ("circuit", "signed_circuit"):
+        for ablation, values in result.get(key, {}).items():
+            have[label].setdefault(key, {}).setdefault(ablation, values)
 
 
 def _names(text: str, allowed: Sequence[str], what: str) -> list[str]:
@@ -533,7 +551,8 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     parser.add_argument(
         "--selection", choices=("top", "greedy"), default=None,
-        help="circuits: top-n by |score| then pruned (top), or grown from the logits (greedy)",
+        help="circuits: top-n then pruned (top), or grown from the logits (greedy); both by "
+        "score (CPR) and by |score| (CMD)",
     )  # fmt: skip
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)

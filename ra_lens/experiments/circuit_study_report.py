@@ -2,7 +2,8 @@
 per-pair metrics `circuit_study.run_task` saves.
 
 Faithfulness at a size is (m(circuit) - m(empty)) / (m(clean) - m(empty)), m the metric's mean over
-pairs (`curves`); CPR and CMD are MIB's trapezoid areas over the fraction of edges (`areas`).
+pairs (`curves`); CPR and CMD are MIB's trapezoid areas over the fraction of edges (`areas`), CPR of
+the signed ranking's curve, CMD of the |score| ranking's (as MIB's print_results.py reports them).
 Intervals: 95 % percentile bootstrap over pairs, the same resamples for every method, so paired
 differences between methods come with their own interval (`paired_difference`). `summarise` gives
 one task's numbers, `goals` checks issue 22's goals, `markdown` writes the tables.
@@ -29,12 +30,25 @@ MOONSHOT = 0.8
 
 
 def curves(
-    task: dict[str, Any], method: str, ablation: str, index: Tensor | None = None
+    task: dict[str, Any],
+    method: str,
+    ablation: str,
+    index: Tensor | None = None,
+    *,
+    signed: bool = False,
 ) -> Float[Tensor, "boot size"]:
     """Faithfulness at each size from the metrics' means over pairs, on the pairs as observed
-    (index None: one row) or on each bootstrap resample of pairs (index [boot, n])."""
+    (index None: one row) or on each bootstrap resample of pairs (index [boot, n]); the circuits
+    of the |score| ranking, or of the signed ranking (signed=True)."""
     ref = task["reference"][ablation]
-    circuit = torch.tensor(task["methods"][method]["circuit"][ablation], dtype=torch.float64).T
+    result = task["methods"][method]
+    if signed and "signed_circuit" not in result:
+        raise ValueError(
+            f"method {method!r} has no signed-ranking circuits: the file predates MIB's CPR "
+            "(signed ranking); rerun the study"
+        )
+    values = result["signed_circuit" if signed else "circuit"][ablation]
+    circuit = torch.tensor(values, dtype=torch.float64).T
     clean = torch.tensor(ref["clean"], dtype=torch.float64)
     empty = torch.tensor(ref["empty"], dtype=torch.float64)
     if index is None:
@@ -65,11 +79,13 @@ def interval(estimate: float, stats: Tensor, n: int, n_boot: int) -> dict[str, A
 def cpr_samples(
     task: dict[str, Any], method: str, ablation: str, fractions: Sequence[float], n_boot: int
 ) -> tuple[float, Tensor]:
-    """CPR as observed and on each resample (the same resamples for every method)."""
+    """CPR (the signed ranking's) as observed and on each resample (the same resamples for every
+    method)."""
     columns = fraction_columns(task, fractions)
     index = bootstrap_indices(task["n_pairs"], n_boot, seed=0)
-    point = areas(fractions, curves(task, method, ablation)[:, columns], absolute=False)
-    boot = areas(fractions, curves(task, method, ablation, index)[:, columns], absolute=False)
+    point = curves(task, method, ablation, signed=True)[:, columns]
+    boot = curves(task, method, ablation, index, signed=True)[:, columns]
+    point, boot = areas(fractions, point, absolute=False), areas(fractions, boot, absolute=False)
     return float(point[0]), boot
 
 
@@ -87,8 +103,10 @@ def paired_difference(
 
 
 def summarise(task: dict[str, Any], fractions: Sequence[float], n_boot: int) -> dict[str, Any]:
-    """Per method and ablation: the curve with bands, CPR, CMD, faithfulness at the fixed edge
-    counts; the paired differences of the best ra-lens method against the references."""
+    """Per method and ablation: the |score| ranking's curve with bands ("faithfulness") and the
+    signed ranking's ("signed_faithfulness"), CPR (signed), CMD (|score|), faithfulness at the
+    fixed edge counts (|score|); the paired CPR differences of the best ra-lens method against
+    the references."""
     n = task["n_pairs"]
     index = bootstrap_indices(n, n_boot, seed=0)
     columns = fraction_columns(task, fractions)
@@ -96,15 +114,18 @@ def summarise(task: dict[str, Any], fractions: Sequence[float], n_boot: int) -> 
     for ablation in task["reference"]:
         for label in task["methods"]:
             point, boot = curves(task, label, ablation), curves(task, label, ablation, index)
+            s_point = curves(task, label, ablation, signed=True)
+            s_boot = curves(task, label, ablation, index, signed=True)
             band = [interval(float(point[0, i]), boot[:, i], n, n_boot) for i in range(len(task["sizes"]))]  # fmt: skip
             entry = out["methods"].setdefault(label, {})
             entry[ablation] = {
                 "faithfulness": point[0].tolist(),
                 "low": [b["low"] for b in band],
                 "high": [b["high"] for b in band],
+                "signed_faithfulness": s_point[0].tolist(),
                 "cpr": interval(
-                    float(areas(fractions, point[:, columns], absolute=False)[0]),
-                    areas(fractions, boot[:, columns], absolute=False), n, n_boot,
+                    float(areas(fractions, s_point[:, columns], absolute=False)[0]),
+                    areas(fractions, s_boot[:, columns], absolute=False), n, n_boot,
                 ),
                 "cmd": interval(
                     float(areas(fractions, point[:, columns], absolute=True)[0]),
@@ -170,9 +191,14 @@ def markdown(study: dict[str, Any]) -> str:
     100/500/2,000 edges; the paired differences; the goals."""
     cfg = study["config"]
     chosen = (
-        "grown from the logits by |score| (`EdgeScores.greedy`) then pruned"
+        "grown from the logits (`EdgeScores.greedy`) then pruned"
         if cfg.get("selection") == "greedy"
-        else "top-n by |score| then pruned"
+        else "top-n then pruned"
+    )
+    chosen += (
+        ", n in EAP-IG's ungrouped edges; CPR from the signed ranking (largest score), CMD and "
+        "f @ n edges from the |score| ranking (MIB's); faithfulness normalised by the empty "
+        "circuit under the ablation"
     )
     lines = [
         f"Model {cfg['model']}, {cfg['device']}; {chosen}; edge patching "

@@ -281,3 +281,13 @@ def test_eap_score_of_a_post_norm_head_is_its_exact_residual_effect_times_the_gr
     got = float(scores.scores[graph.writers.index(f"a{layer}.h{head}"), len(graph.readers) - 1])
     assert abs(expected) > 1e-8
     assert got == pytest.approx(expected, rel=1e-9, abs=1e-12)
+
+
+def test_readme_holds_the_architecture_table() -> None:
+    """The README's table is written from this file's expectations (docs/architecture_table.py)."""
+    import runpy
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    table = runpy.run_path(str(root / "docs" / "architecture_table.py"))["table"]()
+    assert table in (root / "README.md").read_text()

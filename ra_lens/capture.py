@@ -56,6 +56,7 @@ from ra_lens.contract import (  # noqa: F401
     model_shape,
     output_softcap,
     query_hook_name,
+    recompute_tolerance,
 )
 
 # Liveness of hook_pattern lives in ra_lens.liveness; its names stay importable from here.

@@ -372,3 +372,15 @@ def _alibi_slopes(inner: Any) -> tuple[float, ...] | None:
     ones = torch.ones(1, 2, dtype=torch.long)
     alibi = build_alibi_tensor(ones, int(inner.num_heads), torch.float64)  # [head, 1, 2]
     return tuple(float(m) for m in alibi[:, 0, 1])
+
+
+def recompute_tolerance(dtype: torch.dtype) -> float:
+    """Largest |recomputed - recorded| accepted when ra-lens redoes a model's attention (softmax
+    rows, rotations) from its recorded activations: 1e-4 for float32/float64 (HF's eager
+    attention takes the softmax in float32 even in a float64 model), 2e-2 for half precision,
+    whose activations are rounded to ~1e-3.
+
+    >>> recompute_tolerance(torch.float32), recompute_tolerance(torch.bfloat16)
+    (0.0001, 0.02)
+    """
+    return 1e-4 if dtype in (torch.float32, torch.float64) else 2e-2

@@ -548,3 +548,17 @@ def test_parallel_blocks_on_hooked_transformer_are_exact():
     assert torch.allclose(result.circuit_per_pair, expected.double(), atol=1e-10)
     scores = attribute(model, clean, corrupted, METRIC, method="exact")
     assert bool(scores.scores.abs().gt(0).any())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_exact_methods_run_in_half_precision_close_to_float32(dtype):
+    """The recomputed softmax is checked at half precision's own tolerance (it used to refuse
+    every half-precision model, blaming soft-capping or rotary), and its scores stay near the
+    float32 model's."""
+    kind = "llama"
+    half = tiny_model(kind, dtype=dtype) if has_bridge() else _hooked(**LLAMA_LIKE).to(dtype)
+    full = tiny_model(kind) if has_bridge() else _hooked(**LLAMA_LIKE).to(torch.float32)
+    got = attribute(half, CLEAN, CORRUPTED, METRIC, method="exact").scores
+    expected = attribute(full, CLEAN, CORRUPTED, METRIC, method="exact").scores
+    scale = float(expected.abs().max())
+    assert scale > 0 and float((got - expected).abs().max()) < 0.1 * scale

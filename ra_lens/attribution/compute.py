@@ -28,13 +28,6 @@ from ra_lens.capture import PATTERN, RESID_PRE, Batch, HookedModel
 from ra_lens.core import metric_loss
 from ra_lens.types import MetricFn, Tokens
 
-#: Largest |recomputed softmax - A| accepted before the recomputed attention is declared not to
-#: be the model's (`capture.AttentionFacts` models scale, soft-cap, ALiBi and windows).
-#: HF's eager attention takes the softmax in float32 even for a float64 model; half-precision
-#: patterns are rounded to ~1e-3.
-_RECOMPUTE_TOLERANCE = {torch.float64: 1e-4, torch.float32: 1e-4}
-_HALF_TOLERANCE = 2e-2
-
 
 @dataclass
 class _Run:
@@ -321,7 +314,7 @@ def _layer_estimates(
     real = torch.arange(n_pos, device=q.device)[None, :] < lengths.to(q.device)[:, None]
     rows = real[:, None, :, None]
     mismatch = float(((log_pattern.exp() - pattern).abs() * rows).max())
-    if mismatch > _RECOMPUTE_TOLERANCE.get(run.patterns[layer].dtype, _HALF_TOLERANCE):
+    if mismatch > capture.recompute_tolerance(run.patterns[layer].dtype):
         cause = facts.refusal() or "q/k edited by another hook?"
         raise ValueError(
             f"layer {layer}: the recomputed softmax ({facts}) differs from hook_pattern by "

@@ -266,7 +266,7 @@ class _Step:
         logits = facts.logits(raw)
         base_pattern = logits.softmax(-1)
         mismatch = float(((base_pattern - pattern).abs() * rows).max())
-        if mismatch > 1e-4:
+        if mismatch > capture.recompute_tolerance(acts[PATTERN.format(layer)].dtype):
             raise ValueError(
                 f"layer {layer}: the recomputed softmax ({facts}) differs from hook_pattern by "
                 f"{mismatch:.2g}: this attention is not modelled (q/k edited by another hook?); "
@@ -334,7 +334,8 @@ def _rotation(model: HookedModel, layer: int, acts: dict[str, Tensor]) -> Tensor
         )
     q = acts[capture.Q.format(layer)].double()
     error = float((rotate(q) - acts[rotated].double()).abs().max())
-    if error > 1e-4 * max(1.0, float(q.abs().max())):
+    tolerance = capture.recompute_tolerance(acts[capture.Q.format(layer)].dtype)
+    if error > tolerance * max(1.0, float(q.abs().max())):
         raise ValueError(
             f"layer {layer}: the rotary embedding could not be reproduced (error {error:.2g}); "
             "use method='eap'"

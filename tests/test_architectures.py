@@ -138,17 +138,10 @@ def test_circuits_are_exact_at_both_ends_or_refuse_naming_the_cause(arch: str) -
     if arch in EXACT_REFUSALS:
         with pytest.raises((NotImplementedError, RuntimeError), match=EXACT_REFUSALS[arch]):
             circuits.attribute(bridge, TOY_CLEAN, TOY_CORRUPTED, metric, method="exact")
-    else:
-        exact = circuits.attribute(bridge, TOY_CLEAN, TOY_CORRUPTED, metric, method="exact")
-        assert exact.scores.shape == scores.scores.shape
 
 
-#: edit_dynamics's refusals (architecture -> words in the message).
-DYNAMICS_REFUSALS = {
-    "qwen3": "q/k norms",
-    "gemma3": "q/k norms",
-    "olmo2": "q/k norms",
-}
+#: edit_dynamics's refusals: the same cause (a change replayed through the projection only).
+DYNAMICS_REFUSALS = EXACT_REFUSALS
 
 
 @pytest.mark.parametrize("arch", MATRIX_ARCHITECTURES)
@@ -291,3 +284,57 @@ def test_readme_holds_the_architecture_table() -> None:
     root = Path(__file__).resolve().parents[1]
     table = runpy.run_path(str(root / "docs" / "architecture_table.py"))["table"]()
     assert table in (root / "README.md").read_text()
+
+
+@pytest.mark.parametrize("arch", [a for a in MATRIX_ARCHITECTURES if a not in EXACT_REFUSALS])
+def test_exact_edge_into_a_query_is_the_models_own_changed_pattern(arch: str) -> None:
+    """The exact score of edge input -> a0.h1<q> = sum R (A' - A) over head 1's rows, where A'
+    is the pattern the model itself computes when only that query's input moves by the input's
+    change (its q recomputed from ln1(resid + change) and put in at hook_q): the model's own
+    rotation, scale, soft-cap, ALiBi, window and delegated attention included."""
+    from helpers import TOY_CLEAN, TOY_CORRUPTED
+
+    from ra_lens import capture, circuits
+    from ra_lens.circuits._edges import layer_weights
+
+    bridge, _ = pair(arch)
+    clean, corrupted = TOY_CLEAN[2], TOY_CORRUPTED[2]
+    metric = ra_lens.metrics.logit_diff([5], [7])
+    scores = circuits.attribute(bridge, clean, corrupted, metric, method="exact")
+    layer, head = 0, 1  # the changed token's own query row: R reaches it through layer 1
+    tokens = {name: bridge.to_tokens(text) for name, text in (("c", clean), ("k", corrupted))}
+    first = capture.RESID_PRE.format(0)
+    with capture.recorded(bridge, [first]) as clean_run, torch.no_grad():
+        bridge(tokens["c"])
+    resid, pattern = capture.RESID_PRE.format(layer), capture.PATTERN.format(layer)
+    with capture.recorded(bridge, [first, resid, pattern]) as base, torch.no_grad():
+        bridge(tokens["k"])
+    change = clean_run[first] - base[first]
+    w = layer_weights(bridge, layer)
+
+    def move_query(q: torch.Tensor, hook: Any) -> torch.Tensor:
+        q = q.clone()
+        moved = w.ln1(base[resid] + change) @ w.W_Q[head] + w.b_Q[head]
+        q[:, :, head] = moved.to(q)
+        return q
+
+    with (
+        ra_lens.live_attention(bridge),
+        torch.no_grad(),
+        capture.recorded(bridge, [pattern]) as moved,
+        bridge.hooks([(capture.Q.format(layer), move_query)]),
+    ):
+        bridge(tokens["k"])
+    ra = ra_lens.reversed_attention(
+        bridge, tokens["k"], metric, layers=[layer], convention="pattern"
+    )
+    assert ra.maps is not None
+    grad = ra.maps[0, 0, head].double()
+    delta = (moved[pattern] - base[pattern])[0, head].double()
+    expected = float((grad * delta).sum())
+    graph = scores.graph
+    got = float(
+        scores.scores[graph.writer_index["input"], graph.reader_index[f"a{layer}.h{head}<q>"]]
+    )
+    assert abs(expected) > 1e-9
+    assert got == pytest.approx(expected, rel=1e-3 if arch in DTYPES else 1e-5, abs=1e-10)

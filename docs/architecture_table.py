@@ -15,6 +15,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 import test_architectures as matrix  # noqa: E402
 
+from ra_lens.toy_models import HOOKED_MATRIX_ARCHITECTURES  # noqa: E402
+
 NAMES = {
     "gpt2": "GPT-2", "gpt_neo": "GPT-Neo", "gptj": "GPT-J", "gpt_neox": "GPT-NeoX / Pythia",
     "opt": "OPT", "bloom": "BLOOM", "falcon": "Falcon", "llama": "Llama", "mistral": "Mistral",
@@ -50,6 +52,7 @@ CAPABILITIES = [
     "circuits (eap, faithfulness)",
     "exact edges",
     "edit dynamics",
+    "TL 2.18 HookedTransformer",
 ]
 
 
@@ -68,6 +71,9 @@ def cells(arch: str) -> list[str]:
         "exact",
         f"refused: {exact_edges}" if exact_edges else "exact",
         f"refused: {dynamics}" if dynamics else "exact",
+        "the same, edit dynamics refused (HookedTransformer)"
+        if arch in HOOKED_MATRIX_ARCHITECTURES
+        else "not built: TL 2.18 has no offline conversion",
     ]
 
 

@@ -359,19 +359,25 @@ def attention_facts(model: HookedModel, layer: int) -> AttentionFacts:
         window=int(window) if window else None,
         qk_norm=bool(qk_norm),
         alibi=bool(alibi),
-        alibi_slopes=_alibi_slopes(inner) if alibi else None,
+        alibi_slopes=_alibi_slopes(model, layer) if alibi else None,
     )
 
 
-def _alibi_slopes(inner: Any) -> tuple[float, ...] | None:
-    """BLOOM's per-head ALiBi slopes, from HuggingFace's own function (None elsewhere)."""
-    if not type(inner).__name__.startswith("Bloom"):
-        return None
-    from transformers.models.bloom.modeling_bloom import build_alibi_tensor
+def _alibi_slopes(model: HookedModel, layer: int) -> tuple[float, ...] | None:
+    """The per-head ALiBi slopes m_h, from the model's own code: HuggingFace's BLOOM
+    (`build_alibi_tensor`) or TL 2's attention (`create_alibi_multipliers`; its bias m_h (s - t)
+    differs from m_h s by a constant per row, which the softmax ignores). None elsewhere."""
+    attn = model.blocks[layer].attn
+    inner = getattr(attn, "original_component", None)
+    if type(inner).__name__.startswith("Bloom"):
+        from transformers.models.bloom.modeling_bloom import build_alibi_tensor
 
-    ones = torch.ones(1, 2, dtype=torch.long)
-    alibi = build_alibi_tensor(ones, int(inner.num_heads), torch.float64)  # [head, 1, 2]
-    return tuple(float(m) for m in alibi[:, 0, 1])
+        ones = torch.ones(1, 2, dtype=torch.long)
+        alibi = build_alibi_tensor(ones, int(inner.num_heads), torch.float64)  # [head, 1, 2]
+        return tuple(float(m) for m in alibi[:, 0, 1])
+    if inner is None and hasattr(attn, "create_alibi_multipliers"):
+        return tuple(float(m) for m in attn.create_alibi_multipliers(int(model.cfg.n_heads)))
+    return None
 
 
 def recompute_tolerance(dtype: torch.dtype) -> float:

@@ -104,7 +104,7 @@ def hf_config(
     window = ["sliding_attention", "full_attention"] * n_layers
     builders = {
         "gpt2": lambda: tf.GPT2Config(
-            vocab_size=vocab, n_positions=n_ctx, n_embd=d_model, n_layer=n_layers,
+            vocab_size=vocab, n_positions=n_ctx, n_ctx=n_ctx, n_embd=d_model, n_layer=n_layers,
             n_head=n_heads, resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
             **special,
         ),
@@ -207,6 +207,52 @@ def hf_model(
 
 # Parameter names holding query/key projections (joint qkv ones included) across architectures.
 _QK_WEIGHTS = ("q_proj", "k_proj", "query_key_value", "c_attn", "qkv_proj", "Wqkv")
+
+
+#: The matrix architectures TransformerLens 2.18 builds as a HookedTransformer from a local
+#: HuggingFace model (`hooked_matrix_model`); it knows the others (Gemma, OLMo, Falcon,
+#: StableLM) only by their hub names, or not at all.
+HOOKED_MATRIX_ARCHITECTURES: tuple[str, ...] = (
+    "gpt2", "gpt_neo", "gptj", "gpt_neox", "opt", "bloom", "llama", "mistral", "mixtral",
+    "qwen2", "qwen3", "phi", "phi3",
+)  # fmt: skip
+
+
+def hooked_matrix_model(
+    arch: str, *, dtype: torch.dtype = torch.float64, spread: bool = True
+) -> HookedModel:
+    """TransformerLens 2's HookedTransformer of the tiny HuggingFace model `hf_model(arch)`,
+    through TL 2's own config and weight conversion (no weight processing, so its activations
+    are HuggingFace's), in eval mode. For `HOOKED_MATRIX_ARCHITECTURES` under TL 2.x.
+
+    Raises:
+        BackendUnavailableError: TransformerLens has no HookedTransformer (TL >= 4).
+    """
+    if not _has_hooked():
+        raise BackendUnavailableError(
+            f"hooked_matrix_model needs TransformerLens 2.x/3.x (installed: {_tl_version()})"
+        )
+    import transformer_lens.loading_from_pretrained as loading
+    from transformer_lens import HookedTransformer
+    from transformers import AutoTokenizer
+
+    hf = hf_model(arch, spread=spread).to(dtype)
+    # TL 2 reads model families off the path's name ("llama" ...): keep it neutral
+    folder = tempfile.mkdtemp(prefix="ra_lens_tiny_hooked_")
+    hf.save_pretrained(folder)
+    cfg = loading.get_pretrained_model_config(
+        folder, hf_cfg=hf.config.to_dict(), fold_ln=False, device="cpu", dtype=dtype, n_ctx=64
+    )
+    model = HookedTransformer(cfg, tokenizer=AutoTokenizer.from_pretrained(tiny_tokenizer_dir()))
+    state = loading.get_pretrained_state_dict(folder, cfg, hf, dtype=dtype)
+    model.load_and_process_state_dict(
+        state,
+        fold_ln=False,
+        center_writing_weights=False,
+        center_unembed=False,
+        fold_value_biases=False,
+    )
+    return model.eval()
 
 
 def tiny_model(

@@ -35,6 +35,8 @@ ATTN_IN = "blocks.{}.attn.hook_in"  # TransformerBridge: input of the attention 
 Q_IN = "blocks.{}.attn.q.hook_in"  # TransformerBridge: input of the q / k projections
 K_IN = "blocks.{}.attn.k.hook_in"
 RESID_PRE = "blocks.{}.hook_resid_pre"
+POST_ATTN_IN = "blocks.{}.ln1_post.hook_in"  # TransformerBridge: input of a post-attention norm
+MLP_IN = "blocks.{}.mlp.hook_in"  # TransformerBridge: what the MLP itself receives
 
 
 @runtime_checkable
@@ -390,3 +392,45 @@ def recompute_tolerance(dtype: torch.dtype) -> float:
     (0.0001, 0.02)
     """
     return 1e-4 if dtype in (torch.float32, torch.float64) else 2e-2
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """Where a block's norms sit and what its MLP reads (`block_layout`).
+
+    pre_norm: the norm in front of the attention (None where there is none: OLMo-2).
+    post_attn_norm: the norm applied to the attention's output before it joins the residual
+        (Gemma-2/3, OLMo-2), as a plain module that fires no TransformerLens hook; None in
+        pre-norm blocks.
+    parallel: attention and MLP read the same residual (GPT-NeoX/Pythia, GPT-J, Phi, Falcon).
+    mlp_reads_attn_norm: in a parallel block, the MLP reads the attention's norm output (GPT-J,
+        Phi, Falcon: one norm), not its own (GPT-NeoX's ln2).
+    """
+
+    pre_norm: Any
+    post_attn_norm: Any
+    parallel: bool
+    mlp_reads_attn_norm: bool
+
+
+def block_layout(model: HookedModel, layer: int) -> BlockLayout:
+    """One block's `BlockLayout`, read from the model (TransformerBridge submodules `ln1`,
+    `ln2`, `ln1_post`; TL 2's config).
+
+    >>> layout = block_layout(model, 0)  # GPT-2: pre-norm, sequential
+    >>> layout.post_attn_norm is None, layout.parallel, layout.mlp_reads_attn_norm
+    (True, False, False)
+    """
+    block = model.blocks[layer]
+    parallel = bool(getattr(model.cfg, "parallel_attn_mlp", False))
+    post = getattr(block, "ln1_post", None)
+    if post is not None:
+        post = getattr(post, "original_component", None) or post
+    return BlockLayout(
+        pre_norm=getattr(block, "ln1", None),
+        post_attn_norm=post,
+        parallel=parallel,
+        mlp_reads_attn_norm=parallel
+        and not hasattr(block, "ln2")
+        and MLP_IN.format(layer) in model.hook_dict,
+    )

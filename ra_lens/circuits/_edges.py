@@ -45,8 +45,6 @@ from ra_lens.circuits.graph import Graph
 MLP_OUT = "blocks.{}.hook_mlp_out"
 RESID_POST = "blocks.{}.hook_resid_post"
 BRIDGE_MLP_IN = "blocks.{}.ln2.hook_in"
-BRIDGE_BARE_MLP_IN = "blocks.{}.mlp.hook_in"
-POST_ATTN_IN = "blocks.{}.ln1_post.hook_in"
 HOOKED_MLP_IN = "blocks.{}.hook_mlp_in"
 
 
@@ -87,9 +85,9 @@ def layer_weights(model: HookedModel, layer: int) -> LayerWeights:
         return value
 
     W_Q, W_K, W_V = weight("W_Q"), weight("W_K"), weight("W_V")
-    post = getattr(block, "ln1_post", None)
+    layout = capture.block_layout(model, layer)
     return LayerWeights(
-        ln1=block.ln1 if hasattr(block, "ln1") else torch.nn.Identity(),  # OLMo-2: no pre-norm
+        ln1=layout.pre_norm or torch.nn.Identity(),  # OLMo-2: no pre-norm
         W_Q=W_Q,
         b_Q=bias("b_Q", W_Q),
         W_K=W_K,
@@ -97,7 +95,7 @@ def layer_weights(model: HookedModel, layer: int) -> LayerWeights:
         W_V=W_V,
         b_V=bias("b_V", W_V),
         W_O=weight("W_O"),
-        post_attn=None if post is None else getattr(post, "original_component", None) or post,
+        post_attn=layout.post_attn_norm,
     )
 
 
@@ -118,8 +116,8 @@ def check_supported(model: HookedModel) -> None:
             "taken; load the model as a TransformerBridge (TransformerLens >= 3), where "
             "ra_lens.circuits supports post-norm blocks"
         )
-    for layer, block in enumerate(model.blocks):
-        if getattr(block, "ln1_post", None) is not None:
+    for layer in range(len(model.blocks)):
+        if capture.block_layout(model, layer).post_attn_norm is not None:
             _check_post_norm(model, layer)
     shape = capture.model_shape(model)
     if getattr(cfg, "ungroup_grouped_query_attention", False) and shape.n_kv_heads < shape.n_heads:
@@ -148,17 +146,6 @@ def _check_post_norm(model: HookedModel, layer: int) -> None:
         )
 
 
-def shares_norm(model: HookedModel, layer: int) -> bool:
-    """A TransformerBridge block with parallel attention and MLP and one norm for both (GPT-J,
-    Phi, Falcon): its MLP reads ln1's output (GPT-NeoX/Pythia has its own ln2)."""
-    block = model.blocks[layer]
-    return (
-        bool(getattr(model.cfg, "parallel_attn_mlp", False))
-        and not hasattr(block, "ln2")
-        and BRIDGE_BARE_MLP_IN.format(layer) in model.hook_dict
-    )
-
-
 def mlp_in_hook(model: HookedModel, layer: int, points: Any = None) -> str:
     """The hook point that sees the MLP's input before its norm, and feeds nothing else
     (`points`: model.hook_dict, which a bridge rebuilds on every access, read once): a
@@ -167,8 +154,8 @@ def mlp_in_hook(model: HookedModel, layer: int, points: Any = None) -> str:
     points = model.hook_dict if points is None else points
     if BRIDGE_MLP_IN.format(layer) in points:
         return BRIDGE_MLP_IN.format(layer)
-    bare = BRIDGE_BARE_MLP_IN.format(layer)
-    if bare in points and getattr(model.blocks[layer], "ln1_post", None) is not None:
+    bare = capture.MLP_IN.format(layer)
+    if bare in points and capture.block_layout(model, layer).post_attn_norm is not None:
         return bare
     return HOOKED_MLP_IN.format(layer)
 
@@ -327,10 +314,10 @@ class EdgeRun:
                 (capture.Z.format(layer), self._z_hook(layer)),
             ]
             if self.weights[layer].post_attn is not None:  # heads write through N(a)
-                hooks.append((POST_ATTN_IN.format(layer), self._post_in_hook(layer)))
+                hooks.append((capture.POST_ATTN_IN.format(layer), self._post_in_hook(layer)))
             if not self.attn_only:
-                if shares_norm(model, layer):  # the MLP reads ln1's output: give it its own
-                    mlp_in = (BRIDGE_BARE_MLP_IN.format(layer), self._renorm_hook(layer))
+                if capture.block_layout(model, layer).mlp_reads_attn_norm:  # give it its own
+                    mlp_in = (capture.MLP_IN.format(layer), self._renorm_hook(layer))
                 else:
                     mlp_in = (mlp_in_hook(model, layer, points), self._subtract_hook(layer, "mlp"))
                 hooks += [mlp_in, (MLP_OUT.format(layer), self._mlp_out_hook)]

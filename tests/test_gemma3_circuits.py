@@ -5,7 +5,7 @@ q/k norm before the rotary embedding, and post-norm blocks (each block adds N(su
 its post-attention norm). Every value is checked against the model's own forward pass with one
 thing patched (hook_rot_q, hook_q or hook_z), or against a hand computation from its hooks.
 
-Pairs: IOI on one template (14 tokens; every name in `ioi.NAMES` is one Gemma-3 token) and
+Pairs: IOI on one template (15 tokens with BOS; every name in `ioi.NAMES` is one Gemma-3 token) and
 antonyms with a fixed 3-shot context and the query swapped (31 tokens), 4 pairs each. Circuits
 on post-norm blocks need a TransformerBridge (tl4); under TransformerLens 2.18 they refuse, and
 `attention_attribution` runs.

@@ -92,6 +92,64 @@ def test_exact_query_node_is_gemma3s_own_pattern_with_the_clean_query(gemma3: An
     assert float((rot_row - q_row).abs().max()) < 1e-6
 
 
+def test_query_and_key_nodes_past_the_sliding_window(gemma3: Any):
+    """One IOI pair after 520 tokens of filler (535 in all): layer 13 slides (its last query sees
+    the last 512 keys), layer 11 is global. The exact query node of head h at the last position
+    and the key change of key/value head 0 at the first changed name (every query head's pattern
+    recomputed) are the model's own, patching hook_rot_q / hook_rot_k."""
+    pair = ioi.ioi_pairs(1)[0]
+    filler = "The quick brown fox jumps over the lazy dog. " * 52
+    long = ioi.PromptPair(filler + pair.clean, filler + pair.corrupted, pair.answer, pair.wrong)
+    clean, corrupted, metric = ioi.paired_batch(gemma3, [long])
+    n = clean.tokens.shape[1]
+    assert n == 535
+    s = int((clean.tokens != corrupted.tokens)[0].nonzero()[0])  # " Mary" vs " Alice"
+    att = ra_lens.attention_attribution(
+        gemma3, clean, corrupted, metric, layers=[11, 13], nodes=["query", "key"]
+    )
+    assert att.layers == [11, 13]  # the arrays hold the requested layers in this order
+    assert float(att.patterns[0, 1, :, -1, : n - 512].abs().max()) == 0  # layer 13: windowed
+    assert float(att.patterns[0, 0, :, -1, : n - 512].sum()) > 0.1  # layer 11: global
+    names = [hook.format(layer) for layer in (11, 13) for hook in (capture.ROT_Q, capture.ROT_K)]
+    with capture.recorded(gemma3, names) as source, torch.no_grad():
+        gemma3(clean.tokens, stop_at_layer=14)  # nothing after layer 13 is read
+    for layer, head in ((11, 3), (13, 3)):
+        at = att.layers.index(layer)
+        pattern = capture.PATTERN.format(layer)
+        q_name, k_name = capture.ROT_Q.format(layer), capture.ROT_K.format(layer)
+
+        def patch_q(q: torch.Tensor, hook: Any, name: str = q_name, h: int = head) -> torch.Tensor:
+            q = q.clone()
+            q[:, n - 1, h] = source[name][:, n - 1, h]
+            return q
+
+        def patch_k(k: torch.Tensor, hook: Any, name: str = k_name) -> torch.Tensor:
+            k = k.clone()
+            k[:, s, 0] = source[name][:, s, 0]
+            return k
+
+        rows = {}
+        for name, patch in ((q_name, patch_q), (k_name, patch_k)):
+            with (
+                capture.recorded(gemma3, [pattern]) as changed,
+                gemma3.hooks([(name, patch)]),
+                torch.no_grad(),
+            ):
+                gemma3(corrupted.tokens, stop_at_layer=layer + 1)
+            rows[name] = changed[pattern][0].double() - att.patterns[0, at].double()
+        grad = att.pattern_grads[0, at].double()
+        query = float((grad[head, n - 1] * rows[q_name][head, n - 1]).sum())
+        assert abs(query) > 0.1  # measured 0.33 (layer 11) and 2.44 (layer 13)
+        got = float(att.by_position["query"][0, at, head, n - 1])
+        assert got == pytest.approx(query, rel=1e-4)
+        true = rows[k_name]
+        assert float(true.abs().max()) > 0.05  # measured 0.11 and 0.61; agreement 2e-7
+        assert float((att.delta_pattern("key", layer, 0, s).double() - true).abs().max()) < 1e-5
+        key = float((grad * true).sum())
+        got = float(att.by_position["key"][0, at, 0, s])
+        assert got == pytest.approx(key, rel=1e-3)  # measured 0.0137 and 0.236
+
+
 @pytest.mark.tl4  # post-norm circuits need a TransformerBridge (see the TL 2 test below)
 @pytest.mark.parametrize("task", ["ioi", "antonym"])
 def test_eap_circuits_are_exact_at_both_ends(gemma3: Any, task: str, request):

@@ -257,14 +257,18 @@ def _page(
     edge_scores = None if dense is None else [_num(dense[w, r]) for w, r in zip(writers, readers)]
 
     payload_stops, previous = [], set()
+    # the curve's x axis counts edges as MIB does (ungrouped) unless the curve says otherwise
+    units = "ungrouped" if curve is None else curve.units
+    n_total = graph.n_edges if units == "grouped" else graph.n_edges_ungrouped
     for stop, drawn in zip(stops, drawn_sets):
-        n_total = graph.n_edges
         payload_stops.append(
             {
                 "label": stop.label,
                 "fraction": stop.fraction,
                 # where the curve puts it: the fraction asked, else the share of edges kept
-                "x": stop.fraction if stop.fraction is not None else stop.circuit.n_edges / n_total,
+                "x": stop.fraction
+                if stop.fraction is not None
+                else stop.circuit.count(units) / n_total,
                 "n_edges": stop.circuit.n_edges,
                 "n_nodes": len(stop.circuit.nodes),
                 "faithfulness": None if stop.faithfulness is None else _num(stop.faithfulness),
@@ -310,6 +314,8 @@ def _page(
             "n_heads": graph.n_heads,
             "n_kv_heads": graph.n_kv_heads,
             "n_edges": graph.n_edges,
+            "n_edges_total": n_total,
+            "units": units,
             "writers": graph.writers,
             "readers": graph.readers,
         },

@@ -177,7 +177,7 @@
       out.push(`<line x1="${X(10 ** d)}" x2="${X(10 ** d)}" y1="${Hh - b}" y2="${Hh - b + 4}" stroke="#444"/><text x="${X(10 ** d)}" y="${Hh - b + 14}" text-anchor="middle">${pct(10 ** d)}</text>`);
     }
     out.push(`<line x1="${l}" x2="${W - r}" y1="${Hh - b}" y2="${Hh - b}" stroke="#444"/><line x1="${l}" x2="${l}" y1="${t}" y2="${Hh - b}" stroke="#444"/>`);
-    out.push(`<text x="${(l + W - r) / 2}" y="${Hh - 4}" text-anchor="middle">edges kept (share of ${G.n_edges.toLocaleString("en")}, log scale)</text>`);
+    out.push(`<text x="${(l + W - r) / 2}" y="${Hh - 4}" text-anchor="middle">edges kept (share of ${G.n_edges_total.toLocaleString("en")} ${G.units} edges, log scale)</text>`);
     const line = pts.filter((p) => D.stops[p.i].fraction !== null);
     out.push(`<polyline fill="none" stroke="#1f77b4" stroke-width="1.5" points="${line.map((p) => `${X(p.x).toFixed(1)},${Y(p.y).toFixed(1)}`).join(" ")}"/>`);
     for (const p of pts) {

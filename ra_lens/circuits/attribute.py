@@ -131,6 +131,8 @@ def attribute(
         capture.require_live_patterns(
             model, list(range(graph.n_layers)), "the exact methods need R = dM/dA there"
         )
+        for layer in range(graph.n_layers):  # refused before any pass, not after the first
+            _refuse_unmodelled(model, layer)
     n_steps = steps if method.endswith("-ig") else 1
     base_b, other_b = (corrupted_b, clean_b) if direction == "denoise" else (clean_b, corrupted_b)
     n = base_b.tokens.shape[0]
@@ -242,13 +244,7 @@ class _Step:
                 "its cos/sin tables (GPT-J's interleaved rotary), so the exact methods cannot "
                 "redo its softmax; use method='eap' or 'eap-ig'"
             )
-        facts = capture.attention_facts(model, layer)
-        cause = facts.refusal()
-        if cause is not None:
-            raise NotImplementedError(
-                f"layer {layer}: {cause}, so the exact methods cannot redo this softmax; use "
-                "method='eap' or 'eap-ig'"
-            )
+        facts = _refuse_unmodelled(model, layer)
         q = acts[capture.query_hook_name(model, layer)].double()
         k = acts[capture.key_hook_name(model, layer)].double()
         pattern = acts[PATTERN.format(layer)].double()
@@ -299,6 +295,19 @@ class _Step:
             writers = slice(start, start + chunk.shape[0])
             out[writers, first : first + g.n_heads] = query.to(out.device)
             out[writers, first + g.n_heads : first + g.n_heads + g.n_kv_heads] = key.to(out.device)
+
+
+def _refuse_unmodelled(model: HookedModel, layer: int) -> capture.AttentionFacts:
+    """The layer's `AttentionFacts`, or NotImplementedError naming what the exact methods
+    cannot replay (q/k norms, unreadable ALiBi slopes)."""
+    facts = capture.attention_facts(model, layer)
+    cause = facts.refusal()
+    if cause is not None:
+        raise NotImplementedError(
+            f"layer {layer}: {cause}, so the exact methods cannot redo this softmax; use "
+            "method='eap' or 'eap-ig'"
+        )
+    return facts
 
 
 def _project(

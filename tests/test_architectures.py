@@ -354,3 +354,40 @@ def test_exact_edge_into_a_query_is_the_models_own_changed_pattern(arch: str) ->
     )
     assert abs(expected) > 1e-9
     assert got == pytest.approx(expected, rel=1e-3 if arch in DTYPES else 1e-5, abs=1e-10)
+
+
+@pytest.mark.tl4
+def test_gpt2_scaled_by_inverse_layer_index_is_exact() -> None:
+    """GPT-2 with scale_attn_by_inverse_layer_idx (Stanford's GPT-2s): transformers 5 folds
+    1 / (layer + 1) into the module's `scaling`, which ra-lens reads as it is (it used to
+    multiply the layer index in a second time)."""
+    import tempfile
+
+    from transformer_lens.model_bridge import TransformerBridge
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ra_lens.models import hub_offline
+    from ra_lens.toy_models import hf_config, tiny_tokenizer_dir
+
+    config = hf_config("gpt2", 300, 32, 2, 4, 64)
+    config.scale_attn_by_inverse_layer_idx = True
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(config).to(torch.float64).eval()
+    folder = tempfile.mkdtemp(prefix="ra_lens_tiny_gpt2_inverse_")
+    hf.save_pretrained(folder)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer_dir())
+    with hub_offline():
+        bridge = TransformerBridge.boot_transformers(folder, hf_model=hf, tokenizer=tokenizer)
+    bridge.eval()
+    reference = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager")
+    reference = reference.to(torch.float64).eval()
+    tokens = bridge.to_tokens(PROMPT)
+    metric = target_nll([TARGET])
+    truth = hf_attention_grads(reference, tokens, metric)["qk"]
+    ra = ra_lens.reversed_attention(bridge, tokens, metric)
+    assert ra.maps is not None and ra.scales[1] == pytest.approx(2 * 8**0.5)
+    for layer, grad in enumerate(truth):
+        expected = grad[0].double()
+        got = ra.maps[0, layer].double()
+        assert float((got - expected).abs().max()) <= 1e-5 * float(expected.abs().max())

@@ -164,11 +164,14 @@ def _check_z_route(model: HookedModel, layers: list[int]) -> None:
 
 def metric_loss(metric: MetricFn, logits: Tensor, batch: Batch) -> tuple[Tensor, Tensor]:
     """(per-prompt values, the scalar to differentiate): the metric checked and summed."""
-    values = _call_metric(metric, logits, batch)
+    values = call_metric(metric, logits, batch)
     return values, _to_loss(values, batch)
 
 
-def _call_metric(metric: MetricFn, logits: Tensor, batch: Batch) -> Tensor:
+def call_metric(metric: MetricFn, logits: Tensor, batch: Batch) -> Tensor:
+    """The metric's value on `logits`: with `lengths=batch.lengths` where the metric accepts
+    them (every `ra_lens.metrics` does); a metric without them is refused on a padded batch,
+    where it cannot know where each prompt ends. Shared by RA and circuits."""
     try:
         accepts_lengths = "lengths" in inspect.signature(metric).parameters
     except (TypeError, ValueError):

@@ -25,7 +25,6 @@ from ra_lens.circuits import (
     faithfulness_curve,
     mib_circuits,
 )
-from ra_lens.circuits.circuit import _reader_owners
 from ra_lens.circuits.files import ungrouped_readers
 from ra_lens.toy_models import tiny_model
 
@@ -41,7 +40,7 @@ def on_paths(circuit: Circuit) -> torch.Tensor:
     """The edges of `circuit` on a path input -> ... -> logits, by explicit recursion over the
     circuit's own edges (an independent check of Circuit.prune)."""
     g, edges = circuit.graph, torch.nonzero(circuit.edges).tolist()
-    owner = _reader_owners(g)
+    owner = g.reader_owners
 
     @lru_cache(None)
     def reader_leads(r: int) -> bool:

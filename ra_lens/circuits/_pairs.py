@@ -11,7 +11,7 @@ from torch import Tensor
 from ra_lens import capture
 from ra_lens.attribution.compute import check_pairs
 from ra_lens.capture import Batch, HookedModel
-from ra_lens.core import _call_metric
+from ra_lens.core import call_metric
 from ra_lens.metrics import Metric
 from ra_lens.types import MetricFn, Tokens
 
@@ -60,7 +60,7 @@ def metric_for(metric: MetricFn, rows: slice, n: int) -> MetricFn:
 def metric_values(metric: MetricFn, logits: Tensor, batch: Batch) -> Float[Tensor, "batch"]:
     """One metric value per prompt (a scalar metric is refused: faithfulness and scores are
     per pair)."""
-    values = _call_metric(metric, logits, batch)
+    values = call_metric(metric, logits, batch)
     n = batch.tokens.shape[0]
     if not isinstance(values, Tensor) or values.ndim != 1 or values.shape[0] != n:
         shape = tuple(values.shape) if isinstance(values, Tensor) else type(values).__name__

@@ -54,7 +54,6 @@ import math
 import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
@@ -203,7 +202,7 @@ class EdgeScores:
         if units == "ungrouped":
             keys = keys / g.copies[None, :]  # -inf stays -inf
             cost = g.copies.tolist()
-        owner = _reader_owners(g)
+        owner = g.reader_owners
         heap: list[tuple[float, int, int]] = []
         seen_readers: set[int] = set()
 
@@ -366,7 +365,7 @@ class Circuit:
     def prune(self) -> Circuit:
         """Only the edges on a path from `input` to `logits` (see the module docstring)."""
         g = self.graph
-        owner = _reader_owners(g).to(torch.float64)
+        owner = g.reader_owners.to(torch.float64)
         edges = self.edges.to(torch.float64)
         # Reachability over a DAG of depth <= 2 * n_layers + 2 steps; iterate to the fixpoint.
         reached = torch.zeros(len(g.writers), dtype=torch.float64)
@@ -497,21 +496,3 @@ def _check_finite(graph: Graph, scores: Tensor, name: str) -> None:
             f"{where}: edge scores must be finite numbers (a metric or model that overflowed, "
             "e.g. in float16, gives NaN)"
         )
-
-
-@lru_cache(maxsize=8)
-def _reader_owners(graph: Graph) -> Bool[Tensor, "reader writer"]:
-    """owner[r, w]: reader r is an input of writer w (q: its head; k/v: every query head of the
-    key/value head; mlp: the MLP). `logits` belongs to no writer."""
-    owner = torch.zeros(len(graph.readers), len(graph.writers), dtype=torch.bool)
-    for r, name in enumerate(graph.readers):
-        reader = graph.reader(name)
-        if reader.kind == "mlp":
-            owner[r, graph.writer_index[f"m{reader.layer}"]] = True
-        elif reader.kind == "q":
-            owner[r, graph.writer_index[f"a{reader.layer}.h{reader.head}"]] = True
-        elif reader.kind in ("k", "v"):
-            assert reader.head is not None
-            for h in range(reader.head * graph.group, (reader.head + 1) * graph.group):
-                owner[r, graph.writer_index[f"a{reader.layer}.h{h}"]] = True
-    return owner

@@ -25,7 +25,7 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
 
-from ra_lens.circuits.circuit import Circuit, _reader_owners
+from ra_lens.circuits.circuit import Circuit
 from ra_lens.circuits.graph import Graph
 
 #: Edge colour per reader kind.
@@ -110,7 +110,7 @@ def _drawn_nodes(circuit: Circuit) -> list[str]:
     unpruned circuit), in graph order with logits last."""
     g = circuit.graph
     names = set(circuit.nodes)
-    owner = _reader_owners(g)
+    owner = g.reader_owners
     for r in torch.nonzero(circuit.edges.any(0)).flatten().tolist():
         owners = [g.writers[w] for w in torch.nonzero(owner[r]).flatten().tolist()]
         if owners and not names.intersection(owners):
@@ -129,7 +129,7 @@ def _draw_edges(
 ) -> None:
     g = circuit.graph
     drawn = set(nodes)
-    owner = _reader_owners(g)
+    owner = g.reader_owners
     pairs = torch.nonzero(circuit.edges).tolist()
     scores = circuit.scores
     size = (

@@ -139,6 +139,24 @@ class Graph:
         reader_rank = torch.tensor([self._reader_rank(r) for r in self.readers])
         return writer_rank[:, None] < reader_rank[None, :]
 
+    @cached_property
+    def reader_owners(self) -> Bool[Tensor, "reader writer"]:
+        """owner[r, w]: reader r is an input of writer w (q: its head; k/v: every query head of
+        the key/value head; mlp: the MLP). `logits` belongs to no writer. Computed once per
+        graph; read it, do not modify it (as `real`)."""
+        owner = torch.zeros(len(self.readers), len(self.writers), dtype=torch.bool)
+        for r, name in enumerate(self.readers):
+            reader = self.reader(name)
+            if reader.kind == "mlp":
+                owner[r, self.writer_index[f"m{reader.layer}"]] = True
+            elif reader.kind == "q":
+                owner[r, self.writer_index[f"a{reader.layer}.h{reader.head}"]] = True
+            elif reader.kind in ("k", "v"):
+                assert reader.head is not None
+                for h in range(reader.head * self.group, (reader.head + 1) * self.group):
+                    owner[r, self.writer_index[f"a{reader.layer}.h{h}"]] = True
+        return owner
+
     @property
     def n_edges(self) -> int:
         """Edges of this graph (a grouped key/value edge counts once)."""

@@ -33,6 +33,7 @@ _AS_FOUND: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _SEAMABLE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _OPEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _SOFTMAXES = (torch.softmax, F.softmax, Tensor.softmax)
+_SEAM_ATTRS = ("forward", "accepts_pattern_fn")
 
 
 def live_pattern_layers(model: HookedModel, *, in_call: bool = True) -> list[bool]:
@@ -55,11 +56,23 @@ def live_pattern_layers(model: HookedModel, *, in_call: bool = True) -> list[boo
 
 
 def _seamable(model: HookedModel) -> set[int]:
-    """The layers `live_attention` makes live (probed once, the first time it opens)."""
+    """The layers `live_attention` makes live: the delegating layers (`_seam_layers`) where a
+    probe with the seam installed finds hook_pattern in the graph. Probed once per model; under
+    torch.inference_mode(), where no probe can run, none (the model is used as found)."""
     if model not in _SEAMABLE:
-        with live_attention(model):
-            pass
-    return _SEAMABLE.get(model, set())
+        if torch.is_inference_mode_enabled():
+            return set()
+        candidates = _seam_layers(model)
+        reached: list[bool] = []
+        if candidates:
+            undo = _install(model, candidates)
+            try:
+                reached = _probe(model)
+            finally:
+                for restore in undo:
+                    restore()
+        _SEAMABLE[model] = {layer for layer in candidates if reached[layer]}
+    return _SEAMABLE[model]
 
 
 def require_live_patterns(
@@ -107,7 +120,7 @@ def live_attention(model: HookedModel) -> Iterator[None]:
     ...     live_pattern_layers(model)
     [True, True]
     """
-    layers = _seam_layers(model)
+    layers = _seamable(model)
     if not layers:
         yield
         return
@@ -115,9 +128,6 @@ def live_attention(model: HookedModel) -> Iterator[None]:
     undo = _install(model, layers) if opened else []
     _OPEN[model] = _OPEN.get(model, 0) + 1
     try:
-        if model not in _SEAMABLE:
-            reached = _probe(model)
-            _SEAMABLE[model] = {layer for layer in layers if reached[layer]}
         yield
     finally:
         _OPEN[model] -= 1
@@ -128,16 +138,20 @@ def live_attention(model: HookedModel) -> Iterator[None]:
 
 def _seam_layers(model: HookedModel) -> set[int]:
     """Layers whose attention is a bridge that delegates to a HuggingFace module and whose
-    hook_pattern is not live as found: where the seam can help."""
+    hook_pattern is not live as found: where the seam can help (HookedTransformer: none, and
+    no probe)."""
+    blocks = model.blocks
+    modules = [getattr(block.attn, "original_component", None) for block in blocks]
+    wrapped = [
+        layer
+        for layer, (block, inner) in enumerate(zip(blocks, modules))
+        if isinstance(inner, torch.nn.Module) and hasattr(block.attn, "hook_pattern")
+    ]
+    if not wrapped:
+        return set()
     if model not in _AS_FOUND:
         _AS_FOUND[model] = _probe(model)
-    found = set()
-    for layer, live in enumerate(_AS_FOUND[model]):
-        attn = model.blocks[layer].attn
-        inner = getattr(attn, "original_component", None)
-        if not live and isinstance(inner, torch.nn.Module) and hasattr(attn, "hook_pattern"):
-            found.add(layer)
-    return found
+    return {layer for layer in wrapped if not _AS_FOUND[model][layer]}
 
 
 def _install(model: HookedModel, layers: set[int]) -> list[Callable[[], None]]:
@@ -146,6 +160,8 @@ def _install(model: HookedModel, layers: set[int]) -> list[Callable[[], None]]:
     for layer in sorted(layers):
         inner = model.blocks[layer].attn.original_component
         forward = inner.forward
+        # instance attributes the module already had (e.g. accelerate's forward): put back
+        saved = {name: vars(inner)[name] for name in _SEAM_ATTRS if name in vars(inner)}
 
         def seamed(*args: Any, _forward: Any = forward, **kwargs: Any) -> Any:
             pattern_fn = kwargs.pop("pattern_fn", None)
@@ -157,9 +173,12 @@ def _install(model: HookedModel, layers: set[int]) -> list[Callable[[], None]]:
         inner.forward = seamed
         inner.accepts_pattern_fn = True
 
-        def restore(inner: Any = inner) -> None:
-            del inner.forward
-            del inner.accepts_pattern_fn
+        def restore(inner: Any = inner, saved: dict[str, Any] = saved) -> None:
+            for name in _SEAM_ATTRS:
+                if name in saved:
+                    setattr(inner, name, saved[name])
+                else:
+                    vars(inner).pop(name, None)
 
         undo.append(restore)
     return undo

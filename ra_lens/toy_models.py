@@ -123,7 +123,7 @@ def hf_config(
             vocab_size=vocab, n_positions=n_ctx, n_embd=d_model, n_layer=n_layers,
             n_head=n_heads, rotary_dim=d_head // 2, **special,
         ),
-        "gpt_neox": lambda: tf.GPTNeoXConfig(**common, rotary_pct=0.25),
+        "gpt_neox": lambda: tf.GPTNeoXConfig(**common, rotary_pct=0.25, hidden_dropout=dropout),
         "bloom": lambda: tf.BloomConfig(
             vocab_size=vocab, hidden_size=d_model, n_layer=n_layers, n_head=n_heads, **special
         ),

@@ -391,3 +391,74 @@ def test_gpt2_scaled_by_inverse_layer_index_is_exact() -> None:
         expected = grad[0].double()
         got = ra.maps[0, layer].double()
         assert float((got - expected).abs().max()) <= 1e-5 * float(expected.abs().max())
+
+
+#: One architecture per new mechanism: delegated attention (the seam), post-norm blocks with a
+#: soft-cap, parallel blocks with a recomputed rotation.
+MECHANISMS = ("opt", "gemma2", "gpt_neox")
+
+
+@pytest.mark.tl4
+@pytest.mark.parametrize("arch", MECHANISMS)
+def test_train_mode_gives_eval_answers_and_leaves_the_model_as_found(arch: str) -> None:
+    """With attention dropout 0.3 in train mode: RA, exact attribution, exact edge scores and
+    faithfulness give eval mode's answers, and the model keeps its modes, requires_grad, .grad,
+    hooks and HuggingFace modules' own forward (the seam is taken off again)."""
+    from helpers import TOY_CLEAN, TOY_CORRUPTED, module_modes, snapshot
+
+    from ra_lens import circuits
+
+    model = tiny_model(arch, dtype=torch.float64, spread=True, dropout=0.3)
+    metric = ra_lens.metrics.logit_diff([5, 6, 7], [7, 5, 6])
+    graph = circuits.Graph.from_model(model)
+    half = circuits.Circuit(
+        graph, graph.real & (torch.arange(graph.real.numel()) % 2 == 0).view_as(graph.real)
+    )
+
+    def answers() -> list[torch.Tensor]:
+        return [
+            ra_lens.reversed_attention(model, PROMPT, target_nll([TARGET])).maps,
+            ra_lens.attention_attribution(model, TOY_CLEAN, TOY_CORRUPTED, metric).scores["query"],
+            circuits.attribute(model, TOY_CLEAN, TOY_CORRUPTED, metric, method="exact").scores,
+            circuits.faithfulness(model, half, TOY_CLEAN, TOY_CORRUPTED, metric).circuit_per_pair,
+        ]
+
+    expected = answers()  # eval mode (tiny_model returns it so)
+    for module in ra_lens.capture.model_modules(model):  # the HF modules too: dropout is live
+        module.train()
+    modes, before = module_modes(model), snapshot(model)
+    with torch.no_grad():
+        assert not torch.equal(model(model.to_tokens(PROMPT)), model(model.to_tokens(PROMPT)))
+    for got, want in zip(answers(), expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    after = snapshot(model)
+    assert module_modes(model) == modes and after[0] == before[0] and after[1] == before[1]
+    assert after[3] == before[3] and all(g is None for g in after[2])
+    assert not any("forward" in vars(block.attn.original_component) for block in model.blocks)
+
+
+@pytest.mark.tl4
+def test_live_attention_puts_back_a_forward_the_module_already_had() -> None:
+    """A HuggingFace module with its own instance `forward` (as accelerate's dispatch gives it)
+    gets that very forward back after the seam."""
+    bridge, _ = pair("opt")
+    inner = bridge.blocks[0].attn.original_component
+    own = inner.forward  # a bound method, stored on the instance as accelerate does
+    inner.forward = own
+    try:
+        with ra_lens.live_attention(bridge):
+            assert inner.forward is not own and inner.accepts_pattern_fn
+        assert vars(inner)["forward"] is own and "accepts_pattern_fn" not in vars(inner)
+    finally:
+        del inner.forward
+
+
+@pytest.mark.tl4
+def test_forward_only_calls_work_inside_inference_mode_on_a_fresh_model() -> None:
+    """eval_mode-only work (accuracy) needs no autograd: under torch.inference_mode() a model
+    no probe has seen is used as found instead of refused."""
+    model = tiny_model("opt", dtype=torch.float64)
+    prompts = ra_lens.tasks.build_prompts([("hot", "cold"), ("up", "down")], shots=1)
+    with torch.inference_mode():
+        accuracy = ra_lens.tasks.evaluate(model, prompts)
+    assert accuracy.n == len(prompts) and 0.0 <= accuracy.top1 <= accuracy.top3 <= 1.0

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from ra_lens._typing import Validated
+from ra_lens.math import causal_mask
 
 # Every TransformerLens hook name ra-lens uses; format with the layer index.
 PATTERN = "blocks.{}.attn.hook_pattern"
@@ -293,7 +294,7 @@ class AttentionFacts:
 
     def mask(self, n_pos: int, device: torch.device | str | None = None) -> Tensor:
         """Bool [query, key]: True where the key is visible."""
-        visible = torch.ones(n_pos, n_pos, dtype=torch.bool, device=device).tril()
+        visible = causal_mask(n_pos, n_pos, device)
         if self.window is not None:
             visible = visible.triu(diagonal=1 - self.window)
         return visible

@@ -212,6 +212,7 @@ class EdgeRun:
     _diff_total: Tensor | None = None
     # Post-norm blocks: each layer's sum of head outputs a, the norm's input in this run.
     post_input: dict[int, Tensor] = field(default_factory=dict)
+    _post_row_cache: dict[int, slice] | None = None
 
     # ---- writers
 
@@ -395,13 +396,16 @@ class EdgeRun:
         return out
 
     def _post_rows(self) -> dict[int, slice]:
-        """Writer rows of the heads of each post-norm layer."""
-        g, rows = self.graph, {}
-        for layer, weights in enumerate(self.weights):
-            if weights.post_attn is not None:
-                first = g.writers.index(f"a{layer}.h0")
-                rows[layer] = slice(first, first + g.n_heads)
-        return rows
+        """Writer rows of the heads of each post-norm layer (found once per run: every reader
+        group asks)."""
+        if self._post_row_cache is None:
+            g, rows = self.graph, {}
+            for layer, weights in enumerate(self.weights):
+                if weights.post_attn is not None:
+                    first = g.writer_index[f"a{layer}.h0"]
+                    rows[layer] = slice(first, first + g.n_heads)
+            self._post_row_cache = rows
+        return self._post_row_cache
 
     def _mlp_out_hook(self, value: Tensor, hook: Any) -> None:
         self._add_writers(value[None])

@@ -21,8 +21,9 @@ from ra_lens.experiments.circuit_study import (
 from ra_lens.ranking import trapezoid_auc
 from ra_lens.tasks import ioi
 
-# eap-ig-20 stays out to keep the test cheap (the IG path is covered by the circuits tests).
-METHODS = "eap,exact,random"
+# eap-ig-20 stays out to keep the test cheap (the IG path is covered by the circuits tests);
+# eap-ig-5 is the CPR reference every method is paired with.
+METHODS = "eap,eap-noise,eap-ig-5,exact,random"
 
 
 @pytest.fixture(scope="module")
@@ -83,11 +84,32 @@ def test_paired_differences(saved):
     assert same["difference"]["estimate"] == same["difference"]["low"] == 0.0
     assert same["difference"]["high"] == 0.0 and same["ratio"]["estimate"] == pytest.approx(1.0)
     best = task["summary"]["best_ra_lens"]["patching"]
-    paired = task["summary"]["paired"]["patching"][f"{best} - eap"]
+    paired = task["summary"]["paired"]["patching"]
     cpr = task["summary"]["methods"]
-    expected = cpr[best]["patching"]["cpr"]["estimate"] - cpr["eap"]["patching"]["cpr"]["estimate"]
-    assert paired["difference"]["estimate"] == pytest.approx(expected)
-    assert f"| toy | {best} - eap |" in text and "| toy (4) | random |" in text
+    for label in ("eap", "exact", "eap-noise"):  # CPR paired with eap-ig-5, CMD with eap
+        diff = cpr[label]["patching"]["cpr"]["estimate"] - cpr["eap-ig-5"]["patching"]["cpr"]["estimate"]  # fmt: skip
+        assert paired[f"{label} - eap-ig-5"]["difference"]["estimate"] == pytest.approx(diff)
+        assert f"| toy | {label} - eap-ig-5 |" in text
+    cmd = task["summary"]["paired_cmd"]["patching"]["exact - eap"]["difference"]["estimate"]
+    expected = cpr["exact"]["patching"]["cmd"]["estimate"] - cpr["eap"]["patching"]["cmd"]["estimate"]  # fmt: skip
+    assert cmd == pytest.approx(expected)
+    assert "random - eap-ig-5" not in paired and "| toy (4) | random |" in text
+    goals = study["goals"]["toy"]
+    assert goals["method"] == best and "cpr_ratio" in goals and "cmd_difference" in goals
+    cpu = task["methods"][best]["cpu_seconds"] / task["methods"]["eap-ig-5"]["cpu_seconds"]
+    assert goals["cpu_share"] == pytest.approx(cpu)
+
+
+def test_scores_come_from_training_pairs_the_curves_from_held_out_ones(saved):
+    """MIB attributes on one split and evaluates on another: the study scores the first
+    train_pairs pairs and measures the next n_pairs; no pair is in both."""
+    study, _ = saved
+    task = study["tasks"]["toy"]
+    assert study["config"]["train_pairs"] == QUICK_SETTINGS["train_pairs"] == len(task["train_pairs"])  # fmt: skip
+    assert len(task["pairs"]) == 4
+    assert not {tuple(p) for p in task["pairs"]} & {tuple(p) for p in task["train_pairs"]}
+    # noise scores are read in MIB's sign: their head scores follow the denoise truth
+    assert study["tasks"]["toy"]["truth"]["pearson"]["eap-noise"] > 0.9
 
 
 def test_the_curve_matches_faithfulness_curve(saved):
@@ -99,8 +121,11 @@ def test_the_curve_matches_faithfulness_curve(saved):
     task, cfg = study["tasks"]["toy"], study["config"]
     arch = cfg["model"].split()[0].removeprefix("tiny-")
     model = tiny_model(arch, n_layers=2)
-    clean, corrupted, metric = ioi.paired_batch(model, task_pairs(model, "toy", 4))
-    scores = circuits.attribute(model, clean, corrupted, metric, method="eap", batch_size=4)
+    every = task_pairs(model, "toy", cfg["train_pairs"] + 4)
+    train, held = every[: cfg["train_pairs"]], every[cfg["train_pairs"] :]
+    assert [[p.clean, p.corrupted, p.answer, p.wrong] for p in held] == task["pairs"]
+    scores = circuits.attribute(model, *ioi.paired_batch(model, train), method="eap", batch_size=4)
+    clean, corrupted, metric = ioi.paired_batch(model, held)
     fractions = cfg["fractions"]
     curve = circuits.faithfulness_curve(model, scores, clean, corrupted, metric, sizes=fractions)
     ours = task["summary"]["methods"]["eap"]["patching"]
@@ -123,7 +148,15 @@ def test_the_curve_matches_faithfulness_curve(saved):
         (["--tasks", "greater-than"], "unknown task greater-than"),
         (["--n-pairs", "0"], "--n-pairs must be at least 1"),
         # the nine toy pairs are a cycle: the corrupted prompts are the clean ones reordered
-        (["--n-pairs", "9"], "the clean and corrupted prompts give the same mean metric"),
+        (
+            ["--n-pairs", "9", "--train-pairs", "0"],
+            "the clean and corrupted prompts give the same mean metric",
+        ),
+        (
+            ["--n-pairs", "8"],
+            "task 'toy' has 9 usable pairs: too few for 8 held-out pairs and at least 3 to score on; lower --n-pairs",
+        ),  # fmt: skip
+        (["--train-pairs", "-1"], "--train-pairs must be at least 0, got -1"),
     ],
 )
 def test_user_errors_are_one_line(capsys, argv, message):
@@ -170,7 +203,7 @@ def test_merging_studies_that_ran_side_by_side(saved, tmp_path):
     """Two halves of one study (methods split) merge back into its summary."""
     study, _ = saved
     halves = []
-    for methods in (["eap"], ["exact", "random"]):
+    for methods in (["eap", "eap-noise"], ["eap-ig-5", "exact", "random"]):
         half = json.loads(json.dumps(study))
         task = half["tasks"]["toy"]
         task["methods"] = {m: task["methods"][m] for m in methods}

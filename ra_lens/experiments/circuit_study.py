@@ -54,14 +54,18 @@ from ra_lens.tasks import format_prompt, ioi, load
 from ra_lens.tasks.ioi import PromptPair
 from ra_lens.types import HookedModel
 
-#: method label -> (circuits.attribute's method, IG steps); "random" draws uniform scores.
-METHODS: dict[str, tuple[str, int]] = {
-    "eap": ("eap", 1),
-    "eap-ig-5": ("eap-ig", 5),
-    "eap-ig-20": ("eap-ig", 20),
-    "exact": ("exact", 1),
-    "exact-ig-5": ("exact-ig", 5),
-    "random": ("random", 1),
+#: method label -> (circuits.attribute's method, IG steps, direction); "random" draws uniform
+#: scores. "-noise": the gradient on the clean run (EAP-IG's own choice), scores in MIB's sign.
+METHODS: dict[str, tuple[str, int, str]] = {
+    "eap": ("eap", 1, "denoise"),
+    "eap-noise": ("eap", 1, "noise"),
+    "eap-ig-5": ("eap-ig", 5, "denoise"),
+    "eap-ig-5-noise": ("eap-ig", 5, "noise"),
+    "eap-ig-20": ("eap-ig", 20, "denoise"),
+    "exact": ("exact", 1, "denoise"),
+    "exact-ig-5": ("exact-ig", 5, "denoise"),
+    "exact-ig-5-noise": ("exact-ig", 5, "noise"),
+    "random": ("random", 1, "denoise"),
 }
 TASKS: tuple[str, ...] = ("ioi", "country-capital", "antonym")
 ABLATIONS: tuple[str, ...] = ("patching", "mean")
@@ -79,6 +83,7 @@ QUICK_WORDS = ("b", "c", "d", "l", "o", "s", "t", "F", "I")
 QUICK_SETTINGS: dict[str, Any] = {
     "tasks": ["toy"],
     "n_pairs": 6,
+    "train_pairs": 3,
     "methods": list(METHODS),
     "ablations": list(ABLATIONS),
     "batch_size": 4,
@@ -92,7 +97,8 @@ QUICK_SETTINGS: dict[str, Any] = {
 FULL_SETTINGS: dict[str, Any] = {
     "tasks": list(TASKS),
     "n_pairs": 32,
-    "methods": list(METHODS),
+    "train_pairs": 16,
+    "methods": ["eap", "eap-ig-5", "exact-ig-5", "random"],
     "ablations": list(ABLATIONS),
     "batch_size": 8,
     "n_boot": 1000,
@@ -200,9 +206,10 @@ def head_node_scores(
     scores: circuits.EdgeScores,
 ) -> Float[Tensor, "layer head"]:
     """Each head's node score from its edge scores: the sum over its outgoing edges, the first-
-    order effect of patching its output into every reader (as `attribute(level="node")`)."""
+    order effect of patching its output into every reader (as `attribute(level="node")`), in
+    MIB's sign (`EdgeScores.helps`: noise scores negated, so they compare with denoise truth)."""
     g = scores.graph
-    writers = scores.scores.detach().sum(1)  # under TL 2 attribute returns scores with grad
+    writers = scores.helps.detach().sum(1)  # under TL 2 attribute returns scores with grad
     index = [[g.writer_index[f"a{la}.h{h}"] for h in range(g.n_heads)] for la in range(g.n_layers)]
     return writers[torch.tensor(index)]
 
@@ -222,6 +229,7 @@ def run_task(
     model: HookedModel,
     pairs: Sequence[PromptPair],
     *,
+    train: Sequence[PromptPair] = (),
     methods: Sequence[str],
     ablations: Sequence[str],
     fractions: Sequence[float],
@@ -232,10 +240,12 @@ def run_task(
     truth_pairs: int = 0,
     selection: str = "top",
 ) -> dict[str, Any]:
-    """Score, choose and measure: the raw per-pair metrics of one task, JSON-ready.
+    """Score on `train` (the held-out `pairs` themselves when empty), choose, and measure on
+    `pairs`: the raw per-pair metrics of one task, JSON-ready.
 
     Returns a dict with "sizes" (ungrouped edges asked for), per ablation the reference metrics
-    per pair ("clean", "corrupted", "empty"), and per method its attribution seconds and, for
+    per pair ("clean", "corrupted", "empty"), and per method its attribution seconds (wall,
+    "seconds"; CPU of this process, "cpu_seconds") and, for
     the |score| ranking ("n_edges", "circuit") and the signed one ("signed_n_edges",
     "signed_circuit"), the ungrouped edges kept at each size after pruning and, per ablation,
     the circuit metric per size and pair.
@@ -245,6 +255,8 @@ def run_task(
     an extra attribution when truth_pairs < the number of pairs) and Pearson r to the truth.
     """
     clean, corrupted, metric = ioi.paired_batch(model, list(pairs))
+    scored_on = list(train) or list(pairs)
+    train_clean, train_corrupted, train_metric = ioi.paired_batch(model, scored_on)
     graph = circuits.Graph.from_model(model)
     sizes = edge_sizes(graph.n_edges_ungrouped, fractions, edge_counts)  # MIB's units
     measured: dict[tuple[bytes, str], list[float]] = {}  # a circuit two methods share runs once
@@ -274,6 +286,7 @@ def run_task(
     out: dict[str, Any] = {
         "n_pairs": len(pairs),
         "pairs": [[p.clean, p.corrupted, p.answer, p.wrong] for p in pairs],
+        "train_pairs": [[p.clean, p.corrupted, p.answer, p.wrong] for p in train],
         "n_edges_total": graph.n_edges_ungrouped,
         "n_edges_grouped": graph.n_edges,
         "units": "ungrouped",
@@ -293,15 +306,16 @@ def run_task(
             "pearson": {},
         }
     for label in tqdm(methods, desc="methods", disable=not progress):
-        method, steps = METHODS[label]
-        begin = time.perf_counter()
+        method, steps, direction = METHODS[label]
+        begin, begin_cpu = time.perf_counter(), time.process_time()
         if method == "random":
             scores = random_scores(graph)
         else:
             scores = circuits.attribute(
-                model, clean, corrupted, metric, method=method, steps=steps, batch_size=batch_size
-            )
-        seconds = time.perf_counter() - begin
+                model, train_clean, train_corrupted, train_metric, method=method, steps=steps,
+                direction=direction, batch_size=batch_size,
+            )  # fmt: skip
+        seconds, cpu_seconds = time.perf_counter() - begin, time.process_time() - begin_cpu
         assert isinstance(scores, circuits.EdgeScores)
         if truth is not None:
             subset = scores
@@ -309,7 +323,7 @@ def run_task(
                 sub_clean, sub_corrupted, sub_metric = ioi.paired_batch(model, pairs[:truth_pairs])
                 subset = circuits.attribute(
                     model, sub_clean, sub_corrupted, sub_metric, method=method, steps=steps,
-                    batch_size=batch_size,
+                    direction=direction, batch_size=batch_size,
                 )  # fmt: skip
             heads = head_node_scores(subset)
             out["truth"]["pearson"][label] = pearson(heads, truth)
@@ -320,6 +334,7 @@ def run_task(
         begin = time.perf_counter()
         out["methods"][label] = {
             "seconds": seconds,
+            "cpu_seconds": cpu_seconds,
             "n_edges": [c.n_edges_ungrouped for c in by_abs],
             "circuit": {a: [measure(c, a) for c in by_abs] for a in ablations},
             "signed_n_edges": [c.n_edges_ungrouped for c in signed],
@@ -345,6 +360,7 @@ def circuit_study(
     ablations: Sequence[str],
     batch_size: int,
     n_boot: int,
+    train_pairs: int = 0,
     fractions: Sequence[float] = MIB_FRACTIONS,
     edge_counts: Sequence[int] = EDGE_COUNTS,
     model_name: str = "",
@@ -355,7 +371,10 @@ def circuit_study(
     selection: str = "top",
 ) -> dict[str, Any]:
     """Run every task; `on_task(study)` after each method of each task (to save partial
-    results). Head activation patching (ground truth for head scores) on the first
+    results). Each task's first `train_pairs` pairs are scored and the next `n_pairs` (held out)
+    measured, as MIB attributes on its train split and evaluates on another; a task with fewer
+    pairs keeps n_pairs held out and trains on what is left (at least 4), train_pairs=0 scores
+    the measured pairs themselves. Head activation patching (ground truth for head scores) on the first
     `truth_pairs` pairs of the tasks in `truth_tasks`."""
     study: dict[str, Any] = {
         "config": {
@@ -364,6 +383,7 @@ def circuit_study(
             "torch_threads": torch.get_num_threads(),
             "tasks": list(tasks),
             "n_pairs": n_pairs,
+            "train_pairs": train_pairs,
             "methods": {m: list(METHODS[m]) for m in methods},
             "ablations": list(ablations),
             "batch_size": batch_size,
@@ -375,7 +395,7 @@ def circuit_study(
             "faithfulness_baseline": BASELINE,
             "cpr_from": "signed ranking (largest score)",
             "cmd_from": "|score| ranking",
-            "direction": "denoise",
+            "direction": "per method (METHODS)",
             "truth_tasks": list(truth_tasks),
             "truth_pairs": truth_pairs,
         },
@@ -383,9 +403,16 @@ def circuit_study(
     }
     start = time.perf_counter()
     for name in tasks:
-        pairs = task_pairs(model, name, n_pairs)
-        if not pairs:
+        every = task_pairs(model, name, train_pairs + n_pairs)
+        if not every:
             raise ValueError(f"task {name!r} has no usable pairs for this model's tokenizer")
+        n_train = min(train_pairs, len(every) - n_pairs)
+        if train_pairs and n_train < min(train_pairs, 4):
+            raise ValueError(
+                f"task {name!r} has {len(every)} usable pairs: too few for {n_pairs} held-out "
+                f"pairs and at least {min(train_pairs, 4)} to score on; lower --n-pairs"
+            )
+        train, pairs = every[:n_train], every[n_train:]
 
         def keep(task: dict[str, Any], name: str = name) -> None:
             task["summary"] = summarise(task, fractions, n_boot)
@@ -399,6 +426,7 @@ def circuit_study(
             run_task(
                 model,
                 pairs,
+                train=train,
                 methods=methods,
                 ablations=ablations,
                 fractions=fractions,
@@ -422,7 +450,7 @@ def merge_saved(studies: Sequence[dict[str, Any]]) -> dict[str, Any]:
     parts' (they may have run one after another)."""
     if not studies:
         raise ValueError("merge needs at least one saved study")
-    keys = ("model", "n_pairs", "batch_size", "n_boot", "fractions", "edge_counts", "direction", "selection")  # fmt: skip
+    keys = ("model", "n_pairs", "train_pairs", "batch_size", "n_boot", "fractions", "edge_counts", "selection")  # fmt: skip
     configs = [dict(s["config"], selection=_selection(s["config"])) for s in studies]
     for other in configs[1:]:
         bad = [k for k in keys if other.get(k) != configs[0].get(k)]
@@ -435,7 +463,7 @@ def merge_saved(studies: Sequence[dict[str, Any]]) -> dict[str, Any]:
                 merged["tasks"][name] = json.loads(json.dumps(task))
                 continue
             have = merged["tasks"][name]
-            if have["pairs"] != task["pairs"] or have["sizes"] != task["sizes"]:
+            if (have["pairs"], have.get("train_pairs")) != (task["pairs"], task.get("train_pairs")) or have["sizes"] != task["sizes"]:  # fmt: skip
                 raise ValueError(f"task {name!r}: the studies used different pairs or sizes")
             for ablation, ref in task["reference"].items():
                 have["reference"].setdefault(ablation, ref)
@@ -534,7 +562,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="tiny model and toy pairs: seconds")
     parser.add_argument("--model", default="smollm2-135m", help="model for load_model")
     parser.add_argument("--tasks", default=None, help=f"comma-separated ({','.join(TASKS)})")
-    parser.add_argument("--n-pairs", type=int, default=None, help="pairs per task (32)")
+    parser.add_argument("--n-pairs", type=int, default=None, help="held-out pairs per task (32)")
+    parser.add_argument(
+        "--train-pairs", type=int, default=None,
+        help="pairs per task to score on, before the held-out ones (16; 0: score the held-out)",
+    )  # fmt: skip
     parser.add_argument("--methods", default=None, help=f"comma-separated ({','.join(METHODS)})")
     parser.add_argument("--ablations", default=None, help="patching,mean (both)")
     parser.add_argument("--batch-size", type=int, default=None, help="pairs per pass (8)")
@@ -580,11 +612,14 @@ def main(argv: list[str] | None = None) -> int:
             )
         if args.selection is not None:
             settings["selection"] = args.selection
-        for flag in ("n_pairs", "batch_size", "n_boot", "truth_pairs"):
+        for flag in ("n_pairs", "batch_size", "n_boot", "truth_pairs", "train_pairs"):
             value = getattr(args, flag)
             if value is not None:
-                if value < 1:
-                    raise ValueError(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
+                if value < (0 if flag == "train_pairs" else 1):
+                    least = 0 if flag == "train_pairs" else 1
+                    raise ValueError(
+                        f"--{flag.replace('_', '-')} must be at least {least}, got {value}"
+                    )
                 settings[flag] = value
         if args.quick:
             from ra_lens.models import bridge_available

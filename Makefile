@@ -56,7 +56,7 @@ test-tl2: setup-tl2
 
 # The edit-test loop: the tests and doctests on the tiny offline models, without the real model
 # (`real_model`, given to every test using the smollm2 fixture), the notebooks (`notebook`) and the
-# end-to-end script runs (`slow`, listed in tests/conftest.py).
+# end-to-end script runs (`slow`: every test in a tests/**/test_*_end_to_end.py).
 # Two pytest-xdist workers of one thread each (OMP_NUM_THREADS=1: two multi-threaded torch
 # processes on two cores would fight). TransformerLens 4 only: the TL 2 run repeats the same checks
 # on HookedTransformer and would double the time; `make test-fast-tl2` runs it, `make test` runs
@@ -88,7 +88,7 @@ bench-long: setup
 		--json bench_out/long_context.json
 
 notebooks: setup
-	$(PY) -m pytest -q tests/test_notebooks.py
+	$(PY) -m pytest -q tests/notebooks/test_notebooks.py
 
 lint: setup
 	$(VENV)/bin/ruff check conftest.py ra_lens tests benchmarks notebooks docs

@@ -28,7 +28,7 @@
 #    circuitsvis (works offline: the JavaScript is inlined);
 # 4. compare the three gradient conventions ra-lens offers (`"pattern"`, `"scores"`, `"qk"`).
 #
-# **Runtime.** 31 s, measured by executing the whole notebook once (`tests/test_notebooks.py`, kernel start
+# **Runtime.** 31 s, measured by executing the whole notebook once (`tests/notebooks/test_notebooks.py`, kernel start
 # included) on a 2-core CPU VM shared with other jobs (load average about 7, so expect
 # less on an idle machine); model load ~5 s, then four forward+backward passes. No GPU
 # and no network needed: the model ships with the package.

@@ -29,7 +29,7 @@
 # 4. combine the patch with other TransformerLens hooks: a recording hook, a restriction to
 #    some heads, and head ablation.
 #
-# **Runtime.** 2 min 20 s (138 s), measured by executing the whole notebook once (`tests/test_notebooks.py`, kernel start
+# **Runtime.** 2 min 20 s (138 s), measured by executing the whole notebook once (`tests/notebooks/test_notebooks.py`, kernel start
 # included) on a 2-core CPU VM shared with other jobs (load average about 7, so expect
 # less on an idle machine). To keep it short we use 12 training prompts
 # (the paper uses 25) and 7 scales (the paper sweeps 24; `PAPER_SCALES` and

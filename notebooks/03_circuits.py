@@ -29,7 +29,7 @@
 #    look at the heads where they disagree;
 # 4. ablate heads in each ranking's order and watch task accuracy (ablation curves).
 #
-# **Runtime.** 8 min (476 s), measured by executing the whole notebook once (`tests/test_notebooks.py`, kernel start
+# **Runtime.** 8 min (476 s), measured by executing the whole notebook once (`tests/notebooks/test_notebooks.py`, kernel start
 # included) on a 2-core CPU VM shared with other jobs (load average about 7, so expect
 # less on an idle machine); more than half of it is activation patching
 # (270 forward passes: 283 s of it in that run). To keep it short, activation

@@ -34,7 +34,7 @@
 # 2. compare predicted and actual changes on the real SmolLM2 model for one layer, as a
 #    plot, for the logits and for the attention pattern.
 #
-# **Runtime.** 1 min 30 s (89 s), measured by executing the whole notebook once (`tests/test_notebooks.py`, kernel start
+# **Runtime.** 1 min 30 s (89 s), measured by executing the whole notebook once (`tests/notebooks/test_notebooks.py`, kernel start
 # included) on a 2-core CPU VM shared with other jobs (load average about 7, so expect
 # less on an idle machine).
 

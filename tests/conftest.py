@@ -1,5 +1,5 @@
 """Shared pytest fixtures, and the markers given by node: real_model (the smollm2 and gemma3
-fixtures) and slow."""
+fixtures) and slow (by file name)."""
 
 from __future__ import annotations
 
@@ -9,18 +9,11 @@ from typing import Any
 
 import pytest
 
-#: End-to-end runs of whole scripts and pipelines (the benchmarks, the ranking study, the head-ranking
-#: experiment), each also covered piece by piece by faster tests: marked ``slow`` so that ``make
-#: test-fast`` leaves them out. Node-id prefixes relative to tests/, a file or a file::test.
-SLOW = (
-    "test_bench.py::test_tiny_run_is_consistent_with_its_timings",
-    "test_bench.py::test_run_group_interleaves_and_takes_medians",
-    "test_bench.py::test_causal_mediation_is_timed_on_the_library_scan",
-    "test_layerwise.py::test_long_context_benchmark_quick_run_writes_its_json",
-    "test_ranking.py::test_ranking_study_quick_writes_runtime_seconds_and_intervals",
-    "test_ranking.py::test_head_ranking_end_to_end",
-    "test_ranking.py::test_head_ranking_rankings_match_the_library",
-)
+#: The one rule for ``slow``: a test that runs a whole script or pipeline end to end (a benchmark,
+#: the ranking study, the head-ranking experiment), each also covered piece by piece by faster
+#: tests, lives in a file named ``test_*_end_to_end.py``, and every test there is marked ``slow``
+#: so that ``make test-fast`` leaves it out.
+SLOW_FILE_SUFFIX = "_end_to_end.py"
 
 
 #: The fixtures that load a real (embedded) model: every test using one is marked ``real_model``.
@@ -30,12 +23,11 @@ REAL_MODELS = frozenset({"smollm2", "gemma3"})
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Every test that uses the real model is marked ``real_model``, written or not, so that
-    ``-m "not real_model"`` never loads it; the tests in SLOW are marked ``slow``."""
+    ``-m "not real_model"`` never loads it; every test in a ``test_*_end_to_end.py`` is ``slow``."""
     for item in items:
         if REAL_MODELS & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.real_model)
-        node = item.nodeid.removeprefix("tests/")
-        if any(node == slow or node.startswith((slow + "::", slow + "[")) for slow in SLOW):
+        if item.path.name.endswith(SLOW_FILE_SUFFIX):
             item.add_marker(pytest.mark.slow)
 
 

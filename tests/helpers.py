@@ -11,13 +11,27 @@ import contextlib
 import resource
 import signal
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
+from ra_lens.capture import Z
 from ra_lens.models import bridge_available
 from ra_lens.tasks import Task
 from ra_lens.toy_models import ARCHITECTURES, tiny_model
+
+#: The repository's root (tests/helpers.py sits one folder below it), for tests that run its
+#: benchmarks, notebooks or a second environment.
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+#: Two prompts of 9 token ids (below every tiny vocabulary; no tokenizer needed) and a corrupted
+#: copy that differs at two positions of each: the float64 pairs of attribution and circuit tests.
+CLEAN_TOKENS = torch.tensor([[0, 5, 9, 14, 20, 33, 7, 41, 12], [0, 8, 3, 14, 25, 33, 7, 40, 12]])
+CORRUPTED_TOKENS = torch.tensor(
+    [[0, 5, 17, 14, 20, 61, 7, 41, 12], [0, 8, 3, 19, 25, 33, 70, 40, 12]]
+)
 
 #: The paper's Figure-1 prompt.
 FLORENCE = "I like Italy and France. I visited the city of"
@@ -268,3 +282,26 @@ def page_setup() -> Any:
         model=model, pairs=pairs, clean=clean, corrupted=corrupted, metric=metric,
         scores=scores, curve=curve, circuit=circuit, faithfulness=kept.value,
     )  # fmt: skip
+
+
+def prob_last(logits: Any, target: int) -> float:
+    """p(target) at the last position of the first prompt; logits: [batch, pos, d_vocab]."""
+    return float(logits[0, -1].double().softmax(-1)[target])
+
+
+def clean_z(model: Any, tokens: Any) -> dict[int, Any]:
+    """Each layer's hook_z on an unpatched forward pass: {layer: [batch, pos, n_heads, d_head]}."""
+    import torch
+
+    seen = {}
+
+    def keep(layer: int) -> Any:
+        def hook(z: Any, hook: Any) -> None:
+            seen[layer] = z.detach().clone()
+
+        return hook
+
+    hooks = [(Z.format(la), keep(la)) for la in range(model.cfg.n_layers)]
+    with torch.no_grad(), model.hooks(fwd_hooks=hooks):
+        model(tokens)
+    return seen

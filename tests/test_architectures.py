@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import has_bridge, hf_attention_grads, hf_qk_factor
+from helpers import REPO_ROOT, has_bridge, hf_attention_grads, hf_qk_factor
 
 import ra_lens
 from ra_lens.metrics import target_nll
@@ -295,9 +295,8 @@ def test_eap_score_of_a_post_norm_head_is_its_exact_residual_effect_times_the_gr
 def test_readme_holds_the_architecture_table() -> None:
     """The README's table is written from this file's expectations (docs/architecture_table.py)."""
     import runpy
-    from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = REPO_ROOT
     table = runpy.run_path(str(root / "docs" / "architecture_table.py"))["table"]()
     assert table in (root / "README.md").read_text()
 

@@ -18,20 +18,22 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from helpers import TOY_TASK, dropout_model, has_bridge, hook_count, module_modes
+from helpers import CLEAN_TOKENS as TOKENS
+from helpers import CORRUPTED_TOKENS as CORRUPTED
+from helpers import FLORENCE as PROMPT
+from helpers import TOY_TASK, dropout_model, has_bridge, hook_count, live_archs, module_modes
 from torch import Tensor
 
 import ra_lens
-from ra_lens import circuits, tasks
+from ra_lens import capture, circuits, tasks
 from ra_lens import ranking as rk
 from ra_lens.capture import model_modules
 from ra_lens.experiments.attention_patching import attention_patching
 from ra_lens.experiments.head_ranking import head_ranking
 from ra_lens.metrics import logit_diff, target_nll
 from ra_lens.patching import last_token_means, mean_head_outputs
+from ra_lens.toy_models import tiny_model
 
-TOKENS = torch.tensor([[0, 5, 9, 14, 20, 33, 7, 41, 12], [0, 8, 3, 14, 25, 33, 7, 40, 12]])
-CORRUPTED = torch.tensor([[0, 5, 17, 14, 20, 61, 7, 41, 12], [0, 8, 3, 19, 25, 33, 70, 40, 12]])
 TARGETS = [30, 31]
 NLL = target_nll(TARGETS)
 DIFF = logit_diff([30, 31], [32, 33])
@@ -224,3 +226,25 @@ def test_leaves_the_model_exactly_as_found(mixed_model, run):
         if found is not None:
             assert found[0] == kept[0] and torch.equal(found[1], kept[1])
     assert all(torch.equal(a, b) for a, b in zip(after[3], before[3]))
+
+
+@pytest.fixture(scope="module", params=live_archs())
+def tiny(request):
+    return tiny_model(request.param, n_layers=2)
+
+
+def test_mixed_train_eval_modes_come_back_module_by_module(tiny):
+    """RA runs in eval mode and restores each submodule's own mode (not one mode for all)."""
+    modules = list(tiny.modules())
+    tiny.train()
+    modules[len(modules) // 2].eval()
+    before = [m.training for m in modules]
+    seen = []
+    hooks = [(capture.PATTERN.format(0), lambda x, hook: seen.append(tiny.training))]
+    with tiny.hooks(fwd_hooks=hooks):
+        ra_lens.reversed_attention(tiny, PROMPT, target_nll(5))
+    try:
+        assert seen and not any(seen)  # every forward pass ran in eval mode
+        assert [m.training for m in modules] == before
+    finally:
+        tiny.eval()

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 import torch
-from helpers import TOY_PAIRS
+from helpers import TOY_PAIRS, live_archs
 
 import ra_lens
+from ra_lens import cli
 from ra_lens.cli import main
 from ra_lens.models import bridge_available
 from ra_lens.toy_models import tiny_model
@@ -104,3 +107,66 @@ def test_a_tiny_model_this_transformer_lens_cannot_build_is_one_line_exit_2(caps
         assert err.startswith(f"ra-lens maps: error: {why}") and err.count("\n") == 1, err
         assert "Traceback" not in err
         assert here in err or model == "tiny-nope"
+
+
+def test_cli_refuses_text_longer_than_context(capsys):
+    model = "tiny-" + live_archs()[0]
+    code = cli.main(["maps", "--model", model, "--prompt", " a" * 200, "--target", " b"])
+    assert code == 2
+    assert "n_ctx=" in capsys.readouterr().err
+
+
+def test_cli_checks_outputs_before_computing(tmp_path, capsys, monkeypatch):
+    computed = []
+    monkeypatch.setattr(cli, "_load", lambda name, *a, **k: computed.append(name))
+    a_file = tmp_path / "file.txt"
+    a_file.write_text("x")
+    args = ["maps", "--model", "tiny-gpt2", "--prompt", "a b", "--target", " c"]
+    assert cli.main([*args, "--out", str(a_file)]) == 2
+    assert "is a file" in capsys.readouterr().err
+    assert cli.main([*args, "--json", str(tmp_path)]) == 2
+    assert "is a folder" in capsys.readouterr().err
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    # root writes into a 0500 folder anyway; /sys is read-only for everyone
+    unwritable = locked if not os.access(locked, os.W_OK) else Path("/sys")
+    try:
+        assert cli.main([*args, "--json", str(unwritable / "sub" / "r.json")]) == 2
+        assert "cannot write" in capsys.readouterr().err
+        assert cli.main([*args, "--out", str(unwritable / "plots")]) == 2
+        assert "cannot write" in capsys.readouterr().err
+    finally:
+        locked.chmod(0o700)
+    assert computed == []  # nothing was loaded or computed
+
+
+def test_cli_json_is_written_atomically(tmp_path, monkeypatch):
+    target = tmp_path / "r.json"
+    target.write_text('{"old": true}')
+
+    def fail(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(cli.json, "dumps", lambda *a, **k: "{}")
+    monkeypatch.setattr(os, "replace", fail)
+    with pytest.raises(OSError):
+        cli._emit_json(str(target), {"new": True})
+    assert target.read_text() == '{"old": true}'  # untouched, and no temporary left behind
+    assert [p.name for p in tmp_path.iterdir()] == ["r.json"]
+
+
+def test_cli_top_must_be_positive(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["maps", "--prompt", "a", "--target", " b", "--top", "-3"])
+    assert ">= 1" in capsys.readouterr().err
+
+
+def test_cli_attribute_refuses_a_negative_top(capsys):
+    from ra_lens import cli
+
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["attribute", "--clean", "a", "--corrupted", "b", "--target", " c",
+                  "--top", "-3"])  # fmt: skip
+    assert exit_.value.code == 2
+    assert "expected a whole number >= 1, got '-3'" in capsys.readouterr().err

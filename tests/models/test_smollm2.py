@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import REPO_ROOT
 
 import ra_lens
 from ra_lens import cli, models
@@ -142,7 +143,7 @@ torch.save(backend_outputs(model, Path(sys.argv[2]) / "maps.json"), Path(sys.arg
 def test_bridge_and_hooked_backends_agree(smollm2, other_env_python, tmp_path, capsys):
     here = backend_outputs(smollm2, tmp_path / "here.json")
     table_here = [TABLE_ROW.match(line) for line in capsys.readouterr().out.splitlines()]
-    repo = Path(__file__).resolve().parents[1]
+    repo = REPO_ROOT
     env = {**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"}
     done = subprocess.run(
         [other_env_python, "-c", OTHER_ENV_SCRIPT, str(repo / "tests"), str(tmp_path)],

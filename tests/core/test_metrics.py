@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import arch_or_hooked
 
 from ra_lens.metrics import completion, logit_diff, target_nll
 from ra_lens.tasks.ioi import PromptPair, paired_batch
 from ra_lens.toy_models import tiny_model
-from tests.helpers import arch_or_hooked
 
 #: Two answers the tiny tokenizer has as one token each; prompts of equal token length.
 PAIRS = [

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import REPO_ROOT
 
 from ra_lens import embedded, models, smollm2
 
@@ -504,7 +505,7 @@ def test_cache_written_here_loads_in_the_other_environment(
     with torch.no_grad():
         logits = model(tokens)
     manifest = (models.smollm2_hf_dir() / "ra_lens_manifest.json").read_bytes()
-    repo = Path(__file__).resolve().parents[1]
+    repo = REPO_ROOT
     env = {**os.environ, "RA_LENS_CACHE": str(cache), "PYTHONPATH": str(repo)}
     out = tmp_path / "other.pt"
     args = [json.dumps(TINY_CFG), PROMPT, str(out)]

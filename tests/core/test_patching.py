@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import FLORENCE, arch_or_hooked
+from helpers import FLORENCE, arch_or_hooked, live_archs
 
 import ra_lens
 from ra_lens import capture
@@ -262,3 +262,29 @@ def test_head_ablation_without_the_model_names_the_missing_head_in_the_forward(m
     means = torch.zeros(3, 4, model.cfg.d_head)
     with pytest.raises(ValueError, match=r"head \(1, 4\) does not exist"):
         head_ablation_hooks([(1, 4)], mode="mean", means=means)
+
+
+@pytest.fixture(scope="module", params=live_archs())
+def tiny(request):
+    return tiny_model(request.param, n_layers=2)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_patch_scale_is_refused(tiny, bad):
+    maps = torch.zeros(tiny.cfg.n_layers, tiny.cfg.n_heads, 4, 4)
+    with pytest.raises(ValueError, match="finite"):
+        ra_lens.attention_patch_hooks(maps, bad)
+    per_head = torch.full((tiny.cfg.n_layers, tiny.cfg.n_heads), -1.0)
+    per_head[0, 1] = bad
+    with pytest.raises(ValueError, match="finite"):
+        ra_lens.attention_patch_hooks(maps, per_head)
+
+
+def test_clear_errors_for_heads_and_maps(tiny):
+    with pytest.raises(ValueError, match=r"heads=\[\(layer, head\)\]"):
+        ra_lens.head_ablation_hooks((0, 1))
+    maps = torch.zeros(tiny.cfg.n_layers, tiny.cfg.n_heads, 4, 4)
+    with pytest.raises(ValueError, match=r"heads=\[\(layer, head\)\]"):
+        ra_lens.attention_patch_hooks(maps, -1.0, heads=(0, 1))
+    with pytest.raises(ValueError, match="as many queries as keys"):
+        ra_lens.attention_patch_hooks(torch.zeros(2, 4, 3, 5), -1.0)

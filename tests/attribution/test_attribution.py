@@ -7,17 +7,18 @@ import math
 
 import pytest
 import torch
-from helpers import has_bridge
+from helpers import CLEAN_TOKENS as CLEAN
+from helpers import CORRUPTED_TOKENS as CORRUPTED
+from helpers import arch_or_hooked, has_bridge
 
 import ra_lens
 from ra_lens import capture
 from ra_lens.attribution import key_terms, log_other_mass
-from ra_lens.metrics import logit_diff
+from ra_lens.capture import Batch
+from ra_lens.metrics import logit_diff, target_nll
 from ra_lens.toy_models import tiny_model, tiny_tokenizer_dir
 
 # Two prompts per side, equal lengths pair by pair, differing at a few positions.
-CLEAN = torch.tensor([[0, 5, 9, 14, 20, 33, 7, 41, 12], [0, 8, 3, 14, 25, 33, 7, 40, 12]])
-CORRUPTED = torch.tensor([[0, 5, 17, 14, 20, 61, 7, 41, 12], [0, 8, 3, 19, 25, 33, 70, 40, 12]])
 METRIC = logit_diff([30, 31], [32, 33])
 
 
@@ -661,3 +662,109 @@ def test_exact_ig_query_node_is_the_hand_written_path_average(kind):
     assert float(at_middle.abs().max()) > 1e-2
     assert torch.allclose(got, expected, atol=1e-6 * float(expected.abs().max()))
     assert not torch.allclose(got, exact.by_position["query"][:, 0].double(), atol=1e-3)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(arch_or_hooked("gpt2"), dtype=torch.float64)
+
+
+def _kl_to(model, reference_tokens, *, inside: bool):
+    """KL(model(reference_tokens) || logits) at the last position; with inside=True the
+    reference logits are computed inside the metric, under no_grad, by a second forward pass."""
+    with torch.no_grad():
+        fixed = model(reference_tokens).log_softmax(-1)[:, -1]
+
+    def metric(logits):
+        ref = fixed
+        if inside:
+            with torch.no_grad():
+                ref = model(reference_tokens).log_softmax(-1)[:, -1]
+        return (ref.exp() * (ref - logits[:, -1].log_softmax(-1))).sum(-1)
+
+    return metric
+
+
+@pytest.mark.parametrize("method", ["exact", "linear"])
+def test_attribution_with_a_metric_running_the_model(model, method):
+    other = CLEAN.flip(0)
+    expected = ra_lens.attention_attribution(
+        model, CLEAN, CORRUPTED, _kl_to(model, other, inside=False), method=method
+    )
+    got = ra_lens.attention_attribution(
+        model, CLEAN, CORRUPTED, _kl_to(model, other, inside=True), method=method
+    )
+    assert expected.edges.abs().max() > 1e-8
+    torch.testing.assert_close(got.edges, expected.edges, rtol=0, atol=1e-12)
+    for kind in expected.nodes:
+        torch.testing.assert_close(got.by_position[kind], expected.by_position[kind])
+
+
+@pytest.fixture(scope="module")
+def mixed(model):
+    """Two pairs of different real lengths (9 and 7 tokens, right-padded)."""
+    lengths = torch.tensor([9, 7])
+    clean, corrupted = Batch(CLEAN, lengths), Batch(CORRUPTED, lengths)
+    return ra_lens.attention_attribution(model, clean, corrupted, target_nll([5]))
+
+
+@pytest.mark.tl4  # TransformerLens 4's AttributionResult
+def test_to_transformer_lens_refuses_noise(model):
+    att = ra_lens.attention_attribution(model, CLEAN, CORRUPTED, METRIC, direction="noise")
+    with pytest.raises(ValueError, match="direction='denoise' only"):
+        att.to_transformer_lens()
+
+
+@pytest.mark.tl4
+def test_to_transformer_lens_refuses_to_average_pairs_of_different_lengths(mixed):
+    with pytest.raises(ValueError, match=r"the pairs have \[7, 9\] tokens"):
+        mixed.to_transformer_lens()
+    from transformer_lens.tools.analysis.attribution_patching import Node
+
+    one = mixed.to_transformer_lens(pair=1)  # one pair: its own 7 positions
+    assert len(one.node_scores) == 2 * 2 * 4 * 7
+    node = Node(kind="q_input", position=6, layer=1, head=3)
+    assert one.node_scores[node] == pytest.approx(float(mixed.by_position["query"][1, 1, 3, 6]))
+
+
+@pytest.mark.parametrize("direction", ["denoise", "noise"])
+def test_clean_and_corrupted_metric_keep_their_meaning(model, direction):
+    att = ra_lens.attention_attribution(model, CLEAN, CORRUPTED, METRIC, direction=direction)
+    with torch.no_grad():
+        clean, corrupted = METRIC(model(CLEAN)), METRIC(model(CORRUPTED))
+    torch.testing.assert_close(att.clean_metric, clean.float())
+    torch.testing.assert_close(att.corrupted_metric, corrupted.float())
+
+
+def test_attribution_top_heads_to_dict_and_save_load(model, tmp_path):
+    att = ra_lens.attention_attribution(model, CLEAN, CORRUPTED, METRIC)
+    (layer, head, score), *_ = att.top_heads(3, node="key")
+    assert score == pytest.approx(float(att.scores["key"][att.layers.index(layer), head]))
+    assert abs(score) == pytest.approx(float(att.scores["key"].abs().max()))
+    report = att.to_dict(k=2, pair=1)
+    assert report["top"]["query"][0]["score"] == att.top_heads(1)[0][2]
+    assert report["top_edges"][0]["value"] == att.top_edges(1, batch=1)[0][4]
+    assert report["clean_metric"] == att.clean_metric.tolist()
+    att.save(tmp_path / "att.safetensors")
+    back = ra_lens.AttentionAttribution.load(tmp_path / "att.safetensors")
+    assert back.to_dict(k=5) == att.to_dict(k=5)
+    torch.testing.assert_close(
+        back.delta_pattern("key", 1, 2, 5), att.delta_pattern("key", 1, 2, 5), rtol=0, atol=0
+    )
+    with pytest.raises(ValueError, match="not written by AttentionAttribution.save"):
+        ra_lens.AttentionAttribution.load(_saved_ra(model, tmp_path))
+
+
+def _saved_ra(model, folder):
+    ra_lens.reversed_attention(model, CLEAN, target_nll([5])).save(folder / "ra.safetensors")
+    return folder / "ra.safetensors"
+
+
+@pytest.mark.parametrize("k", [0, -3])
+def test_top_heads_refuses_a_non_positive_k(model, k):
+    att = ra_lens.attention_attribution(model, CLEAN, CORRUPTED, METRIC, nodes=["query"])
+    with pytest.raises(ValueError, match="k must be a positive number"):
+        att.top_heads(k)
+    ra = ra_lens.reversed_attention(model, CLEAN, target_nll([5]), keep="norms")
+    with pytest.raises(ValueError, match="k must be a positive number"):
+        ra.top_heads(k)

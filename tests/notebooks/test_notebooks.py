@@ -31,8 +31,9 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import REPO_ROOT
 
-NOTEBOOK_DIR = Path(__file__).resolve().parent.parent / "notebooks"
+NOTEBOOK_DIR = REPO_ROOT / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("[0-9][0-9]_*.ipynb"))
 CELL_TIMEOUT_S = 600
 KERNEL = "python3"
@@ -63,7 +64,7 @@ def test_notebooks_are_present() -> None:
     for expected in EXPECTED:
         assert expected in names, f"notebooks/{expected}.ipynb is missing"
     unlisted = sorted(names - set(EXPECTED))
-    assert not unlisted, f"add {unlisted} to EXPECTED in tests/test_notebooks.py"
+    assert not unlisted, f"add {unlisted} to EXPECTED in tests/notebooks/test_notebooks.py"
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)

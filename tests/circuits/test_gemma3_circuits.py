@@ -1,4 +1,4 @@
-"""Gemma-3-270M through attribution and circuits: IOI and antonyms (issue 28, item 6).
+"""Gemma-3-270M through attribution and circuits: IOI and antonyms.
 
 The real model's hard parts are all on the path: 4 query heads on 1 key/value head, a per-head
 q/k norm before the rotary embedding, and post-norm blocks (each block adds N(sum of heads), N

@@ -1,7 +1,7 @@
 """The circuit page's contents, without a browser: self-contained, its circuits the scores'
 circuits at every size, its heads' pattern and RA those of `reversed_attention` on each pair, the
 model left as found, and `ra-lens circuit --html` writing the same page as the API.
-(tests/test_circuit_page_browser.py opens it in headless Chromium.)"""
+(tests/circuits/test_circuit_page_browser.py opens it in headless Chromium.)"""
 
 from __future__ import annotations
 

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
-from helpers import FLORENCE, PROMPTS, all_archs, live_archs, snapshot
+from helpers import CLEAN_TOKENS as TOKENS
+from helpers import CORRUPTED_TOKENS as CORRUPTED
+from helpers import FLORENCE, PROMPTS, all_archs, arch_or_hooked, live_archs, snapshot
+from helpers import FLORENCE as PROMPT
 from helpers import bridge_model as tl4_arch
 
 import ra_lens
-from ra_lens import capture
+from ra_lens import capture, metrics
 from ra_lens.metrics import completion, logit_diff, target_nll, target_prob
 from ra_lens.toy_models import tiny_model
 
@@ -303,7 +308,7 @@ def test_layers_subset_equals_full():
     model = tiny_model(all_archs()[0], n_layers=3)
     full = ra_lens.reversed_attention(model, FLORENCE, target_nll([5]))
     part = ra_lens.reversed_attention(model, FLORENCE, target_nll([5]), layers=[1, 2])
-    assert part.layers == [1, 2]  # out-of-order layers are refused (test_reliability.py)
+    assert part.layers == [1, 2]  # out-of-order layers are refused (test_clear_errors_for_layers)
     torch.testing.assert_close(part.maps, full.maps[:, 1:])
 
 
@@ -387,3 +392,228 @@ def test_concat_joins_batches_like_one_call():
         ra_lens.ReversedAttention.concat(
             [whole, ra_lens.reversed_attention(model, "I like", target_nll([1]))]
         )
+
+
+@pytest.fixture(scope="module", params=live_archs())
+def tiny(request):
+    return tiny_model(request.param, n_layers=2)
+
+
+def scores_grad_over_scale(model, tokens, metric, user_hooks):
+    """Reference: autograd's gradient at the scores the softmax actually received (the output
+    of hook_attn_scores, after any user hook there), over the attention scale, per layer."""
+    store = {}
+
+    def keep(layer):
+        def hook(x, hook):
+            x.retain_grad()
+            store[layer] = x
+
+        return hook
+
+    n_layers = model.cfg.n_layers
+    for p in model.parameters():
+        p.requires_grad_(True)
+    hooks = list(user_hooks) + [(capture.SCORES.format(la), keep(la)) for la in range(n_layers)]
+    with model.hooks(fwd_hooks=hooks):
+        metric(model(tokens)).sum().backward()
+    model.zero_grad(set_to_none=True)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    out = []
+    for la in range(n_layers):
+        grad = store[la].grad.detach() / capture.attention_scale(model, la)
+        out.append(grad.masked_fill(~torch.ones_like(grad, dtype=torch.bool).tril(), 0))
+    return torch.stack(out, 1).float()
+
+
+def replace_head_with_uniform(head):
+    def hook(pattern, hook):
+        pattern = pattern.clone()
+        n = pattern.shape[-1]
+        uniform = torch.ones(n, n, dtype=pattern.dtype).tril()
+        pattern[:, head] = uniform / uniform.sum(-1, keepdim=True)
+        return pattern
+
+    return hook
+
+
+def shift_head(head, amount):
+    def hook(pattern, hook):
+        pattern = pattern.clone()
+        pattern[:, head, -1, 0] += amount
+        pattern[:, head, -1, -1] -= amount
+        return pattern
+
+    return hook
+
+
+@pytest.mark.parametrize("edit", ["replace", "shift", "scores", "ra_patch"])
+def test_ra_equals_autograd_with_user_hooks_editing_attention(tiny, edit):
+    tokens = tiny.to_tokens([PROMPT, PROMPT.replace("Italy", "Spain")])
+    metric = target_nll([5, 7])
+    if edit == "replace":
+        user = [(capture.PATTERN.format(1), replace_head_with_uniform(1))]
+    elif edit == "shift":
+        user = [(capture.PATTERN.format(la), shift_head(0, 0.2)) for la in range(2)]
+    elif edit == "scores":
+
+        def bias(scores, hook):
+            return scores + 0.3 * torch.arange(scores.shape[-1], dtype=scores.dtype)
+
+        user = [(capture.SCORES.format(0), bias)]
+    else:  # ra-lens's own attention patch, as when patching is iterated
+        user = ra_lens.attention_patch_hooks(ra_lens.reversed_attention(tiny, tokens, metric), -3.0)
+    with tiny.hooks(fwd_hooks=user):
+        ra = ra_lens.reversed_attention(tiny, tokens, metric)
+    expected = scores_grad_over_scale(tiny, tokens, metric, user)
+    torch.testing.assert_close(ra.maps, expected, atol=1e-7, rtol=1e-4)
+    if edit == "replace":
+        assert ra.maps[:, 1, 1].abs().max() == 0  # the softmax output no longer matters
+        assert ra.maps[:, 1, 0].abs().max() > 1e-6
+    assert len(tiny.hook_dict[capture.PATTERN.format(1)].fwd_hooks) == 0
+
+
+def test_text_longer_than_context_is_refused(tiny):
+    n_ctx = tiny.cfg.n_ctx
+    long_text = " hello" * (n_ctx + 10)
+    with pytest.raises(ValueError, match=f"n_ctx={n_ctx}"):
+        ra_lens.reversed_attention(tiny, long_text, target_nll([3]))
+    with pytest.raises(ValueError, match="n_ctx"):
+        capture.to_batch(tiny, ["short", long_text])
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_metric_is_refused(tiny, bad):
+    def metric(logits):
+        return logits[:, -1, 0] * bad
+
+    with pytest.raises(ValueError, match="non-finite"):
+        ra_lens.reversed_attention(tiny, tiny.to_tokens(PROMPT), metric)
+
+
+def test_tensor_positions_count_from_each_prompts_own_end(tiny):
+    batch = capture.to_batch(tiny, ["a b c d e f", "a b"])
+    logits = torch.randn(2, batch.tokens.shape[1], tiny.cfg.d_vocab)
+    targets = [3, 4]
+    by_tensor = metrics.target_nll(targets, position=torch.tensor([-1, -1]))
+    by_int = metrics.target_nll(targets, position=-1)
+    torch.testing.assert_close(
+        by_tensor(logits, lengths=batch.lengths), by_int(logits, lengths=batch.lengths)
+    )
+    last = batch.lengths - 1
+    expected = -logits[torch.arange(2), last].log_softmax(-1)[torch.arange(2), torch.tensor([3, 4])]
+    torch.testing.assert_close(by_tensor(logits, lengths=batch.lengths), expected)
+    beyond = metrics.target_nll(targets, position=torch.tensor([2, 5]))  # 5 is padding in row 1
+    with pytest.raises(ValueError, match="outside prompts"):
+        beyond(logits, lengths=batch.lengths)
+
+
+def test_clear_errors_for_bad_tokens(tiny):
+    metric = target_nll([3])
+    vocab = tiny.cfg.d_vocab
+    with pytest.raises(ValueError, match=f"0..{vocab - 1}"):
+        ra_lens.reversed_attention(tiny, torch.tensor([[1, 2, vocab]]), metric)
+    with pytest.raises(ValueError, match="vocabulary"):
+        ra_lens.reversed_attention(tiny, torch.tensor([[1, -2, 3]]), metric)
+    with pytest.raises(ValueError, match="'batch pos'"):
+        ra_lens.reversed_attention(tiny, torch.ones(1, 2, 3, dtype=torch.long), metric)
+    with pytest.raises(ValueError, match="'batch pos'"):
+        ra_lens.reversed_attention(tiny, torch.tensor(5), metric)
+    bad_batch = ra_lens.Batch(torch.ones(2, 4, dtype=torch.long), torch.tensor([4, 9]))
+    with pytest.raises(ValueError, match=r"lengths \[4, 9\]"):
+        ra_lens.reversed_attention(tiny, bad_batch, metric)
+
+
+def test_clear_error_for_negative_target(tiny):
+    with pytest.raises(ValueError, match="negative id is not counted from the end"):
+        ra_lens.reversed_attention(tiny, PROMPT, target_nll([-1]))
+
+
+@pytest.mark.parametrize(
+    "layers, message",
+    [([1.0], "must be ints"), ([1, 1], "repeat"), ([1, 0], r"pass \[0, 1\]"), (1, "sequence")],
+)
+def test_clear_errors_for_layers(tiny, layers, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        ra_lens.reversed_attention(tiny, PROMPT, target_nll([3]), layers=layers)
+
+
+def test_clear_error_inside_inference_mode(tiny):
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="inference_mode"):
+        ra_lens.reversed_attention(tiny, PROMPT, target_nll([3]))
+    ra = ra_lens.reversed_attention(tiny, PROMPT, target_nll([3]))  # and the model still works
+    assert ra.maps.abs().max() > 0
+
+
+def test_concurrent_calls_on_one_model_are_correct_or_refused_clearly(tiny):
+    tokens = tiny.to_tokens(PROMPT)
+    metric = target_nll([5])
+    expected = ra_lens.reversed_attention(tiny, tokens, metric).maps
+    outcomes: list[str] = []
+    start = threading.Barrier(4)
+
+    def work():
+        start.wait()
+        for _ in range(6):
+            try:
+                maps = ra_lens.reversed_attention(tiny, tokens, metric).maps
+                outcomes.append("ok" if torch.equal(maps, expected) else "WRONG")
+            except RuntimeError as error:
+                assert "one call at a time per model" in str(error)
+                outcomes.append("refused")
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(outcomes) == 24 and "WRONG" not in outcomes and "ok" in outcomes
+    assert all(not hp.fwd_hooks and not hp.bwd_hooks for hp in tiny.hook_dict.values())
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(arch_or_hooked("gpt2"), dtype=torch.float64)
+
+
+@pytest.mark.parametrize("rows_at", [torch.tensor([1.7, 2.9]), torch.tensor([True, False])])
+def test_rows_at_refuses_non_integer_positions(model, rows_at):
+    with pytest.raises(TypeError, match="rows_at must hold integer positions"):
+        ra_lens.reversed_attention(model, TOKENS, target_nll([5]), keep="rows", rows_at=rows_at)
+
+
+def test_rows_at_takes_integer_positions(model):
+    ra = ra_lens.reversed_attention(
+        model, TOKENS, target_nll([5]), keep="rows", rows_at=torch.tensor([3, 4])
+    )
+    full = ra_lens.reversed_attention(model, TOKENS, target_nll([5]))
+    torch.testing.assert_close(ra.rows[0], full.maps[0, :, :, 3])
+    torch.testing.assert_close(ra.rows[1], full.maps[1, :, :, 4])
+
+
+def _kl_to(model, reference_tokens, *, inside: bool):
+    """KL(model(reference_tokens) || logits) at the last position; with inside=True the
+    reference logits are computed inside the metric, under no_grad, by a second forward pass."""
+    with torch.no_grad():
+        fixed = model(reference_tokens).log_softmax(-1)[:, -1]
+
+    def metric(logits):
+        ref = fixed
+        if inside:
+            with torch.no_grad():
+                ref = model(reference_tokens).log_softmax(-1)[:, -1]
+        return (ref.exp() * (ref - logits[:, -1].log_softmax(-1))).sum(-1)
+
+    return metric
+
+
+@pytest.mark.parametrize("memory", ["full", "layerwise"])
+def test_metric_running_the_model_gives_the_ra_of_precomputed_references(model, memory):
+    expected = ra_lens.reversed_attention(model, TOKENS, _kl_to(model, CORRUPTED, inside=False))
+    got = ra_lens.reversed_attention(
+        model, TOKENS, _kl_to(model, CORRUPTED, inside=True), memory=memory
+    )
+    assert expected.maps.abs().max() > 1e-6
+    torch.testing.assert_close(got.maps, expected.maps, rtol=0, atol=1e-12)
+    torch.testing.assert_close(got.patterns, expected.patterns, rtol=0, atol=0)

@@ -345,3 +345,30 @@ def clean_z(model: Any, tokens: Any) -> dict[int, Any]:
     with torch.no_grad(), model.hooks(fwd_hooks=hooks):
         model(tokens)
     return seen
+
+
+class FakeClock:
+    """Advances by `step` seconds on every read."""
+
+    def __init__(self, step: float = 1.0):
+        self.t, self.step = 0.0, step
+
+    def __call__(self) -> float:
+        self.t += self.step
+        return self.t
+
+
+def kl_to(model: Any, reference_tokens: Any, *, inside: bool) -> Any:
+    """KL(model(reference_tokens) || logits) at the last position; with inside=True the
+    reference logits are computed inside the metric, under no_grad, by a second forward pass."""
+    with torch.no_grad():
+        fixed = model(reference_tokens).log_softmax(-1)[:, -1]
+
+    def metric(logits: Any) -> Any:
+        ref = fixed
+        if inside:
+            with torch.no_grad():
+                ref = model(reference_tokens).log_softmax(-1)[:, -1]
+        return (ref.exp() * (ref - logits[:, -1].log_softmax(-1))).sum(-1)
+
+    return metric

@@ -9,7 +9,7 @@ import pytest
 import torch
 from helpers import CLEAN_TOKENS as CLEAN
 from helpers import CORRUPTED_TOKENS as CORRUPTED
-from helpers import arch_or_hooked, has_bridge, one_layer_model
+from helpers import arch_or_hooked, has_bridge, kl_to, one_layer_model
 
 import ra_lens
 from ra_lens import capture
@@ -631,30 +631,14 @@ def model():
     return tiny_model(arch_or_hooked("gpt2"), dtype=torch.float64)
 
 
-def _kl_to(model, reference_tokens, *, inside: bool):
-    """KL(model(reference_tokens) || logits) at the last position; with inside=True the
-    reference logits are computed inside the metric, under no_grad, by a second forward pass."""
-    with torch.no_grad():
-        fixed = model(reference_tokens).log_softmax(-1)[:, -1]
-
-    def metric(logits):
-        ref = fixed
-        if inside:
-            with torch.no_grad():
-                ref = model(reference_tokens).log_softmax(-1)[:, -1]
-        return (ref.exp() * (ref - logits[:, -1].log_softmax(-1))).sum(-1)
-
-    return metric
-
-
 @pytest.mark.parametrize("method", ["exact", "linear"])
 def test_attribution_with_a_metric_running_the_model(model, method):
     other = CLEAN.flip(0)
     expected = ra_lens.attention_attribution(
-        model, CLEAN, CORRUPTED, _kl_to(model, other, inside=False), method=method
+        model, CLEAN, CORRUPTED, kl_to(model, other, inside=False), method=method
     )
     got = ra_lens.attention_attribution(
-        model, CLEAN, CORRUPTED, _kl_to(model, other, inside=True), method=method
+        model, CLEAN, CORRUPTED, kl_to(model, other, inside=True), method=method
     )
     assert expected.edges.abs().max() > 1e-8
     torch.testing.assert_close(got.edges, expected.edges, rtol=0, atol=1e-12)

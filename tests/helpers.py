@@ -372,3 +372,19 @@ def kl_to(model: Any, reference_tokens: Any, *, inside: bool) -> Any:
         return (ref.exp() * (ref - logits[:, -1].log_softmax(-1))).sum(-1)
 
     return metric
+
+
+@contextlib.contextmanager
+def benchmark_modules(*names: str) -> Iterator[Any]:
+    """benchmarks/<name>.py imported the way `python benchmarks/bench_ra.py` imports them
+    (benchmarks/ first on sys.path), as attributes of one namespace."""
+    import importlib
+    import sys
+    from types import SimpleNamespace
+
+    folder = str(REPO_ROOT / "benchmarks")
+    sys.path.insert(0, folder)
+    try:
+        yield SimpleNamespace(**{name: importlib.import_module(name) for name in names})
+    finally:
+        sys.path.remove(folder)

@@ -8,7 +8,7 @@ import importlib
 
 import pytest
 import torch
-from helpers import FakeClock
+from helpers import FakeClock, benchmark_modules
 
 import ra_lens
 from ra_lens import ranking
@@ -17,6 +17,13 @@ from ra_lens.metrics import target_nll
 
 pytest.importorskip("transformer_lens.model_bridge")  # the benchmark measures TransformerBridge
 pytestmark = pytest.mark.tl4
+
+
+@pytest.fixture(scope="module")
+def bench():
+    """benchmarks/{bench_ra,harness,baselines}.py."""
+    with benchmark_modules("bench_ra", "harness", "baselines") as modules:
+        yield modules
 
 
 def _model(arch: str):

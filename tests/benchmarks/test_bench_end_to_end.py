@@ -8,10 +8,17 @@ import math
 import statistics
 
 import pytest
-from helpers import FakeClock
+from helpers import FakeClock, benchmark_modules
 
 pytest.importorskip("transformer_lens.model_bridge")  # the benchmark measures TransformerBridge
 pytestmark = pytest.mark.tl4
+
+
+@pytest.fixture(scope="module")
+def bench():
+    """benchmarks/{bench_ra,harness,baselines}.py."""
+    with benchmark_modules("bench_ra", "harness", "baselines") as modules:
+        yield modules
 
 
 def _model(arch: str):

@@ -135,6 +135,46 @@ TOY_CORRUPTED = [
 TOY_TARGETS = [5, 6, 7]
 
 
+def one_layer_model(*, q_gain: float = 1.0, **overrides: Any) -> Any:
+    """The one-layer toy: attention only, no norm, float64, seeded, with the tiny tokenizer: a
+    `boot_native` TransformerBridge under TL 4, a HookedTransformer under TL 2. Its logits are
+    linear in each head's pattern, so R . (A' - A) is the true effect of a change of the pattern.
+
+    Args:
+        q_gain: multiplies W_Q (large queries: saturated rows).
+        overrides: config fields over d_model 32, 4 heads of 8, n_ctx 64, 300 tokens, e.g.
+            `n_key_value_heads=2`, `positional_embedding_type="rotary"`.
+    """
+    from transformers import AutoTokenizer
+
+    from ra_lens.toy_models import tiny_tokenizer_dir
+
+    settings = dict(
+        d_model=32, d_head=8, n_layers=1, n_heads=4, n_ctx=64, d_vocab=300, act_fn="gelu",
+        seed=0, attn_only=True, normalization_type=None,
+    )  # fmt: skip
+    settings.update(overrides)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer_dir())
+    torch.manual_seed(0)
+    if has_bridge():
+        from transformer_lens.config import TransformerBridgeConfig
+        from transformer_lens.model_bridge import TransformerBridge
+
+        model = TransformerBridge.boot_native(
+            TransformerBridgeConfig(**settings), dtype=torch.float64, tokenizer=tokenizer
+        )
+    else:
+        from transformer_lens import HookedTransformer, HookedTransformerConfig
+
+        config = HookedTransformerConfig(**settings, dtype=torch.float64)
+        model = HookedTransformer(config, tokenizer=tokenizer)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("q._original_component.weight", "attn.W_Q")):
+                param.mul_(q_gain)
+    return model.eval()
+
+
 def dropout_model() -> Any:
     """A tiny float64 model in train mode whose forward pass is random unless every module is in
     eval mode: under TL 4 a GPT-2 bridge with dropout 0.3 (residual, embedding, attention; the
@@ -305,3 +345,46 @@ def clean_z(model: Any, tokens: Any) -> dict[int, Any]:
     with torch.no_grad(), model.hooks(fwd_hooks=hooks):
         model(tokens)
     return seen
+
+
+class FakeClock:
+    """Advances by `step` seconds on every read."""
+
+    def __init__(self, step: float = 1.0):
+        self.t, self.step = 0.0, step
+
+    def __call__(self) -> float:
+        self.t += self.step
+        return self.t
+
+
+def kl_to(model: Any, reference_tokens: Any, *, inside: bool) -> Any:
+    """KL(model(reference_tokens) || logits) at the last position; with inside=True the
+    reference logits are computed inside the metric, under no_grad, by a second forward pass."""
+    with torch.no_grad():
+        fixed = model(reference_tokens).log_softmax(-1)[:, -1]
+
+    def metric(logits: Any) -> Any:
+        ref = fixed
+        if inside:
+            with torch.no_grad():
+                ref = model(reference_tokens).log_softmax(-1)[:, -1]
+        return (ref.exp() * (ref - logits[:, -1].log_softmax(-1))).sum(-1)
+
+    return metric
+
+
+@contextlib.contextmanager
+def benchmark_modules(*names: str) -> Iterator[Any]:
+    """benchmarks/<name>.py imported the way `python benchmarks/bench_ra.py` imports them
+    (benchmarks/ first on sys.path), as attributes of one namespace."""
+    import importlib
+    import sys
+    from types import SimpleNamespace
+
+    folder = str(REPO_ROOT / "benchmarks")
+    sys.path.insert(0, folder)
+    try:
+        yield SimpleNamespace(**{name: importlib.import_module(name) for name in names})
+    finally:
+        sys.path.remove(folder)

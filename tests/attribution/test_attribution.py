@@ -9,7 +9,7 @@ import pytest
 import torch
 from helpers import CLEAN_TOKENS as CLEAN
 from helpers import CORRUPTED_TOKENS as CORRUPTED
-from helpers import arch_or_hooked, has_bridge
+from helpers import arch_or_hooked, has_bridge, kl_to, one_layer_model
 
 import ra_lens
 from ra_lens import capture
@@ -28,34 +28,10 @@ def metric_all(logits):
 
 
 def one_layer(kind: str, q_gain: float = 1.0):
-    """A one-layer attention-only model without any norm: the logits (and so the metric) are
-    linear in the attention pattern, so the exact estimate is the true patching effect."""
-    torch.manual_seed(0)
-    if kind == "hooked":
-        from transformer_lens import HookedTransformer, HookedTransformerConfig
-
-        cfg = HookedTransformerConfig(
-            d_model=32, d_head=8, n_layers=1, n_heads=4, n_ctx=64, d_vocab=300,
-            attn_only=True, normalization_type=None, seed=0, dtype=torch.float64,
-        )  # fmt: skip
-        model = HookedTransformer(cfg)
-    else:
-        from transformer_lens.config import TransformerBridgeConfig
-        from transformer_lens.model_bridge import TransformerBridge
-
-        # (the native rotary attention never fires hook_rot_q/hook_rot_k: rotary is checked on
-        # the Llama toy instead)
-        cfg = TransformerBridgeConfig(
-            d_model=32, d_head=8, n_layers=1, n_ctx=64, n_heads=4, d_vocab=300, act_fn="gelu",
-            seed=0, attn_only=True, normalization_type=None,
-            n_key_value_heads=2 if kind == "native_gqa" else None,
-        )  # fmt: skip
-        model = TransformerBridge.boot_native(cfg, dtype=torch.float64)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith(("q._original_component.weight", "attn.W_Q")):
-                param.mul_(q_gain)
-    return model.eval()
+    """`helpers.one_layer_model`, with two key/value heads for "native_gqa"."""
+    return one_layer_model(
+        q_gain=q_gain, **({"n_key_value_heads": 2} if kind == "native_gqa" else {})
+    )
 
 
 def one_layer_kinds() -> list[str]:
@@ -367,14 +343,7 @@ def test_unequal_string_pairs_name_the_pair():
 
 @pytest.mark.tl4  # TL 4's native rotary attention lists hook_rot_q/hook_rot_k but never fires them
 def test_unexposed_rotary_queries_are_refused():
-    from transformer_lens.config import TransformerBridgeConfig
-    from transformer_lens.model_bridge import TransformerBridge
-
-    cfg = TransformerBridgeConfig(
-        d_model=32, d_head=8, n_layers=1, n_ctx=64, n_heads=4, d_vocab=300, act_fn="gelu",
-        seed=0, positional_embedding_type="rotary",
-    )  # fmt: skip
-    model = TransformerBridge.boot_native(cfg, dtype=torch.float64)
+    model = one_layer_model(positional_embedding_type="rotary")
     with pytest.raises(RuntimeError, match="never fired"):
         ra_lens.attention_attribution(model, CLEAN, CORRUPTED, METRIC)
 
@@ -488,14 +457,7 @@ def test_cli_attribute_writes_tables_plots_and_json(tmp_path, capsys):
 
 @pytest.mark.tl4  # attention soft-capping is built with TL 4's native bridge
 def test_attention_that_is_not_plain_softmax_is_refused():
-    from transformer_lens.config import TransformerBridgeConfig
-    from transformer_lens.model_bridge import TransformerBridge
-
-    cfg = TransformerBridgeConfig(
-        d_model=32, d_head=8, n_layers=1, n_ctx=64, n_heads=4, d_vocab=300, act_fn="gelu",
-        seed=0, attn_scores_soft_cap=0.05,
-    )  # fmt: skip
-    model = TransformerBridge.boot_native(cfg, dtype=torch.float64)
+    model = one_layer_model(attn_scores_soft_cap=0.05)
     with pytest.raises(ValueError, match="differs from hook_pattern"):
         ra_lens.attention_attribution(model, CLEAN, CORRUPTED, METRIC)
 
@@ -669,30 +631,14 @@ def model():
     return tiny_model(arch_or_hooked("gpt2"), dtype=torch.float64)
 
 
-def _kl_to(model, reference_tokens, *, inside: bool):
-    """KL(model(reference_tokens) || logits) at the last position; with inside=True the
-    reference logits are computed inside the metric, under no_grad, by a second forward pass."""
-    with torch.no_grad():
-        fixed = model(reference_tokens).log_softmax(-1)[:, -1]
-
-    def metric(logits):
-        ref = fixed
-        if inside:
-            with torch.no_grad():
-                ref = model(reference_tokens).log_softmax(-1)[:, -1]
-        return (ref.exp() * (ref - logits[:, -1].log_softmax(-1))).sum(-1)
-
-    return metric
-
-
 @pytest.mark.parametrize("method", ["exact", "linear"])
 def test_attribution_with_a_metric_running_the_model(model, method):
     other = CLEAN.flip(0)
     expected = ra_lens.attention_attribution(
-        model, CLEAN, CORRUPTED, _kl_to(model, other, inside=False), method=method
+        model, CLEAN, CORRUPTED, kl_to(model, other, inside=False), method=method
     )
     got = ra_lens.attention_attribution(
-        model, CLEAN, CORRUPTED, _kl_to(model, other, inside=True), method=method
+        model, CLEAN, CORRUPTED, kl_to(model, other, inside=True), method=method
     )
     assert expected.edges.abs().max() > 1e-8
     torch.testing.assert_close(got.edges, expected.edges, rtol=0, atol=1e-12)

@@ -5,12 +5,10 @@ wall-clock: timings are checked against a fake clock or against each other, neve
 from __future__ import annotations
 
 import importlib
-import sys
-from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import REPO_ROOT
+from helpers import FakeClock, benchmark_modules
 
 import ra_lens
 from ra_lens import ranking
@@ -20,20 +18,12 @@ from ra_lens.metrics import target_nll
 pytest.importorskip("transformer_lens.model_bridge")  # the benchmark measures TransformerBridge
 pytestmark = pytest.mark.tl4
 
-BENCH_DIR = REPO_ROOT / "benchmarks"
-
 
 @pytest.fixture(scope="module")
 def bench():
-    """benchmarks/{bench_ra,harness,baselines}.py, imported the way `python benchmarks/bench_ra.py`
-    imports them (benchmarks/ first on sys.path)."""
-    sys.path.insert(0, str(BENCH_DIR))
-    try:
-        yield SimpleNamespace(
-            **{name: importlib.import_module(name) for name in ("bench_ra", "harness", "baselines")}
-        )
-    finally:
-        sys.path.remove(str(BENCH_DIR))
+    """benchmarks/{bench_ra,harness,baselines}.py."""
+    with benchmark_modules("bench_ra", "harness", "baselines") as modules:
+        yield modules
 
 
 def _model(arch: str):
@@ -45,17 +35,6 @@ def _model(arch: str):
 def _official(bench, model):
     scales = [ra_lens.capture.attention_scale(model, la) for la in range(model.cfg.n_layers)]
     return bench.baselines.OfficialStyleLoop(bench.baselines.plain_hf_copy(model), scales)
-
-
-class FakeClock:
-    """Advances by `step` seconds on every read."""
-
-    def __init__(self, step: float = 1.0):
-        self.t, self.step = 0.0, step
-
-    def __call__(self) -> float:
-        self.t += self.step
-        return self.t
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])

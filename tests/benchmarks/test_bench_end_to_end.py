@@ -3,50 +3,28 @@ report agrees with its own timings, taken against a fake clock or each other, ne
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
 import statistics
-import sys
-from types import SimpleNamespace
 
 import pytest
-from helpers import REPO_ROOT
+from helpers import FakeClock, benchmark_modules
 
 pytest.importorskip("transformer_lens.model_bridge")  # the benchmark measures TransformerBridge
 pytestmark = pytest.mark.tl4
 
-BENCH_DIR = REPO_ROOT / "benchmarks"
-
 
 @pytest.fixture(scope="module")
 def bench():
-    """benchmarks/{bench_ra,harness,baselines}.py, imported the way `python benchmarks/bench_ra.py`
-    imports them (benchmarks/ first on sys.path)."""
-    sys.path.insert(0, str(BENCH_DIR))
-    try:
-        yield SimpleNamespace(
-            **{name: importlib.import_module(name) for name in ("bench_ra", "harness", "baselines")}
-        )
-    finally:
-        sys.path.remove(str(BENCH_DIR))
+    """benchmarks/{bench_ra,harness,baselines}.py."""
+    with benchmark_modules("bench_ra", "harness", "baselines") as modules:
+        yield modules
 
 
 def _model(arch: str):
     from ra_lens.toy_models import tiny_model
 
     return tiny_model(arch, d_model=32, n_layers=2, n_heads=4, n_ctx=16)
-
-
-class FakeClock:
-    """Advances by `step` seconds on every read."""
-
-    def __init__(self, step: float = 1.0):
-        self.t, self.step = 0.0, step
-
-    def __call__(self) -> float:
-        self.t += self.step
-        return self.t
 
 
 def test_run_group_interleaves_and_takes_medians(bench):

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from helpers import has_bridge, snapshot
+from helpers import has_bridge, one_layer_model, snapshot
 
 from ra_lens import capture
 from ra_lens.capture import to_batch
@@ -42,10 +42,8 @@ def _hooked(**overrides):
     return model.to(torch.float64).eval()
 
 
-LLAMA_LIKE = dict(
-    positional_embedding_type="rotary", n_key_value_heads=2, normalization_type="RMS",
-    act_fn="silu", gated_mlp=True,
-)  # fmt: skip
+LLAMA_ATTENTION = dict(positional_embedding_type="rotary", n_key_value_heads=2)
+LLAMA_LIKE = dict(**LLAMA_ATTENTION, normalization_type="RMS", act_fn="silu", gated_mlp=True)
 
 
 def build(kind: str):
@@ -53,28 +51,6 @@ def build(kind: str):
     if has_bridge():
         return tiny_model(kind, dtype=torch.float64)
     return _hooked(**(LLAMA_LIKE if kind == "llama" else {}))
-
-
-def build_one_layer(kind: str):
-    """One layer, attention only, no norms: the metric (a logit difference) is linear in each
-    head's pattern, so R . (A' - A) is the true effect of a change of the pattern."""
-    extra = dict(n_layers=1, attn_only=True, normalization_type=None)
-    if kind == "llama":
-        extra |= dict(positional_embedding_type="rotary", n_key_value_heads=2)
-    if has_bridge():
-        from transformer_lens.config import TransformerBridgeConfig
-        from transformer_lens.model_bridge import TransformerBridge
-        from transformers import AutoTokenizer
-
-        cfg = TransformerBridgeConfig(
-            d_model=32, d_head=8, n_ctx=64, n_heads=4, d_vocab=300, act_fn="gelu", seed=0, **extra
-        )
-        torch.manual_seed(0)
-        model = TransformerBridge.boot_native(
-            cfg, tokenizer=AutoTokenizer.from_pretrained(tiny_tokenizer_dir())
-        )
-        return model.to(torch.float64).eval()
-    return _hooked(**extra)
 
 
 @pytest.fixture(scope="module", params=["gpt2", "llama"])
@@ -361,7 +337,8 @@ def test_exact_query_and_key_edges_are_the_true_effect(kind, direction):
             "TL 4: boot_native's rotary attention does not fire hook_rot_q, and the Llama "
             "bridge's RMSNorms make R . (A' - A) inexact; covered under TL 2"
         )
-    model = build_one_layer(kind)
+    # one layer, attention only, no norms: R . (A' - A) is the true effect of a pattern change
+    model = one_layer_model(**(LLAMA_ATTENTION if kind == "llama" else {}))
     clean, corrupted = to_batch(model, CLEAN), to_batch(model, CORRUPTED)
     graph = Graph.from_model(model)
     exact = attribute(model, clean, corrupted, METRIC, method="exact", direction=direction).scores

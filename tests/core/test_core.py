@@ -8,7 +8,7 @@ import pytest
 import torch
 from helpers import CLEAN_TOKENS as TOKENS
 from helpers import CORRUPTED_TOKENS as CORRUPTED
-from helpers import FLORENCE, PROMPTS, all_archs, arch_or_hooked, live_archs, snapshot
+from helpers import FLORENCE, PROMPTS, all_archs, arch_or_hooked, kl_to, live_archs, snapshot
 from helpers import FLORENCE as PROMPT
 from helpers import bridge_model as tl4_arch
 
@@ -592,27 +592,11 @@ def test_rows_at_takes_integer_positions(model):
     torch.testing.assert_close(ra.rows[1], full.maps[1, :, :, 4])
 
 
-def _kl_to(model, reference_tokens, *, inside: bool):
-    """KL(model(reference_tokens) || logits) at the last position; with inside=True the
-    reference logits are computed inside the metric, under no_grad, by a second forward pass."""
-    with torch.no_grad():
-        fixed = model(reference_tokens).log_softmax(-1)[:, -1]
-
-    def metric(logits):
-        ref = fixed
-        if inside:
-            with torch.no_grad():
-                ref = model(reference_tokens).log_softmax(-1)[:, -1]
-        return (ref.exp() * (ref - logits[:, -1].log_softmax(-1))).sum(-1)
-
-    return metric
-
-
 @pytest.mark.parametrize("memory", ["full", "layerwise"])
 def test_metric_running_the_model_gives_the_ra_of_precomputed_references(model, memory):
-    expected = ra_lens.reversed_attention(model, TOKENS, _kl_to(model, CORRUPTED, inside=False))
+    expected = ra_lens.reversed_attention(model, TOKENS, kl_to(model, CORRUPTED, inside=False))
     got = ra_lens.reversed_attention(
-        model, TOKENS, _kl_to(model, CORRUPTED, inside=True), memory=memory
+        model, TOKENS, kl_to(model, CORRUPTED, inside=True), memory=memory
     )
     assert expected.maps.abs().max() > 1e-6
     torch.testing.assert_close(got.maps, expected.maps, rtol=0, atol=1e-12)

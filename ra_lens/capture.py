@@ -422,6 +422,25 @@ class Batch:
         positions = torch.arange(self.tokens.shape[1], device=self.tokens.device)
         return positions[None, :] < self.lengths.to(self.tokens.device)[:, None]
 
+    def rows(self, rows: slice, *, trim: bool = False) -> Batch:
+        """Prompts `rows` of the batch, the one way every batched loop cuts a batch.
+
+        Kept at full padded width by default, so a metric that holds token tensors of the whole
+        batch (`ra_lens.metrics.completion`) still lines up; `trim=True` cuts the padding columns
+        none of these prompts needs (the rankings, where each chunk runs at its own length).
+
+        >>> batch = to_batch(model, ["I like Italy", "Q: hot", "Q: big"])  # 8, 7 and 6 tokens
+        >>> batch.rows(slice(1, 3)).tokens.shape, batch.rows(slice(1, 3), trim=True).tokens.shape
+        (torch.Size([2, 8]), torch.Size([2, 7]))
+        """
+        if not isinstance(rows, slice):
+            raise TypeError(f"rows must be a slice of prompts, not {type(rows).__name__}")
+        if not range(self.tokens.shape[0])[rows]:
+            raise IndexError(f"prompts {rows} of a batch of {self.tokens.shape[0]}: none selected")
+        lengths = self.lengths[rows]
+        width = int(lengths.max()) if trim else self.tokens.shape[1]
+        return Batch(self.tokens[rows, :width], lengths)
+
 
 def to_batch(
     model: HookedModel,

@@ -43,6 +43,7 @@ from ra_lens.capture import PATTERN, Batch, HookedModel
 from ra_lens.core import reversed_attention
 from ra_lens.experiments import timing
 from ra_lens.files import check_writable, load_json, write_file
+from ra_lens.pairs import metric_rows, metric_values
 from ra_lens.ranking.statistics import pearson, spearman, top_recall
 from ra_lens.tasks import ioi
 from ra_lens.types import MetricFn
@@ -56,11 +57,6 @@ def _hook_name(model: HookedModel, kind: str, layer: int) -> str:
     if kind == "key":
         return capture.key_hook_name(model, layer)
     return PATTERN.format(layer)
-
-
-def _rows(batch: Batch, rows: Sequence[int]) -> Batch:
-    index = torch.as_tensor(list(rows))
-    return Batch(batch.tokens[index], batch.lengths[index])
 
 
 def clean_activations(model: HookedModel, clean: Batch, layers: Sequence[int]) -> dict[str, Tensor]:
@@ -109,7 +105,7 @@ def patching_effects(
     source = clean_activations(model, clean, layers)
     n = clean.tokens.shape[0]
     with torch.no_grad():
-        base = metric(model(corrupted.tokens), lengths=corrupted.lengths).double().cpu()
+        base = metric_values(metric, model(corrupted.tokens), corrupted).double().cpu()
     per_pass = max(1, max_rows // n)
     out = torch.zeros(len(jobs), n, dtype=torch.float64)
     chunks = [range(i, min(i + per_pass, len(jobs))) for i in range(0, len(jobs), per_pass)]
@@ -393,9 +389,10 @@ def _per_position(
 ) -> dict[str, dict[str, float]]:
     """Per-position truth for the top heads of each kind on the first pairs, against the
     per-position estimates."""
-    rows = list(range(min(n_pairs, clean.tokens.shape[0])))
-    clean_s, corrupted_s = _rows(clean, rows), _rows(corrupted, rows)
-    sub_metric = type(metric)(metric.correct[rows], metric.incorrect[rows])
+    n = clean.tokens.shape[0]
+    rows = slice(0, min(n_pairs, n))
+    clean_s, corrupted_s = clean.rows(rows), corrupted.rows(rows)
+    sub_metric = metric_rows(metric, rows, n)
     jobs, where = [], []
     for kind in KINDS:
         order = truth[kind].flatten().abs().argsort(descending=True)[:n_heads].tolist()

@@ -302,13 +302,9 @@ def activation_patching(
                 return effect(model, clean_tokens, corrupted_tokens, part).cpu()
             rows = []  # TL 2.x: a scalar metric, so one prompt at a time
             for i in range(part.size):
-                n = int(part.prompts.lengths[i])
-                one = Part(
-                    slice(i, i + 1),
-                    capture.Batch(clean_tokens[i : i + 1, :n], part.prompts.lengths[i : i + 1]),
-                    part.targets[i : i + 1],
-                )
-                pair = clean_tokens[i : i + 1, :n], corrupted_tokens[i : i + 1, :n]
+                row = slice(i, i + 1)
+                one = Part(row, part.prompts.rows(row, trim=True), part.targets[row])
+                pair = one.prompts.tokens, part.corrupted.rows(row, trim=True).tokens
                 rows.append(effect(model, *pair, one))
             return torch.stack(rows).cpu()
 

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import time
 from typing import Any
 
 from ra_lens.cli._shared import _emit_json, _model, _say
@@ -24,18 +23,17 @@ def _first_token(model: HookedModel, text: str, flag: str) -> int:
 
 def _run_attribute(args: argparse.Namespace) -> int:
     from ra_lens import attention_attribution
+    from ra_lens.experiments.timing import timed
 
     file_pairs = _attribute_source(args)
     seconds: dict[str, float] = {}
-    start = time.perf_counter()
-    model = _model(args)
-    seconds["load_model"] = time.perf_counter() - start
+    with timed(seconds, "load_model"):
+        model = _model(args)
     clean, corrupted, metric, metric_name = _attribute_inputs(args, model, file_pairs)
-    start = time.perf_counter()
-    att = attention_attribution(
-        model, clean, corrupted, metric, method=args.method, direction=args.direction
-    )
-    seconds["attention_attribution"] = time.perf_counter() - start
+    with timed(seconds, "attention_attribution"):
+        att = attention_attribution(
+            model, clean, corrupted, metric, method=args.method, direction=args.direction
+        )
     att = _with_clean_labels(att, model, clean)
 
     report = att.to_dict(k=args.top)

@@ -65,13 +65,17 @@ from ra_lens.contract import (  # noqa: F401
 
 # Liveness of hook_pattern lives in ra_lens.liveness; its names stay importable from here.
 from ra_lens.liveness import (  # noqa: E402, F401
+    forget_probe,
     live_attention,
     live_pattern_layers,
     require_live_patterns,
 )
 
-_IN_USE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_IN_USE_LOCK = threading.Lock()
+#: Which thread holds each model inside an ra-lens call, and how deeply (`exclusive`), held
+#: weakly. Process-wide on purpose: a claim made in one thread must be seen by every other.
+CLAIMS: weakref.WeakKeyDictionary[HookedModel, tuple[int, int]] = weakref.WeakKeyDictionary()
+#: Guards `CLAIMS` (a check and a claim are one step).
+CLAIMS_LOCK = threading.Lock()
 
 
 @contextlib.contextmanager
@@ -83,24 +87,24 @@ def exclusive(model: HookedModel) -> Iterator[None]:
         RuntimeError: another thread is inside an ra-lens call on this model.
     """
     me = threading.get_ident()
-    with _IN_USE_LOCK:
-        owner, depth = _IN_USE.get(model, (None, 0))
+    with CLAIMS_LOCK:
+        owner, depth = CLAIMS.get(model, (None, 0))
         if owner is not None and owner != me:
             raise RuntimeError(
                 "this model is already in use by an ra-lens call in another thread: ra-lens adds "
                 "hooks to the model, so it allows one call at a time per model. Run the calls "
                 "one after another, or give each thread its own copy (copy.deepcopy(model))"
             )
-        _IN_USE[model] = (me, depth + 1)
+        CLAIMS[model] = (me, depth + 1)
     try:
         yield
     finally:
-        with _IN_USE_LOCK:
-            owner, depth = _IN_USE[model]
+        with CLAIMS_LOCK:
+            owner, depth = CLAIMS[model]
             if depth == 1:
-                del _IN_USE[model]
+                del CLAIMS[model]
             else:
-                _IN_USE[model] = (owner, depth - 1)
+                CLAIMS[model] = (owner, depth - 1)
 
 
 @contextlib.contextmanager

@@ -108,7 +108,7 @@ def _attribute_source(args: argparse.Namespace) -> list[Any]:
 
 
 def _attribute_inputs(
-    args: argparse.Namespace, model: Any, file_pairs: list[Any]
+    args: argparse.Namespace, model: HookedModel, file_pairs: list[Any]
 ) -> tuple[Any, Any, Any, str]:
     """(clean, corrupted, metric, metric name) for `attribute`: one pair from the flags, or the
     pairs of --task / --pairs with logit(answer) - logit(wrong) per pair."""
@@ -128,7 +128,7 @@ def _attribute_inputs(
     return to_batch(model, args.clean), to_batch(model, args.corrupted), metric, metric_name
 
 
-def _with_clean_labels(att: Any, model: Any, clean: Any) -> Any:
+def _with_clean_labels(att: Any, model: HookedModel, clean: Any) -> Any:
     """The attribution with the CLEAN prompts' tokens as labels: under "denoise" the patched run
     is the corrupted one, whose tokens (" Bob" where the clean prompt has " John") would name
     the edges of an analysis of the clean behaviour."""

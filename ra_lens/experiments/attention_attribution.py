@@ -318,8 +318,7 @@ def measure(
             ),
         )
     else:
-        truth = _stored_truth(stored, pairs, exact)
-        seconds["truth"] = float(stored["seconds"]["truth"])
+        truth, seconds["truth"] = _stored_truth(stored, pairs, exact)
     result = TaskMeasurement(
         task=task,
         n_pairs=len(pairs),
@@ -351,27 +350,46 @@ def measure(
 
 
 def _stored_truth(
-    stored: dict[str, Any], pairs: Sequence[ioi.PromptPair], exact: AttentionAttribution
-) -> dict[str, Tensor]:
-    """The head-level truth of an earlier run, if it was measured on these pairs."""
+    stored: Any, pairs: Sequence[ioi.PromptPair], exact: AttentionAttribution
+) -> tuple[dict[str, Tensor], float]:
+    """The head-level truth of an earlier run and the seconds it took, if it was measured on these
+    pairs; an entry from other pairs, or a damaged one (`stored` is whatever the JSON file held),
+    is refused naming the task and the fix."""
     first = pairs[0]
     example = {"clean": first.clean, "corrupted": first.corrupted, "answer": first.answer,
                "wrong": first.wrong}  # fmt: skip
     metrics = (float(exact.clean_metric.mean()), float(exact.corrupted_metric.mean()))
-    same = (
-        stored.get("n_pairs") == len(pairs)
-        and stored.get("example") == example
-        and all(
-            abs(now - float(stored[key])) <= 1e-4 * max(1.0, abs(now))
-            for now, key in zip(metrics, ("metric_clean", "metric_corrupted"), strict=True)
+    task = stored.get("task") if isinstance(stored, dict) else None
+    rerun = "run without --truth-from to measure it again"
+    try:
+        same = (
+            stored.get("n_pairs") == len(pairs)
+            and stored.get("example") == example
+            and all(
+                abs(now - float(stored[key])) <= 1e-4 * max(1.0, abs(now))
+                for now, key in zip(metrics, ("metric_clean", "metric_corrupted"), strict=True)
+            )
         )
-    )
+        if same:
+            truth = {kind: torch.tensor(stored["scores"]["truth"][kind]) for kind in KINDS}
+            for kind, value in truth.items():
+                if value.shape != exact.scores[kind].shape or not value.is_floating_point():
+                    raise ValueError(
+                        f"its {kind} truth has shape {tuple(value.shape)}, the model's heads "
+                        f"{tuple(exact.scores[kind].shape)}"
+                    )
+            spent = float(stored["seconds"]["truth"])
+    except (AttributeError, KeyError, TypeError, ValueError) as error:
+        what = f"{type(error).__name__}: {error}"
+        raise ValueError(
+            f"the stored truth of task {task!r} is damaged ({what}): {rerun}"
+        ) from None
     if not same:
         raise ValueError(
-            f"the stored truth of task {stored.get('task')!r} was measured on other pairs (or "
-            "another model): run without --truth-from to measure it again"
+            f"the stored truth of task {task!r} was measured on other pairs (or another model): "
+            + rerun
         )
-    return {kind: torch.tensor(stored["scores"]["truth"][kind]) for kind in KINDS}
+    return truth, spent
 
 
 def _per_position(

@@ -29,6 +29,7 @@ import torch
 
 from ra_lens import circuits
 from ra_lens.circuits.browser import browser_missing, console_errors, headless_chromium, open_page
+from ra_lens.files import write_file
 
 
 def setting(tiny: bool) -> tuple[Any, str, list[Any]]:
@@ -129,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     result = run(args.tiny, args.edges, args.repeats)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        write_file(args.json, json.dumps(result, indent=2) + "\n")
     return 0
 
 

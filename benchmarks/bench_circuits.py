@@ -23,6 +23,7 @@ from harness import choose_clock
 
 from ra_lens import circuits
 from ra_lens.experiments.timing import timed
+from ra_lens.files import write_file
 
 #: label -> (circuits.attribute method, IG steps)
 METHODS: dict[str, tuple[str, int]] = {
@@ -118,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     result = run(args.tiny, args.pairs if not args.tiny else min(args.pairs, 4), args.threads)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1))
+        write_file(args.json, json.dumps(result, indent=1))
     return 0
 
 

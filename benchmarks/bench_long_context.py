@@ -41,6 +41,7 @@ from torch import Tensor
 from ra_lens import capture, reversed_attention
 from ra_lens.capture import RESID_PRE
 from ra_lens.experiments.timing import timed
+from ra_lens.files import write_file
 from ra_lens.metrics import target_nll
 
 MIB = 2**20
@@ -245,7 +246,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def _write(path: Path, results: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(results, indent=1))
+    write_file(path, json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

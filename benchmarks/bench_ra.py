@@ -41,6 +41,7 @@ from torch import Tensor
 
 from ra_lens import capture, ranking, reversed_attention
 from ra_lens.experiments.timing import sync, timed
+from ra_lens.files import write_file
 from ra_lens.metrics import target_nll
 
 # ---------------------------------------------------------------------------------------------
@@ -646,7 +647,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         }
         if args.json:
             args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(result, indent=1))
+            write_file(args.json, json.dumps(result, indent=1))
         return result
 
     plan = tiny_plan() if args.tiny else full_plan(args.quick, args.all_scaling)
@@ -694,7 +695,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(res, indent=1, default=float))
+        write_file(args.json, json.dumps(res, indent=1, default=float))
         log(f"JSON: {args.json}")
     return res
 

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from ra_lens import load_model, reversed_attention
+from ra_lens.files import write_file
 from ra_lens.metrics import target_nll
 
 FACT = " Important: the secret meeting will take place in {city}."
@@ -132,7 +133,7 @@ def main(argv: list[str] | None = None) -> None:
         "top_heads_by_norm": ra.top_heads(5),
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "long_context.json").write_text(json.dumps(report, indent=1))
+    write_file(args.out / "long_context.json", json.dumps(report, indent=1))
     ra.save(args.out / "long_context_rows.safetensors")  # rows: layers x heads x pos floats
     plot(ra, heads, fact_pos, args.out / "long_context.png")
     print(json.dumps(report["top_heads_by_share_of_row_on_fact"], indent=1))

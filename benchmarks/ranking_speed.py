@@ -28,6 +28,7 @@ from ra_lens import ranking as rk
 from ra_lens import tasks
 from ra_lens.experiments.ranking_study import SPEED_GOAL
 from ra_lens.experiments.timing import timed
+from ra_lens.files import write_file
 from ra_lens.models import hub_offline, load_model, smollm2_hf_dir
 from ra_lens.tasks import task_prompts
 
@@ -112,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=1))
+        write_file(args.json, json.dumps(report, indent=1))
     return 0
 
 

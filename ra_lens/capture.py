@@ -65,13 +65,17 @@ from ra_lens.contract import (  # noqa: F401
 
 # Liveness of hook_pattern lives in ra_lens.liveness; its names stay importable from here.
 from ra_lens.liveness import (  # noqa: E402, F401
+    forget_probe,
     live_attention,
     live_pattern_layers,
     require_live_patterns,
 )
 
-_IN_USE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_IN_USE_LOCK = threading.Lock()
+#: Which thread holds each model inside an ra-lens call, and how deeply (`exclusive`), held
+#: weakly. Process-wide on purpose: a claim made in one thread must be seen by every other.
+CLAIMS: weakref.WeakKeyDictionary[HookedModel, tuple[int, int]] = weakref.WeakKeyDictionary()
+#: Guards `CLAIMS` (a check and a claim are one step).
+CLAIMS_LOCK = threading.Lock()
 
 
 @contextlib.contextmanager
@@ -83,24 +87,24 @@ def exclusive(model: HookedModel) -> Iterator[None]:
         RuntimeError: another thread is inside an ra-lens call on this model.
     """
     me = threading.get_ident()
-    with _IN_USE_LOCK:
-        owner, depth = _IN_USE.get(model, (None, 0))
+    with CLAIMS_LOCK:
+        owner, depth = CLAIMS.get(model, (None, 0))
         if owner is not None and owner != me:
             raise RuntimeError(
                 "this model is already in use by an ra-lens call in another thread: ra-lens adds "
                 "hooks to the model, so it allows one call at a time per model. Run the calls "
                 "one after another, or give each thread its own copy (copy.deepcopy(model))"
             )
-        _IN_USE[model] = (me, depth + 1)
+        CLAIMS[model] = (me, depth + 1)
     try:
         yield
     finally:
-        with _IN_USE_LOCK:
-            owner, depth = _IN_USE[model]
+        with CLAIMS_LOCK:
+            owner, depth = CLAIMS[model]
             if depth == 1:
-                del _IN_USE[model]
+                del CLAIMS[model]
             else:
-                _IN_USE[model] = (owner, depth - 1)
+                CLAIMS[model] = (owner, depth - 1)
 
 
 @contextlib.contextmanager
@@ -421,6 +425,25 @@ class Batch:
         """
         positions = torch.arange(self.tokens.shape[1], device=self.tokens.device)
         return positions[None, :] < self.lengths.to(self.tokens.device)[:, None]
+
+    def rows(self, rows: slice, *, trim: bool = False) -> Batch:
+        """Prompts `rows` of the batch, the one way every batched loop cuts a batch.
+
+        Kept at full padded width by default, so a metric that holds token tensors of the whole
+        batch (`ra_lens.metrics.completion`) still lines up; `trim=True` cuts the padding columns
+        none of these prompts needs (the rankings, where each chunk runs at its own length).
+
+        >>> batch = to_batch(model, ["I like Italy", "Q: hot", "Q: big"])  # 8, 7 and 6 tokens
+        >>> batch.rows(slice(1, 3)).tokens.shape, batch.rows(slice(1, 3), trim=True).tokens.shape
+        (torch.Size([2, 8]), torch.Size([2, 7]))
+        """
+        if not isinstance(rows, slice):
+            raise TypeError(f"rows must be a slice of prompts, not {type(rows).__name__}")
+        if not range(self.tokens.shape[0])[rows]:
+            raise IndexError(f"prompts {rows} of a batch of {self.tokens.shape[0]}: none selected")
+        lengths = self.lengths[rows]
+        width = int(lengths.max()) if trim else self.tokens.shape[1]
+        return Batch(self.tokens[rows, :width], lengths)
 
 
 def to_batch(

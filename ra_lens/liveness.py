@@ -27,11 +27,19 @@ from torch.overrides import TorchFunctionMode
 
 from ra_lens.contract import PATTERN, RESID_PRE, HookedModel, model_shape
 
-# Per model: the as-found answer of the probe, the layers the seam makes live, and how many
-# live_attention blocks are open (re-entrant).
-_AS_FOUND: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_SEAMABLE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_OPEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+#: What the probe found, per model: for each layer, whether hook_pattern is in the autograd graph
+#: of the output as the model was found. `_probe` learns it by a tiny silent forward+backward
+#: pass (the model's state restored), which costs a pass, and the answer depends only on the
+#: model's modules, which ra-lens never swaps: so it runs once per model and is kept here, held
+#: weakly (a collected model leaves no entry). After swapping a model's attention modules or its
+#: attention implementation, call `forget_probe(model)`.
+PROBED: weakref.WeakKeyDictionary[HookedModel, list[bool]] = weakref.WeakKeyDictionary()
+#: The layers `live_attention`'s seam makes live, per model (the probe run with the seam in
+#: place; kept and forgotten with `PROBED`).
+SEAMED: weakref.WeakKeyDictionary[HookedModel, set[int]] = weakref.WeakKeyDictionary()
+#: How many `live_attention` blocks are open on each model (re-entrant: only the outermost one
+#: installs and removes the seam).
+OPEN_BLOCKS: weakref.WeakKeyDictionary[HookedModel, int] = weakref.WeakKeyDictionary()
 _SOFTMAXES = (torch.softmax, F.softmax, Tensor.softmax)
 _SEAM_ATTRS = ("forward", "accepts_pattern_fn")
 
@@ -44,22 +52,35 @@ def live_pattern_layers(model: HookedModel, *, in_call: bool = True) -> list[boo
             caller's own forward pass (False: live as the adapter computes it, or through a
             `live_attention` block that is open now).
 
-    A tiny forward+backward pass finds out (with and without the seam); cached per model.
+    A tiny forward+backward pass finds out (with and without the seam), once per model (`PROBED`;
+    `forget_probe` drops it).
 
     >>> live_pattern_layers(model)  # GPT-2 and HookedTransformer compute attention themselves
     [True, True]
     """
-    if model not in _AS_FOUND:
-        _AS_FOUND[model] = _probe(model)
-    seamed = _seamable(model) if in_call or _OPEN.get(model, 0) else set()
-    return [live or layer in seamed for layer, live in enumerate(_AS_FOUND[model])]
+    if model not in PROBED:
+        PROBED[model] = _probe(model)
+    seamed = _seamable(model) if in_call or OPEN_BLOCKS.get(model, 0) else set()
+    return [live or layer in seamed for layer, live in enumerate(PROBED[model])]
+
+
+def forget_probe(model: HookedModel) -> None:
+    """Drop what the probe found for `model` (`PROBED`, `SEAMED`), so the next call probes again:
+    after swapping its attention modules or its attention implementation.
+
+    >>> _ = live_pattern_layers(model)
+    >>> model in PROBED, forget_probe(model), model in PROBED
+    (True, None, False)
+    """
+    PROBED.pop(model, None)
+    SEAMED.pop(model, None)
 
 
 def _seamable(model: HookedModel) -> set[int]:
     """The layers `live_attention` makes live: the delegating layers (`_seam_layers`) where a
     probe with the seam installed finds hook_pattern in the graph. Probed once per model; under
     torch.inference_mode(), where no probe can run, none (the model is used as found)."""
-    if model not in _SEAMABLE:
+    if model not in SEAMED:
         if torch.is_inference_mode_enabled():
             return set()
         candidates = _seam_layers(model)
@@ -71,8 +92,8 @@ def _seamable(model: HookedModel) -> set[int]:
             finally:
                 for restore in undo:
                     restore()
-        _SEAMABLE[model] = {layer for layer in candidates if reached[layer]}
-    return _SEAMABLE[model]
+        SEAMED[model] = {layer for layer in candidates if reached[layer]}
+    return SEAMED[model]
 
 
 def require_live_patterns(
@@ -124,13 +145,13 @@ def live_attention(model: HookedModel) -> Iterator[None]:
     if not layers:
         yield
         return
-    opened = _OPEN.get(model, 0) == 0
+    opened = OPEN_BLOCKS.get(model, 0) == 0
     undo = _install(model, layers) if opened else []
-    _OPEN[model] = _OPEN.get(model, 0) + 1
+    OPEN_BLOCKS[model] = OPEN_BLOCKS.get(model, 0) + 1
     try:
         yield
     finally:
-        _OPEN[model] -= 1
+        OPEN_BLOCKS[model] -= 1
         if opened:
             for restore in undo:
                 restore()
@@ -149,9 +170,9 @@ def _seam_layers(model: HookedModel) -> set[int]:
     ]
     if not wrapped:
         return set()
-    if model not in _AS_FOUND:
-        _AS_FOUND[model] = _probe(model)
-    return {layer for layer in wrapped if not _AS_FOUND[model][layer]}
+    if model not in PROBED:
+        PROBED[model] = _probe(model)
+    return {layer for layer in wrapped if not PROBED[model][layer]}
 
 
 def _install(model: HookedModel, layers: set[int]) -> list[Callable[[], None]]:

@@ -25,6 +25,7 @@ from ra_lens import capture
 from ra_lens._typing import Validated
 from ra_lens.capture import PATTERN, HookedModel, Z
 from ra_lens.math import upcast
+from ra_lens.pairs import chunks
 from ra_lens.result import ReversedAttention
 from ra_lens.types import Hook, Tokens
 
@@ -328,9 +329,9 @@ def last_token_means(
     counts = torch.zeros(m, dtype=torch.float64)
     names = [Z.format(la) for la in range(shape.n_layers)]
     with capture.preserved_state(model):
-        for start in range(0, batch.tokens.shape[0], batch_size):
-            lengths = batch.lengths[start : start + batch_size]
-            tokens_part = batch.tokens[start : start + batch_size, : int(lengths.max())]
+        for rows in chunks(batch.tokens.shape[0], batch_size):
+            part = batch.rows(rows, trim=True)
+            lengths, tokens_part = part.lengths, part.tokens
             # offset[i, p] = how many tokens position p lies before prompt i's last token
             offset = lengths.cpu()[:, None] - 1 - torch.arange(tokens_part.shape[1])[None, :]
             real = offset >= 0

@@ -13,7 +13,7 @@ import einops
 import torch
 from torch import Tensor
 
-from ra_lens import capture
+from ra_lens import capture, pairs
 from ra_lens._typing import Validated
 from ra_lens.attribution.result import AttentionAttribution
 from ra_lens.attribution.softmax import (
@@ -104,9 +104,9 @@ def attention_attribution(
     capture.check_positive_int(steps, "steps")
     n_steps = steps if method == "exact-ig" else 1
     shape = capture.model_shape(model)
+    _refuse_ungrouped_keys(model, shape.n_heads, shape.n_kv_heads)
     chosen = capture.check_layers(layers, shape.n_layers)
-    clean_b, corrupted_b = capture.to_batch(model, clean), capture.to_batch(model, corrupted)
-    check_pairs(clean_b, corrupted_b)
+    clean_b, corrupted_b = pairs.paired(model, clean, corrupted)
     capture.require_live_patterns(model, chosen, "attention_attribution needs R = dM/dA there")
     base, other = (corrupted_b, clean_b) if direction == "denoise" else (clean_b, corrupted_b)
     with capture.preserved_state(model):
@@ -181,22 +181,16 @@ def _check_choices(nodes: Sequence[str], method: str, direction: str) -> list[st
     return [n for n in NODES if n in nodes]
 
 
-def check_pairs(clean: Batch, corrupted: Batch) -> None:
-    """Refuse pairs that cannot be patched position by position: different counts, or a pair
-    whose two prompts have different token lengths (the error names the pair and the fix)."""
-    if clean.tokens.shape[0] != corrupted.tokens.shape[0]:
-        raise ValueError(
-            f"{clean.tokens.shape[0]} clean but {corrupted.tokens.shape[0]} corrupted prompts: "
-            "give one corrupted prompt per clean prompt"
-        )
-    unequal = (clean.lengths != corrupted.lengths).nonzero().flatten().tolist()
-    if unequal or clean.tokens.shape != corrupted.tokens.shape:
-        i = unequal[0] if unequal else 0
-        raise ValueError(
-            f"pair {i}: clean has {int(clean.lengths[i])} tokens, corrupted "
-            f"{int(corrupted.lengths[i])}: patching is position by position, so each corrupted "
-            "prompt must have its clean prompt's token length (swap in names/words that are one "
-            "token each)"
+def _refuse_ungrouped_keys(model: HookedModel, n_heads: int, n_kv_heads: int) -> None:
+    """HookedTransformer's `ungroup_grouped_query_attention` repeats each key/value head per
+    query head in hook_k, while key scores are per key/value head: refused naming the fix."""
+    cfg = getattr(model, "cfg", None)
+    if getattr(cfg, "ungroup_grouped_query_attention", False) and n_kv_heads < n_heads:
+        raise NotImplementedError(
+            "cfg.ungroup_grouped_query_attention=True: hook_k holds a copy of each key/value "
+            "head per query head, while attention_attribution scores keys per key/value head; "
+            "call model.set_ungroup_grouped_query_attention(False) (the model computes the same "
+            "either way)"
         )
 
 

@@ -33,10 +33,10 @@ from jaxtyping import Float
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from ra_lens import capture
+from ra_lens import capture, pairs
 from ra_lens._typing import Validated
 from ra_lens.capture import PATTERN, HookedModel
-from ra_lens.circuits import _edges, _pairs
+from ra_lens.circuits import _edges
 from ra_lens.circuits.circuit import EdgeScores
 from ra_lens.circuits.graph import Graph
 from ra_lens.types import MetricFn, Tokens
@@ -125,7 +125,7 @@ def attribute(
     capture.check_model(model)
     _edges.check_supported(model)
     graph = Graph.from_model(model)
-    clean_b, corrupted_b = _pairs.paired(model, clean, corrupted)
+    clean_b, corrupted_b = pairs.paired(model, clean, corrupted)
     exact = method.startswith("exact")
     if exact:
         capture.require_live_patterns(
@@ -136,14 +136,14 @@ def attribute(
     n_steps = steps if method.endswith("-ig") else 1
     base_b, other_b = (corrupted_b, clean_b) if direction == "denoise" else (clean_b, corrupted_b)
     n = base_b.tokens.shape[0]
-    rows_list = _pairs.chunks(n, batch_size)
+    rows_list = pairs.chunks(n, batch_size)
     total = torch.zeros(len(graph.writers), len(graph.readers), dtype=torch.float64)
     bar = tqdm(total=len(rows_list) * n_steps, desc=f"attribute {method}", disable=not progress)
     with capture.preserved_state(model), _edges.mlp_in_enabled(model):
         weights = [_edges.layer_weights(model, layer) for layer in range(graph.n_layers)]
         for rows in rows_list:
-            part_metric = _pairs.metric_for(metric, rows, n)
-            base, other = _pairs.part(base_b, rows), _pairs.part(other_b, rows)
+            part_metric = pairs.metric_rows(metric, rows, n)
+            base, other = base_b.rows(rows), other_b.rows(rows)
             with torch.no_grad():
                 run = _edges.EdgeRun(graph, weights)
                 with model.hooks(fwd_hooks=run.hooks(model)):
@@ -196,7 +196,7 @@ class _Step:
             capture.recorded(model, names[: graph.n_layers] if exact else [], grad=True) as grads,
         ):
             logits = model(batch.tokens)
-            values = _pairs.metric_values(metric, logits, batch)
+            values = pairs.metric_values(metric, logits, batch)
             if not values.requires_grad:
                 raise ValueError(
                     "the metric's values have no gradient path to the logits: edge scores "

@@ -49,13 +49,14 @@ key/value head (shared by the query heads of a group on a grouped-query model). 
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
 import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from jaxtyping import Bool, Float
@@ -271,6 +272,97 @@ class EdgeScores:
             page.save(path)
         return page
 
+    def top_edges(self, k: Validated[int] = 10) -> list[tuple[str, float]]:
+        """The k edges with the largest |score|, as (name, score), largest first.
+
+        >>> g = Graph(n_layers=1, n_heads=1, n_kv_heads=1, d_model=8)
+        >>> s = torch.zeros(len(g.writers), len(g.readers))
+        >>> s[g.edge_index("input->a0.h0<q>")], s[g.edge_index("a0.h0->logits")] = 0.5, -2.0
+        >>> EdgeScores(g, s, method="eap", direction="denoise").top_edges(2)
+        [('a0.h0->logits', -2.0), ('input->a0.h0<q>', 0.5)]
+        """
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"k must be a positive int, got {k!r}")
+        keys = self._keys(absolute=True).flatten()
+        order = keys.argsort(descending=True, stable=True)[: min(k, self.graph.n_edges)]
+        width = len(self.graph.readers)
+        return [
+            (self.graph.edge_name(i // width, i % width), float(self.scores.flatten()[i]))
+            for i in order.tolist()
+        ]
+
+    def to_dict(self, k: int = 10) -> dict[str, Any]:
+        """A JSON-ready summary: settings, the graph, edge counts, the k edges with the largest
+        |score| and the shape of every tensor field (the tensors themselves go to `save`).
+
+        >>> g = Graph(n_layers=1, n_heads=1, n_kv_heads=1, d_model=8)
+        >>> s = torch.zeros(len(g.writers), len(g.readers))
+        >>> s[g.edge_index("a0.h0->logits")] = 2.0
+        >>> report = EdgeScores(g, s, method="eap", direction="noise").to_dict(k=1)
+        >>> report["top_edges"], report["tensors"]
+        ([{'edge': 'a0.h0->logits', 'score': 2.0, 'helps': -2.0}], {'scores': [3, 5]})
+        """
+        tensors, plain = _split_fields(self)
+        sign = 1.0 if self.direction == "denoise" else -1.0
+        return {
+            **plain,
+            "graph": dataclasses.asdict(self.graph),
+            "n_edges": self.graph.n_edges,
+            "n_edges_ungrouped": self.graph.n_edges_ungrouped,
+            "top_edges": [
+                {"edge": name, "score": score, "helps": sign * score}
+                for name, score in self.top_edges(k)
+            ],
+            "tensors": {name: list(value.shape) for name, value in tensors.items()},
+        }
+
+    def table(self, k: int = 10) -> str:
+        """A Markdown table of the k edges with the largest |score|."""
+        rows = [
+            f"{self.method} edge scores ({self.direction}), {self.graph}",
+            "",
+            "| rank | edge | score | helps (MIB's sign) |",
+            "|---:|---|---:|---:|",
+        ]
+        sign = 1.0 if self.direction == "denoise" else -1.0
+        for i, (name, score) in enumerate(self.top_edges(k), 1):
+            rows.append(f"| {i} | {name} | {score:.4g} | {sign * score:.4g} |")
+        return "\n".join(rows)
+
+    def plot(self, save: str | Path | None = None, *, k: int = 20) -> Figure:
+        """The k edges with the largest |score| as bars, in MIB's sign (`helps`); `save` also
+        writes the figure (png, pdf, svg by suffix). Returns the figure."""
+        from ra_lens.circuits.draw import draw_scores
+        from ra_lens.viz import save_figure
+
+        return save_figure(draw_scores(self, k), save)
+
+    def save(self, path: str | Path) -> None:
+        """Write every field (the tensors, the graph, the settings) to one safetensors file,
+        atomically and through symlinks like `ReversedAttention.save`.
+
+        >>> import tempfile
+        >>> g = Graph(n_layers=1, n_heads=2, n_kv_heads=1, d_model=8)
+        >>> scores = EdgeScores(g, torch.rand(len(g.writers), len(g.readers)) * g.real,
+        ...                     method="eap", direction="denoise", seconds=1.5)
+        >>> with tempfile.TemporaryDirectory() as folder:
+        ...     scores.save(f"{folder}/scores.safetensors")
+        ...     back = EdgeScores.load(f"{folder}/scores.safetensors")
+        >>> torch.equal(back.scores, scores.scores), back.graph == g, back.seconds
+        (True, True, 1.5)
+        """
+        from ra_lens.circuits import _store
+
+        _store.save(self, path)
+
+    @classmethod
+    def load(cls, path: str | Path) -> EdgeScores:
+        """Read a file written by `EdgeScores.save`; other and damaged files are refused with
+        one ValueError naming the file."""
+        from ra_lens.circuits import _store
+
+        return _store.load(cls, path)
+
 
 @dataclass(eq=False)
 class Circuit:
@@ -444,14 +536,78 @@ class Circuit:
 
         return read_json(path, model_or_graph, kv=kv)
 
-    def draw(
-        self, path: str | Path | None = None, *, title: str | None = None, max_width: float = 4.0
+    def plot(
+        self, save: str | Path | None = None, *, title: str | None = None, max_width: float = 4.0
     ) -> Figure:
-        """A picture of the circuit (see `draw.py`), also written to `path` when given (PNG, SVG
+        """A picture of the circuit (see `draw.py`), also written to `save` when given (PNG, SVG
         or PDF by suffix); `max_width`: line width of the edge with the largest |score|."""
         from ra_lens.circuits.draw import draw_circuit
 
-        return draw_circuit(self, path, title=title, max_width=max_width)
+        return draw_circuit(self, save, title=title, max_width=max_width)
+
+    def draw(
+        self, path: str | Path | None = None, *, title: str | None = None, max_width: float = 4.0
+    ) -> Figure:
+        """`plot` under its earlier name."""
+        return self.plot(path, title=title, max_width=max_width)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready description: the graph, edge and node counts, and every edge with its
+        score (None without scores).
+
+        >>> g = Graph(n_layers=1, n_heads=1, n_kv_heads=1, d_model=8)
+        >>> c = Circuit.from_edges(g, ["input->a0.h0<q>", "a0.h0->logits"])
+        >>> c.to_dict()["edges"], c.to_dict()["nodes"]
+        ([{'edge': 'input->a0.h0<q>', 'score': None}, {'edge': 'a0.h0->logits', 'score': None}], ['input', 'a0.h0', 'logits'])
+        """  # noqa: E501
+        where = torch.nonzero(self.edges).tolist()
+        return {
+            "graph": dataclasses.asdict(self.graph),
+            "n_edges": self.n_edges,
+            "n_edges_ungrouped": self.n_edges_ungrouped,
+            "nodes": self.nodes,
+            "edges": [
+                {
+                    "edge": self.graph.edge_name(w, r),
+                    "score": None if self.scores is None else float(self.scores[w, r]),
+                }
+                for w, r in where
+            ],
+            "node_scores": None if self.node_scores is None else self.node_scores.tolist(),
+        }
+
+    def table(self) -> str:
+        """A Markdown table of the circuit's edges with their scores, in graph order."""
+        rows = [repr(self), "", "| edge | score |", "|---|---:|"]
+        for edge in self.to_dict()["edges"]:
+            score = "" if edge["score"] is None else f"{edge['score']:.4g}"
+            rows.append(f"| {edge['edge']} | {score} |")
+        return "\n".join(rows)
+
+    def save(self, path: str | Path) -> None:
+        """Write the circuit with its graph and scores to one safetensors file (lossless; for
+        EAP-IG's JSON layout use `to_json`).
+
+        >>> import tempfile
+        >>> g = Graph(n_layers=1, n_heads=1, n_kv_heads=1, d_model=8)
+        >>> c = Circuit.from_edges(g, ["input->a0.h0<q>", "a0.h0->logits"])
+        >>> with tempfile.TemporaryDirectory() as folder:
+        ...     c.save(f"{folder}/circuit.safetensors")
+        ...     back = Circuit.load(f"{folder}/circuit.safetensors")
+        >>> back == c, back.edge_names
+        (True, ['input->a0.h0<q>', 'a0.h0->logits'])
+        """
+        from ra_lens.circuits import _store
+
+        _store.save(self, path)
+
+    @classmethod
+    def load(cls, path: str | Path) -> Circuit:
+        """Read a file written by `Circuit.save`; other and damaged files are refused with one
+        ValueError naming the file."""
+        from ra_lens.circuits import _store
+
+        return _store.load(cls, path)
 
     def to_html(
         self,
@@ -482,6 +638,21 @@ class Circuit:
         if path is not None:
             page.save(path)
         return page
+
+
+def _split_fields(obj: Any) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    """The dataclass's tensor fields and its plain (JSON-ready) ones, the graph left out: a field
+    added later lands in one of them without edits."""
+    tensors, plain = {}, {}
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if isinstance(value, Tensor):
+            tensors[f.name] = value
+        elif isinstance(value, dict):
+            tensors |= {f"{f.name}.{k}": v for k, v in value.items() if isinstance(v, Tensor)}
+        elif not isinstance(value, Graph):
+            plain[f.name] = value
+    return tensors, plain
 
 
 def _check_finite(graph: Graph, scores: Tensor, name: str) -> None:

@@ -25,7 +25,7 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
 
-from ra_lens.circuits.circuit import Circuit
+from ra_lens.circuits.circuit import Circuit, EdgeScores
 from ra_lens.circuits.graph import Graph
 
 #: Edge colour per reader kind.
@@ -96,8 +96,32 @@ def draw_circuit(
         or f"{circuit.n_edges} edges, {len(nodes)} nodes ({g.n_layers} layers x {g.n_heads} heads)",
         fontsize=9,
     )
-    if path is not None:
-        fig.savefig(path, dpi=150)
+    from ra_lens.viz import save_figure
+
+    return save_figure(fig, path)
+
+
+def draw_scores(scores: EdgeScores, k: int = 20) -> Figure:
+    """The k edges with the largest |score| as horizontal bars, largest on top, in MIB's sign
+    (positive: the edge helps the metric), coloured by reader kind as in `draw_circuit`.
+
+    >>> g = Graph(n_layers=1, n_heads=2, n_kv_heads=2, d_model=8)
+    >>> s = torch.zeros(len(g.writers), len(g.readers))
+    >>> s[g.edge_index("a0.h1->logits")] = 2.0
+    >>> fig = draw_scores(EdgeScores(g, s, method="eap", direction="denoise"), k=3)
+    >>> [t.get_text() for t in fig.axes[0].get_yticklabels()][-1]  # the largest on top
+    'a0.h1->logits'
+    """
+    top = scores.top_edges(k)[::-1]
+    sign = 1.0 if scores.direction == "denoise" else -1.0
+    fig = Figure(figsize=(6, max(2.0, 0.25 * len(top) + 1)), layout="constrained")
+    ax = fig.add_subplot()
+    colors = [COLORS[scores.graph.reader(name.split("->")[1]).kind] for name, _ in top]
+    ax.barh(range(len(top)), [sign * value for _, value in top], color=colors)
+    ax.set_yticks(range(len(top)), [name for name, _ in top], fontsize=7)
+    ax.axvline(0.0, color="grey", lw=0.8)
+    ax.set_xlabel("score, MIB's sign (> 0: the edge helps)")
+    ax.set_title(f"{scores.method}: the {len(top)} edges with the largest |score|", fontsize=9)
     return fig
 
 

@@ -30,10 +30,10 @@ from jaxtyping import Bool, Float
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from ra_lens import capture
+from ra_lens import capture, pairs
 from ra_lens._typing import Validated
 from ra_lens.capture import HookedModel
-from ra_lens.circuits import _edges, _pairs
+from ra_lens.circuits import _edges
 from ra_lens.circuits.circuit import Circuit
 from ra_lens.circuits.graph import Graph
 from ra_lens.types import MetricFn, Tokens
@@ -171,23 +171,23 @@ class FaithfulnessEvaluator:
         _edges.check_supported(model)
         self.model, self.ablation = model, ablation
         self.graph = Graph.from_model(model)
-        self._clean, corrupted_b = _pairs.paired(model, clean, corrupted)
+        self._clean, corrupted_b = pairs.paired(model, clean, corrupted)
         n = self._clean.tokens.shape[0]
-        self._rows = _pairs.chunks(n, batch_size)
-        self._metrics = [_pairs.metric_for(metric, rows, n) for rows in self._rows]
+        self._rows = pairs.chunks(n, batch_size)
+        self._metrics = [pairs.metric_rows(metric, rows, n) for rows in self._rows]
         clean_values, corrupted_values = [], []
         self._references: list[Tensor] = []
         with capture.preserved_state(model), torch.no_grad(), _edges.mlp_in_enabled(model):
             self._weights = [_edges.layer_weights(model, la) for la in range(self.graph.n_layers)]
             for rows, part_metric in zip(self._rows, self._metrics, strict=True):
-                clean_part = _pairs.part(self._clean, rows)
-                corrupted_part = _pairs.part(corrupted_b, rows)
+                clean_part = self._clean.rows(rows)
+                corrupted_part = corrupted_b.rows(rows)
                 logits = model(clean_part.tokens)
-                clean_values.append(_pairs.metric_values(part_metric, logits, clean_part))
+                clean_values.append(pairs.metric_values(part_metric, logits, clean_part))
                 run = _edges.EdgeRun(self.graph, self._weights)
                 with model.hooks(fwd_hooks=run.hooks(model)):
                     logits = model(corrupted_part.tokens)
-                corrupted_values.append(_pairs.metric_values(part_metric, logits, corrupted_part))
+                corrupted_values.append(pairs.metric_values(part_metric, logits, corrupted_part))
                 self._references.append(run.outputs())
         if ablation == "mean":
             mean = _mean_outputs(self._references, corrupted_b, self._rows)
@@ -210,11 +210,11 @@ class FaithfulnessEvaluator:
             for rows, part_metric, reference in tqdm(
                 list(batches), desc="faithfulness", disable=not progress
             ):
-                clean_part = _pairs.part(self._clean, rows)
+                clean_part = self._clean.rows(rows)
                 patched = _edges.EdgeRun(self.graph, self._weights, reference=reference, mask=mask)
                 with model.hooks(fwd_hooks=patched.hooks(model)):
                     logits = model(clean_part.tokens)
-                parts.append(_pairs.metric_values(part_metric, logits, clean_part))
+                parts.append(pairs.metric_values(part_metric, logits, clean_part))
         return torch.cat(parts).detach().double().cpu()
 
     def __call__(self, circuit: Validated[Circuit], *, progress: bool = False) -> Faithfulness:
@@ -288,7 +288,7 @@ def _mean_outputs(
     total: Tensor | None = None
     counts = torch.zeros(corrupted.tokens.shape[1], device=corrupted.tokens.device)
     for rows, output in zip(rows_list, outputs, strict=True):
-        real = _pairs.part(corrupted, rows).real_mask()
+        real = corrupted.rows(rows).real_mask()
         part_sum = (output * real[None, :, :, None].to(output.device)).sum(1, keepdim=True)
         total = part_sum if total is None else total + part_sum
         counts += real.sum(0).to(counts.device)

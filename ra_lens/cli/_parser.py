@@ -11,7 +11,7 @@ from ra_lens.cli import circuit as circuit_command
 from ra_lens.cli import maps as maps_command
 from ra_lens.cli._shared import _positive_int
 from ra_lens.cli.pairs import CIRCUIT_TASKS
-from ra_lens.cli.patch_rank import _run_patch, _run_rank
+from ra_lens.cli.patch_rank import _run_patch, _run_rank, patch_out_files, rank_out_files
 
 MODEL_HELP = (
     "model: 'smollm2-135m' (default, embedded, offline), 'gemma3-270m' (embedded, offline; "
@@ -69,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated scales (default: the paper's grid, extended)",
     )
     _common(patch)
-    patch.set_defaults(run=_run_patch)
+    patch.set_defaults(run=_run_patch, out_files=patch_out_files)
 
     rank = sub.add_parser(
         "rank",
@@ -98,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--fractions", default=None, help="comma-separated fractions of heads kept (0,0.1,...,1)"
     )
     _common(rank)
-    rank.set_defaults(run=_run_rank)
+    rank.set_defaults(run=_run_rank, out_files=rank_out_files)
 
     attribute = sub.add_parser(
         "attribute",

@@ -46,7 +46,8 @@ def _positive_int(text: str) -> int:
 def _check_outputs(args: argparse.Namespace) -> None:
     """Fail before the computation (which can take many minutes), not after it, when --out or
     --json cannot be written, or when --json names a file --out writes (the report would
-    replace it: `args.out_files`, the names a command writes under --out)."""
+    replace it: `args.out_files`, the names a command writes under --out, or a function of the
+    arguments giving them where they depend on the arguments)."""
     out: Path | None = getattr(args, "out", None)
     if out is not None:
         if out.exists() and not out.is_dir():
@@ -62,7 +63,8 @@ def _check_outputs(args: argparse.Namespace) -> None:
             raise ValueError(
                 f"--json {target} is the --out folder: give a file name such as {out}/report.json"
             )
-        for name in getattr(args, "out_files", ()):
+        names = getattr(args, "out_files", ())
+        for name in names(args) if callable(names) else names:
             if written == os.path.realpath(out / name):
                 raise ValueError(
                     f"--json {target} is the {name} that --out {out} writes: give the report "

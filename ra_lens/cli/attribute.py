@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import time
 from typing import Any
 
 from ra_lens.cli._shared import _emit_json, _model, _say
@@ -24,18 +23,17 @@ def _first_token(model: HookedModel, text: str, flag: str) -> int:
 
 def _run_attribute(args: argparse.Namespace) -> int:
     from ra_lens import attention_attribution
+    from ra_lens.experiments.timing import timed
 
     file_pairs = _attribute_source(args)
     seconds: dict[str, float] = {}
-    start = time.perf_counter()
-    model = _model(args)
-    seconds["load_model"] = time.perf_counter() - start
+    with timed(seconds, "load_model"):
+        model = _model(args)
     clean, corrupted, metric, metric_name = _attribute_inputs(args, model, file_pairs)
-    start = time.perf_counter()
-    att = attention_attribution(
-        model, clean, corrupted, metric, method=args.method, direction=args.direction
-    )
-    seconds["attention_attribution"] = time.perf_counter() - start
+    with timed(seconds, "attention_attribution"):
+        att = attention_attribution(
+            model, clean, corrupted, metric, method=args.method, direction=args.direction
+        )
     att = _with_clean_labels(att, model, clean)
 
     report = att.to_dict(k=args.top)
@@ -110,7 +108,7 @@ def _attribute_source(args: argparse.Namespace) -> list[Any]:
 
 
 def _attribute_inputs(
-    args: argparse.Namespace, model: Any, file_pairs: list[Any]
+    args: argparse.Namespace, model: HookedModel, file_pairs: list[Any]
 ) -> tuple[Any, Any, Any, str]:
     """(clean, corrupted, metric, metric name) for `attribute`: one pair from the flags, or the
     pairs of --task / --pairs with logit(answer) - logit(wrong) per pair."""
@@ -130,7 +128,7 @@ def _attribute_inputs(
     return to_batch(model, args.clean), to_batch(model, args.corrupted), metric, metric_name
 
 
-def _with_clean_labels(att: Any, model: Any, clean: Any) -> Any:
+def _with_clean_labels(att: Any, model: HookedModel, clean: Any) -> Any:
     """The attribution with the CLEAN prompts' tokens as labels: under "denoise" the patched run
     is the corrupted one, whose tokens (" Bob" where the clean prompt has " John") would name
     the edges of an analysis of the clean behaviour."""

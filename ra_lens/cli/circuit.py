@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-import time
 
 from ra_lens.cli._shared import _emit_json, _floats, _model, _say
 from ra_lens.cli.pairs import PAIR_KEYS, _circuit_pairs, _read_pairs
@@ -19,47 +18,45 @@ def _run_circuit(args: argparse.Namespace) -> int:
     from matplotlib.figure import Figure
 
     from ra_lens import circuits
+    from ra_lens.experiments.timing import timed
     from ra_lens.tasks import ioi
 
     sizes = None if args.sizes is None else _floats(args.sizes)
     file_pairs = [] if args.pairs is None else _read_pairs(args.pairs)  # before the model loads
     seconds: dict[str, float] = {}
-    start = time.perf_counter()
-    model = _model(args)
-    seconds["load_model"] = time.perf_counter() - start
+    with timed(seconds, "load_model"):
+        model = _model(args)
     pairs = _circuit_pairs(args, model, file_pairs)
     clean, corrupted, metric = ioi.paired_batch(model, pairs)
     progress = sys.stderr.isatty()
 
-    start = time.perf_counter()
-    scores = circuits.attribute(
-        model,
-        clean,
-        corrupted,
-        metric,
-        method=args.method,
-        direction=args.direction,
-        steps=args.steps,
-        batch_size=args.batch_size,
-        progress=progress,
-    )
-    seconds["attribute"] = time.perf_counter() - start
+    with timed(seconds, "attribute"):
+        scores = circuits.attribute(
+            model,
+            clean,
+            corrupted,
+            metric,
+            method=args.method,
+            direction=args.direction,
+            steps=args.steps,
+            batch_size=args.batch_size,
+            progress=progress,
+        )
     assert isinstance(scores, circuits.EdgeScores)
-    start = time.perf_counter()
-    curve = circuits.faithfulness_curve(
-        model,
-        scores,
-        clean,
-        corrupted,
-        metric,
-        sizes=sizes,
-        ablation=args.ablation,
-        selection=args.selection,
-        units=args.units,
-        batch_size=args.batch_size,
-        progress=progress,
-    )
-    seconds["faithfulness_curve"] = time.perf_counter() - start
+    with timed(seconds, "faithfulness_curve"):
+        curve = circuits.faithfulness_curve(
+            model,
+            scores,
+            clean,
+            corrupted,
+            metric,
+            sizes=sizes,
+            ablation=args.ablation,
+            selection=args.selection,
+            units=args.units,
+            batch_size=args.batch_size,
+            progress=progress,
+        )
     n_edges = min(args.edges, scores.graph.n_edges)
     circuit = scores.top(n_edges) if args.selection == "top" else scores.greedy(n_edges)
     kept = circuits.faithfulness(

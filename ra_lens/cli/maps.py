@@ -4,7 +4,6 @@ and a circuitsvis page."""
 from __future__ import annotations
 
 import argparse
-import time
 
 from ra_lens.cli._shared import _emit_json, _model, _say
 
@@ -16,11 +15,11 @@ def _run_maps(args: argparse.Namespace) -> int:
     import torch
 
     from ra_lens import metrics, reversed_attention, to_batch
+    from ra_lens.experiments.timing import timed
 
     seconds: dict[str, float] = {}
-    start = time.perf_counter()
-    model = _model(args)
-    seconds["load_model"] = time.perf_counter() - start
+    with timed(seconds, "load_model"):
+        model = _model(args)
 
     prompt_tokens = to_batch(model, args.prompt).tokens  # refuses text longer than n_ctx
     target_ids = model.to_tokens(args.target, prepend_bos=False)[0].tolist()
@@ -30,9 +29,8 @@ def _run_maps(args: argparse.Namespace) -> int:
         tokens, metric = metrics.completion(model, args.prompt, args.target)
     else:
         tokens, metric = prompt_tokens, metrics.target_nll([target_ids[0]])
-    start = time.perf_counter()
-    ra = reversed_attention(model, tokens, metric, convention=args.convention)
-    seconds["reversed_attention"] = time.perf_counter() - start
+    with timed(seconds, "reversed_attention"):
+        ra = reversed_attention(model, tokens, metric, convention=args.convention)
 
     with torch.no_grad():
         probs = model(prompt_tokens)[0, -1].float().softmax(-1)

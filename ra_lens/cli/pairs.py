@@ -8,6 +8,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ra_lens.types import HookedModel
+
 CIRCUIT_TASKS = ("ioi", "country-capital")
 PAIR_KEYS = ("clean", "corrupted", "answer", "wrong")
 
@@ -53,7 +55,9 @@ def _read_pairs(path: Path) -> list[Any]:
     return pairs
 
 
-def _circuit_pairs(args: argparse.Namespace, model: Any, file_pairs: list[Any]) -> list[Any]:
+def _circuit_pairs(
+    args: argparse.Namespace, model: HookedModel, file_pairs: list[Any]
+) -> list[Any]:
     """The pairs to use: the first --n-pairs of the file (each must suit the tokenizer) or of
     the task's pairs that suit it."""
     from ra_lens.tasks import ioi

@@ -25,7 +25,7 @@ def _run_patch(args: argparse.Namespace) -> int:
     _say(args, result.table())
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        path = args.out / f"patching_{args.task}_{args.shots}shot.png"
+        path = args.out / patch_out_files(args)[0]
         result.plot(save=path)
         _say(args, f"wrote {path}")
     _emit_json(args.json, result.to_dict())
@@ -56,10 +56,25 @@ def _run_rank(args: argparse.Namespace) -> int:
         results.append(result)
         _say(args, result.table())
         if args.out is not None:
-            out = args.out if len(args.task) == 1 else args.out / task
+            out = args.out if len(args.task) == 1 else args.out / task  # as rank_out_files
             for path in result.plots(out):
                 _say(args, f"wrote {path}")
     # One task: its result as before; several: {"results": [one per task]}.
     dicts = [r.to_dict() for r in results]
     _emit_json(args.json, dicts[0] if len(dicts) == 1 else {"results": dicts})
     return 0
+
+
+def patch_out_files(args: argparse.Namespace) -> tuple[str, ...]:
+    """The file `ra-lens patch` writes under --out."""
+    return (f"patching_{args.task}_{args.shots}shot.png",)
+
+
+def rank_out_files(args: argparse.Namespace) -> tuple[str, ...]:
+    """The files `ra-lens rank` writes under --out: one task's plots in it, several tasks' each
+    in a folder of its own."""
+    from ra_lens.experiments.head_ranking import PLOT_FILES
+
+    if len(args.task) == 1:
+        return PLOT_FILES
+    return tuple(f"{task}/{name}" for task in args.task for name in PLOT_FILES)

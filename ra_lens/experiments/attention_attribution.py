@@ -43,6 +43,7 @@ from ra_lens.capture import PATTERN, Batch, HookedModel
 from ra_lens.core import reversed_attention
 from ra_lens.experiments import timing
 from ra_lens.files import check_writable, load_json, write_file
+from ra_lens.pairs import metric_rows, metric_values
 from ra_lens.ranking.statistics import pearson, spearman, top_recall
 from ra_lens.tasks import ioi
 from ra_lens.types import MetricFn
@@ -56,11 +57,6 @@ def _hook_name(model: HookedModel, kind: str, layer: int) -> str:
     if kind == "key":
         return capture.key_hook_name(model, layer)
     return PATTERN.format(layer)
-
-
-def _rows(batch: Batch, rows: Sequence[int]) -> Batch:
-    index = torch.as_tensor(list(rows))
-    return Batch(batch.tokens[index], batch.lengths[index])
 
 
 def clean_activations(model: HookedModel, clean: Batch, layers: Sequence[int]) -> dict[str, Tensor]:
@@ -109,7 +105,7 @@ def patching_effects(
     source = clean_activations(model, clean, layers)
     n = clean.tokens.shape[0]
     with torch.no_grad():
-        base = metric(model(corrupted.tokens), lengths=corrupted.lengths).double().cpu()
+        base = metric_values(metric, model(corrupted.tokens), corrupted).double().cpu()
     per_pass = max(1, max_rows // n)
     out = torch.zeros(len(jobs), n, dtype=torch.float64)
     chunks = [range(i, min(i + per_pass, len(jobs))) for i in range(0, len(jobs), per_pass)]
@@ -322,8 +318,7 @@ def measure(
             ),
         )
     else:
-        truth = _stored_truth(stored, pairs, exact)
-        seconds["truth"] = float(stored["seconds"]["truth"])
+        truth, seconds["truth"] = _stored_truth(stored, pairs, exact)
     result = TaskMeasurement(
         task=task,
         n_pairs=len(pairs),
@@ -355,27 +350,46 @@ def measure(
 
 
 def _stored_truth(
-    stored: dict[str, Any], pairs: Sequence[ioi.PromptPair], exact: AttentionAttribution
-) -> dict[str, Tensor]:
-    """The head-level truth of an earlier run, if it was measured on these pairs."""
+    stored: Any, pairs: Sequence[ioi.PromptPair], exact: AttentionAttribution
+) -> tuple[dict[str, Tensor], float]:
+    """The head-level truth of an earlier run and the seconds it took, if it was measured on these
+    pairs; an entry from other pairs, or a damaged one (`stored` is whatever the JSON file held),
+    is refused naming the task and the fix."""
     first = pairs[0]
     example = {"clean": first.clean, "corrupted": first.corrupted, "answer": first.answer,
                "wrong": first.wrong}  # fmt: skip
     metrics = (float(exact.clean_metric.mean()), float(exact.corrupted_metric.mean()))
-    same = (
-        stored.get("n_pairs") == len(pairs)
-        and stored.get("example") == example
-        and all(
-            abs(now - float(stored[key])) <= 1e-4 * max(1.0, abs(now))
-            for now, key in zip(metrics, ("metric_clean", "metric_corrupted"), strict=True)
+    task = stored.get("task") if isinstance(stored, dict) else None
+    rerun = "run without --truth-from to measure it again"
+    try:
+        same = (
+            stored.get("n_pairs") == len(pairs)
+            and stored.get("example") == example
+            and all(
+                abs(now - float(stored[key])) <= 1e-4 * max(1.0, abs(now))
+                for now, key in zip(metrics, ("metric_clean", "metric_corrupted"), strict=True)
+            )
         )
-    )
+        if same:
+            truth = {kind: torch.tensor(stored["scores"]["truth"][kind]) for kind in KINDS}
+            for kind, value in truth.items():
+                if value.shape != exact.scores[kind].shape or not value.is_floating_point():
+                    raise ValueError(
+                        f"its {kind} truth has shape {tuple(value.shape)}, the model's heads "
+                        f"{tuple(exact.scores[kind].shape)}"
+                    )
+            spent = float(stored["seconds"]["truth"])
+    except (AttributeError, KeyError, TypeError, ValueError) as error:
+        what = f"{type(error).__name__}: {error}"
+        raise ValueError(
+            f"the stored truth of task {task!r} is damaged ({what}): {rerun}"
+        ) from None
     if not same:
         raise ValueError(
-            f"the stored truth of task {stored.get('task')!r} was measured on other pairs (or "
-            "another model): run without --truth-from to measure it again"
+            f"the stored truth of task {task!r} was measured on other pairs (or another model): "
+            + rerun
         )
-    return {kind: torch.tensor(stored["scores"]["truth"][kind]) for kind in KINDS}
+    return truth, spent
 
 
 def _per_position(
@@ -393,9 +407,10 @@ def _per_position(
 ) -> dict[str, dict[str, float]]:
     """Per-position truth for the top heads of each kind on the first pairs, against the
     per-position estimates."""
-    rows = list(range(min(n_pairs, clean.tokens.shape[0])))
-    clean_s, corrupted_s = _rows(clean, rows), _rows(corrupted, rows)
-    sub_metric = type(metric)(metric.correct[rows], metric.incorrect[rows])
+    n = clean.tokens.shape[0]
+    rows = slice(0, min(n_pairs, n))
+    clean_s, corrupted_s = clean.rows(rows), corrupted.rows(rows)
+    sub_metric = metric_rows(metric, rows, n)
     jobs, where = [], []
     for kind in KINDS:
         order = truth[kind].flatten().abs().argsort(descending=True)[:n_heads].tolist()

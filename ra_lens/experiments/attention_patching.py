@@ -12,7 +12,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from ra_lens import tasks
+from ra_lens import pairs, tasks
 from ra_lens._typing import Validated
 from ra_lens.capture import HookedModel
 from ra_lens.core import reversed_attention
@@ -134,8 +134,8 @@ def mean_reversed_attention(
     (4, torch.Size([2, 4]))
     """
     parts = []
-    for i in range(0, len(prompts), batch_size):
-        chunk = prompts[i : i + batch_size]
+    for rows in pairs.chunks(len(prompts), batch_size):
+        chunk = prompts[rows]
         targets = [tasks.answer_token(model, p.answer) for p in chunk]
         parts.append(reversed_attention(model, [p.text for p in chunk], target_nll(targets)))
     return ReversedAttention.concat(parts)

@@ -43,6 +43,7 @@ from tqdm.auto import tqdm
 from ra_lens import capture, circuits
 from ra_lens.circuits.curve import MIB_FRACTIONS
 from ra_lens.circuits.faithfulness import BASELINE
+from ra_lens.experiments import timing
 
 # The statistics live in circuit_study_report; fraction_columns, paired_difference re-exported.
 from ra_lens.experiments.circuit_study_report import fraction_columns as fraction_columns
@@ -280,7 +281,7 @@ def run_task(
         return measured[key]
 
     reference: dict[str, dict[str, list[float]]] = {}
-    start = time.perf_counter()
+    start = timing.now()
     for ablation in ablations:
         measure(circuits.Circuit.empty(graph), ablation)
     out: dict[str, Any] = {
@@ -297,25 +298,29 @@ def run_task(
     }
     truth = None
     if truth_pairs > 0:
-        begin = time.perf_counter()
-        truth = head_patching(model, pairs[:truth_pairs])
+        spans: dict[str, float] = {}
+        with timing.timed(spans, "truth"):
+            truth = head_patching(model, pairs[:truth_pairs])
         out["truth"] = {
             "pairs": min(truth_pairs, len(pairs)),
             "heads": truth.tolist(),
-            "seconds": time.perf_counter() - begin,
+            "seconds": spans["truth"],
             "pearson": {},
         }
     for label in tqdm(methods, desc="methods", disable=not progress):
         method, steps, direction = METHODS[label]
-        begin, begin_cpu = time.perf_counter(), time.process_time()
-        if method == "random":
-            scores = random_scores(graph)
-        else:
-            scores = circuits.attribute(
-                model, train_clean, train_corrupted, train_metric, method=method, steps=steps,
-                direction=direction, batch_size=batch_size,
-            )  # fmt: skip
-        seconds, cpu_seconds = time.perf_counter() - begin, time.process_time() - begin_cpu
+        spent: dict[str, float] = {}
+        with (
+            timing.timed(spent, "attribute"),
+            timing.timed(spent, "attribute_cpu", clock=time.process_time),
+        ):
+            if method == "random":
+                scores = random_scores(graph)
+            else:
+                scores = circuits.attribute(
+                    model, train_clean, train_corrupted, train_metric, method=method,
+                    steps=steps, direction=direction, batch_size=batch_size,
+                )  # fmt: skip
         assert isinstance(scores, circuits.EdgeScores)
         if truth is not None:
             subset = scores
@@ -331,17 +336,17 @@ def run_task(
         pick = scores.top if selection == "top" else scores.greedy
         by_abs = [pick(n, absolute=True, units="ungrouped") for n in sizes]
         signed = [pick(n, absolute=False, units="ungrouped") for n in sizes]
-        begin = time.perf_counter()
-        out["methods"][label] = {
-            "seconds": seconds,
-            "cpu_seconds": cpu_seconds,
-            "n_edges": [c.n_edges_ungrouped for c in by_abs],
-            "circuit": {a: [measure(c, a) for c in by_abs] for a in ablations},
-            "signed_n_edges": [c.n_edges_ungrouped for c in signed],
-            "signed_circuit": {a: [measure(c, a) for c in signed] for a in ablations},
-        }
-        out["methods"][label]["eval_seconds"] = time.perf_counter() - begin
-        out["seconds"] = time.perf_counter() - start
+        with timing.timed(spent, "eval"):
+            out["methods"][label] = {
+                "seconds": spent["attribute"],
+                "cpu_seconds": spent["attribute_cpu"],
+                "n_edges": [c.n_edges_ungrouped for c in by_abs],
+                "circuit": {a: [measure(c, a) for c in by_abs] for a in ablations},
+                "signed_n_edges": [c.n_edges_ungrouped for c in signed],
+                "signed_circuit": {a: [measure(c, a) for c in signed] for a in ablations},
+            }
+        out["methods"][label]["eval_seconds"] = spent["eval"]
+        out["seconds"] = timing.now() - start
         if on_method is not None:
             on_method(out)
     return out
@@ -401,7 +406,7 @@ def circuit_study(
         },
         "tasks": {},
     }
-    start = time.perf_counter()
+    start = timing.now()
     for name in tasks:
         every = task_pairs(model, name, train_pairs + n_pairs)
         if not every:
@@ -417,7 +422,7 @@ def circuit_study(
         def keep(task: dict[str, Any], name: str = name) -> None:
             task["summary"] = summarise(task, fractions, n_boot)
             study["tasks"][name] = task
-            study["runtime_seconds"] = time.perf_counter() - start
+            study["runtime_seconds"] = timing.now() - start
             study["goals"] = goals(study)
             if on_task is not None:
                 on_task(study)
@@ -438,7 +443,7 @@ def circuit_study(
                 selection=selection,
             )
         )
-    study["runtime_seconds"] = time.perf_counter() - start
+    study["runtime_seconds"] = timing.now() - start
     study["goals"] = goals(study)
     return study
 

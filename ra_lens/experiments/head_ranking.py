@@ -324,22 +324,19 @@ class HeadRankingResult:
 
     def plots(self, out_dir: str | Path) -> list[Path]:
         """Write ablation_curves.png (top-1, top heads kept), ablation_curves_top3.png,
-        ablation_curves_reverse.png (bottom heads kept) and ranking_maps.png; returns the paths."""
+        ablation_curves_reverse.png (bottom heads kept) and ranking_maps.png (`PLOT_FILES`);
+        returns the paths."""
         from ra_lens import viz
 
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         where = f"{self.task} {self.shots}-shot"
         paths = []
+        top1, top3, reverse, maps = PLOT_FILES
         for file, curves, k, title in (
-            ("ablation_curves.png", self.curves, 1, "Keeping only the top-ranked heads"),
-            ("ablation_curves_top3.png", self.curves, 3, "Keeping only the top-ranked heads"),
-            (
-                "ablation_curves_reverse.png",
-                self.reverse_curves,
-                1,
-                "Keeping the bottom-ranked heads",
-            ),
+            (top1, self.curves, 1, "Keeping only the top-ranked heads"),
+            (top3, self.curves, 3, "Keeping only the top-ranked heads"),
+            (reverse, self.reverse_curves, 1, "Keeping the bottom-ranked heads"),
         ):
             path = out / file
             viz.ablation_curves(
@@ -350,10 +347,19 @@ class HeadRankingResult:
                 save=path,
             )
             paths.append(path)
-        path = out / "ranking_maps.png"
+        path = out / maps
         viz.ranking_maps(self.scores, save=path)
         paths.append(path)
         return paths
+
+
+#: The files `HeadRankingResult.plots` writes into its folder (the CLI's --json must not name one).
+PLOT_FILES: tuple[str, ...] = (
+    "ablation_curves.png",
+    "ablation_curves_top3.png",
+    "ablation_curves_reverse.png",
+    "ranking_maps.png",
+)
 
 
 def _json_float(value: float) -> float | None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +32,7 @@ from ra_lens.experiments.head_ranking import (
     check_rankings,
     head_ranking,
 )
+from ra_lens.experiments.timing import timed
 from ra_lens.files import load_json, write_file
 from ra_lens.ranking.engine import check_count
 from ra_lens.tasks import Task
@@ -150,16 +150,16 @@ class StudyResult:
     def plots(self, out_dir: str | Path) -> list[Path]:
         """One figure per cell, `{task}_{shots}shot_{ablation}.png`: top-1 accuracy against the
         fraction of heads kept, top heads kept (left) and bottom heads kept (right)."""
-        import matplotlib
+        from matplotlib.figure import Figure
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from ra_lens.viz import save_figure
 
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         paths = []
         for cell in self.cells:
-            fig, axes = plt.subplots(1, 2, figsize=(12, 4.4), sharey=True)
+            fig = Figure(figsize=(12, 4.4), layout="constrained")
+            axes = fig.subplots(1, 2, sharey=True)
             for ax, curves, title in (
                 (axes[0], cell.curves, "keeping the top-ranked heads"),
                 (axes[1], cell.reverse_curves, "keeping the bottom-ranked heads"),
@@ -183,10 +183,8 @@ class StudyResult:
                 f"{cell.task}, {cell.shots}-shot, {cell.ablation} ablation "
                 f"({cell.n_test} test prompts, rankings from {cell.n_prompts})"
             )
-            fig.tight_layout()
             path = out / f"{cell.task}_{cell.shots}shot_{cell.ablation}.png"
-            fig.savefig(path, dpi=110)
-            plt.close(fig)
+            save_figure(fig, path)
             paths.append(path)
         return paths
 
@@ -330,38 +328,41 @@ def ranking_study(
         "seed": seed,
     }
     result = StudyResult([], config, 0.0)
-    start = time.perf_counter()
+    seconds: dict[str, float] = {"runtime": 0.0}
     for task, shots in tqdm(cells, desc="ranking study", disable=not progress):
         reuse = None
         for ablation in ablations:
-            try:
-                cell = head_ranking(
-                    model,
-                    task,
-                    shots,
-                    n_prompts,
-                    fractions=fractions,
-                    rankings=names,
-                    n_test=n_test,
-                    seed=seed,
-                    batch_size=batch_size,
-                    eval_batch_size=eval_batch_size,
-                    ablation=ablation,  # type: ignore[arg-type]
-                    n_means=n_means,
-                    n_boot=n_boot,
-                    reuse=reuse,
-                    progress=progress,
-                )
-            except ValueError as error:  # too few usable pairs for this tokenizer, and the like
-                name = task if isinstance(task, str) else task.name
-                result.skipped.append(f"{name} {shots}-shot {ablation}: {error}")
+            # The study's runtime: its cells, not the caller's on_cell (which writes files).
+            with timed(seconds, "runtime"):
+                try:
+                    cell = head_ranking(
+                        model,
+                        task,
+                        shots,
+                        n_prompts,
+                        fractions=fractions,
+                        rankings=names,
+                        n_test=n_test,
+                        seed=seed,
+                        batch_size=batch_size,
+                        eval_batch_size=eval_batch_size,
+                        ablation=ablation,  # type: ignore[arg-type]
+                        n_means=n_means,
+                        n_boot=n_boot,
+                        reuse=reuse,
+                        progress=progress,
+                    )
+                except ValueError as error:  # too few usable pairs for this tokenizer, and so on
+                    name = task if isinstance(task, str) else task.name
+                    result.skipped.append(f"{name} {shots}-shot {ablation}: {error}")
+                    cell = None
+            result.runtime_seconds = seconds["runtime"]
+            if cell is None:
                 break
             reuse = reuse or cell
             result.cells.append(cell)
-            result.runtime_seconds = time.perf_counter() - start
             if on_cell is not None:
                 on_cell(result)
-    result.runtime_seconds = time.perf_counter() - start
     return result
 
 

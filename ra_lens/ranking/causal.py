@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import threading
 from collections.abc import Iterator
 from typing import Any, Literal, overload
 
@@ -203,17 +204,44 @@ def indirect_effect(
     )
 
 
+#: The quieted bar of TransformerLens's patching loop: how many `quiet_tl_patching` blocks are
+#: open in this process, and the `transformer_lens.patching.tqdm` to put back when the last one
+#: closes. That loop always draws a tqdm bar and takes no option to hide it, so while
+#: `activation_patching` runs (the engine draws its own bar) the module's global `tqdm` is
+#: replaced: a process-wide change, so it is counted here, under `TL_BAR_LOCK`, for two
+#: threads ranking two models at once (without the count, the first to finish would bring the
+#: bar back under the second, or the second would put back the first's quiet bar for good).
+TL_BAR_QUIETED: dict[str, Any] = {"open": 0, "original": None}
+TL_BAR_LOCK = threading.Lock()
+
+
 @contextlib.contextmanager
-def _quiet_tl_patching() -> Iterator[None]:
-    """TransformerLens's patching loop always draws a tqdm bar; the engine draws ours."""
+def quiet_tl_patching() -> Iterator[None]:
+    """TransformerLens's patching loop without its tqdm bar, for the duration of the block
+    (re-entrant and thread-safe, see `TL_BAR_QUIETED`).
+
+    >>> import transformer_lens.patching as tl_patching
+    >>> found = tl_patching.tqdm
+    >>> with quiet_tl_patching(), quiet_tl_patching():
+    ...     quiet = tl_patching.tqdm is not found
+    >>> quiet, tl_patching.tqdm is found, TL_BAR_QUIETED["open"]
+    (True, True, 0)
+    """
     import transformer_lens.patching as tl_patching
 
-    original = tl_patching.tqdm
-    tl_patching.tqdm = functools.partial(original, disable=True)
+    with TL_BAR_LOCK:
+        if TL_BAR_QUIETED["open"] == 0:
+            TL_BAR_QUIETED["original"] = tl_patching.tqdm
+            tl_patching.tqdm = functools.partial(tl_patching.tqdm, disable=True)
+        TL_BAR_QUIETED["open"] += 1
     try:
         yield
     finally:
-        tl_patching.tqdm = original
+        with TL_BAR_LOCK:
+            TL_BAR_QUIETED["open"] -= 1
+            if TL_BAR_QUIETED["open"] == 0:
+                tl_patching.tqdm = TL_BAR_QUIETED["original"]
+                TL_BAR_QUIETED["original"] = None
 
 
 @overload
@@ -297,18 +325,14 @@ def activation_patching(
     def score(model: HookedModel, part: Part) -> Tensor:
         assert part.corrupted is not None
         clean_tokens, corrupted_tokens = part.prompts.tokens, part.corrupted.tokens
-        with torch.no_grad(), _quiet_tl_patching():
+        with torch.no_grad(), quiet_tl_patching():
             if tl_reduce or not part.per_prompt:
                 return effect(model, clean_tokens, corrupted_tokens, part).cpu()
             rows = []  # TL 2.x: a scalar metric, so one prompt at a time
             for i in range(part.size):
-                n = int(part.prompts.lengths[i])
-                one = Part(
-                    slice(i, i + 1),
-                    capture.Batch(clean_tokens[i : i + 1, :n], part.prompts.lengths[i : i + 1]),
-                    part.targets[i : i + 1],
-                )
-                pair = clean_tokens[i : i + 1, :n], corrupted_tokens[i : i + 1, :n]
+                row = slice(i, i + 1)
+                one = Part(row, part.prompts.rows(row, trim=True), part.targets[row])
+                pair = one.prompts.tokens, part.corrupted.rows(row, trim=True).tokens
                 rows.append(effect(model, *pair, one))
             return torch.stack(rows).cpu()
 

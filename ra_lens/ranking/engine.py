@@ -33,7 +33,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from ra_lens import capture
+from ra_lens import capture, pairs
 from ra_lens._typing import Validated
 from ra_lens.capture import Batch, HookedModel
 from ra_lens.math import upcast
@@ -140,32 +140,6 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) or (hasattr(value, "__index__") and not isinstance(value, float))
 
 
-def chunks(n: int, batch_size: int) -> list[slice]:
-    """Consecutive slices of at most batch_size rows covering range(n)."""
-    check_count(batch_size, "batch_size")
-    return [slice(i, min(i + batch_size, n)) for i in range(0, n, batch_size)]
-
-
-def part_of(batch: Batch, rows: slice) -> Batch:
-    """Rows of a batch, with padding columns no row of the part needs cut off."""
-    lengths = batch.lengths[rows]
-    return Batch(batch.tokens[rows, : int(lengths.max())], lengths)
-
-
-def paired(model: HookedModel, clean: Tokens, corrupted: Tokens) -> tuple[Batch, Batch]:
-    """Clean and corrupted prompts as batches that match token for token in length."""
-    clean_b, corrupted_b = capture.to_batch(model, clean), capture.to_batch(model, corrupted)
-    if clean_b.tokens.shape != corrupted_b.tokens.shape or not torch.equal(
-        clean_b.lengths, corrupted_b.lengths
-    ):
-        raise ValueError(
-            f"clean {tuple(clean_b.tokens.shape)} and corrupted {tuple(corrupted_b.tokens.shape)} "
-            "prompts must match token for token in length (patching is position by position): "
-            "pair each clean prompt with a corrupted prompt of the same token length"
-        )
-    return clean_b, corrupted_b
-
-
 def target_probs(
     logits: Float[Tensor, "batch pos vocab"], lengths: Int[Tensor, "batch"], targets: Tensor
 ) -> Float[Tensor, "batch"]:
@@ -211,7 +185,7 @@ def rank(
     if corrupted is None:
         batch, other = capture.to_batch(model, prompts), None
     else:
-        batch, other = paired(model, prompts, corrupted)
+        batch, other = pairs.paired(model, prompts, corrupted)
     n = batch.tokens.shape[0]
     ids = (
         check_targets(model, targets, n)
@@ -224,16 +198,16 @@ def rank(
         capture.preserved_state(model),
         tqdm(total=n, desc=desc, disable=not progress, bar_format=_BAR) as bar,
     ):
-        for rows in chunks(n, batch_size):
+        for rows in pairs.chunks(n, batch_size):
 
             def done(fraction: float, rows: slice = rows) -> None:
                 bar.update(rows.start + fraction * (rows.stop - rows.start) - bar.n)
 
             part = Part(
                 rows,
-                part_of(batch, rows),
+                batch.rows(rows, trim=True),
                 ids[rows],
-                None if other is None else part_of(other, rows),
+                None if other is None else other.rows(rows, trim=True),
                 per_prompt,
                 done,
             )

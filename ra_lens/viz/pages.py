@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from ra_lens.attribution import AttentionAttribution
+from ra_lens.files import write_file
 from ra_lens.result import ReversedAttention
 from ra_lens.viz._base import (
     _NEGATIVE,
@@ -213,7 +214,5 @@ def _assemble_page(
 
 def _write_page(page: str, save: str | Path | None) -> str:
     if save is not None:
-        path = Path(save)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(page, encoding="utf-8")
+        write_file(save, page, make_folders=True)
     return page

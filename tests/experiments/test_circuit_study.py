@@ -22,9 +22,9 @@ from ra_lens.ranking import trapezoid_auc
 from ra_lens.tasks import ioi
 
 # eap-ig-20 stays out to keep the test cheap (the IG path is covered by the circuits tests);
-# eap-ig-5-noise (EAP-IG-inputs) is the CPR reference every method is paired with, eap-noise
+# eap-ig-5 (EAP-IG-inputs) is the CPR reference every method is paired with, eap-noise
 # (EAP-IG's EAP) the CMD one.
-METHODS = "eap,eap-noise,eap-ig-5-noise,exact,random"
+METHODS = "eap,eap-noise,eap-ig-5,exact,random"
 
 
 @pytest.fixture(scope="module")
@@ -87,19 +87,19 @@ def test_paired_differences(saved):
     best = task["summary"]["best_ra_lens"]["patching"]
     paired = task["summary"]["paired"]["patching"]
     cpr = task["summary"]["methods"]
-    for label in ("eap", "exact", "eap-noise"):  # CPR paired with eap-ig-5-noise
-        diff = cpr[label]["patching"]["cpr"]["estimate"] - cpr["eap-ig-5-noise"]["patching"]["cpr"]["estimate"]  # fmt: skip
-        assert paired[f"{label} - eap-ig-5-noise"]["difference"]["estimate"] == pytest.approx(diff)
-        assert f"| toy | {label} - eap-ig-5-noise |" in text
+    for label in ("eap", "exact", "eap-noise"):  # CPR paired with eap-ig-5
+        diff = cpr[label]["patching"]["cpr"]["estimate"] - cpr["eap-ig-5"]["patching"]["cpr"]["estimate"]  # fmt: skip
+        assert paired[f"{label} - eap-ig-5"]["difference"]["estimate"] == pytest.approx(diff)
+        assert f"| toy | {label} - eap-ig-5 |" in text
     cmd = task["summary"]["paired_cmd"]["patching"]["exact - eap-noise"]["difference"]["estimate"]
     expected = cpr["exact"]["patching"]["cmd"]["estimate"] - cpr["eap-noise"]["patching"]["cmd"]["estimate"]  # fmt: skip
     assert cmd == pytest.approx(expected)
-    assert "random - eap-ig-5-noise" not in paired and "| toy (4) | random |" in text
+    assert "random - eap-ig-5" not in paired and "| toy (4) | random |" in text
     goals = study["goals"]["toy"]
-    assert goals["method"] == best and ("cpr_ratio" in goals) == (best != "eap-ig-5-noise")
+    assert goals["method"] == best and ("cpr_ratio" in goals) == (best != "eap-ig-5")
     assert ("cmd_difference" in goals) == (best != "eap-noise")
     if "cpr_ratio" in goals:
-        cpu = task["methods"][best]["cpu_seconds"] / task["methods"]["eap-ig-5-noise"]["cpu_seconds"]  # fmt: skip
+        cpu = task["methods"][best]["cpu_seconds"] / task["methods"]["eap-ig-5"]["cpu_seconds"]  # fmt: skip
         assert goals["cpu_share"] == pytest.approx(cpu)
 
 
@@ -206,7 +206,7 @@ def test_merging_studies_that_ran_side_by_side(saved, tmp_path):
     """Two halves of one study (methods split) merge back into its summary."""
     study, _ = saved
     halves = []
-    for methods in (["eap", "eap-noise"], ["eap-ig-5-noise", "exact", "random"]):
+    for methods in (["eap", "eap-noise"], ["eap-ig-5", "exact", "random"]):
         half = json.loads(json.dumps(study))
         task = half["tasks"]["toy"]
         task["methods"] = {m: task["methods"][m] for m in methods}

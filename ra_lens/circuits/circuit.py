@@ -87,7 +87,7 @@ class EdgeScores:
     "score"), `seconds` (how long scoring took), `ungrouped_scores` [writer, ureader] (the scores
     over EAP-IG's ungrouped readers, `graph.ungrouped_readers`: on a grouped-query model each
     query head's copy of a key/value edge with its own score, the copies of an edge adding up to
-    its entry of `scores` (checked to 1e-3 of the largest |score|); the other readers as in
+    its entry of `scores` (checked to 1e-6 of the largest |score|); the other readers as in
     `scores`). Without it each copy gets an equal share."""
 
     graph: Graph
@@ -552,7 +552,7 @@ def _check_finite(graph: Graph, scores: Tensor, name: str) -> None:
 
 def _check_copies(graph: Graph, ungrouped: Tensor, scores: Tensor) -> None:
     """Ungrouped scores must have EAP-IG's reader layout, be finite, and their copies of each
-    edge must add up to its grouped score (to 1e-3 of the largest |score|: the two come from
+    edge must add up to its grouped score (to 1e-6 of the largest |score|: the two come from
     different float sums)."""
     shape = (len(graph.writers), len(graph.ungrouped_readers))
     if tuple(ungrouped.shape) != shape:
@@ -573,7 +573,7 @@ def _check_copies(graph: Graph, ungrouped: Tensor, scores: Tensor) -> None:
     summed = torch.zeros_like(grouped).index_add_(1, graph.ungrouped_target, values)
     gap = (summed - grouped).abs()
     scale = float(grouped.abs().max())
-    if float(gap.max()) > 1e-3 * scale + 1e-12:
+    if float(gap.max()) > 1e-6 * scale + 1e-12:
         w, r = divmod(int(gap.argmax()), grouped.shape[1])
         raise ValueError(
             f"ungrouped_scores do not add up to scores: the copies of {graph.edge_name(w, r)} "

@@ -223,9 +223,8 @@ class _Step:
         names += [capture.query_hook_name(model, la) for la in layers]
         names += [capture.key_hook_name(model, la) for la in layers]
         names += capture.rotation_hooks(layers)
-        # grouped-query: every layer's pattern and z as the model uses them (in the autograd
-        # graph), whose gradients the backward pass returns with the leaves' (no backward hooks,
-        # which would fire again in `_kv_copies`' passes)
+        # grouped-query: every layer's pattern as the model uses it (in the autograd graph), and
+        # the gradients at hook_pattern and hook_z (`_kv_copies`)
         live: dict[str, Tensor] = {}
 
         def keep_live(value: Tensor, hook: Any) -> None:
@@ -233,14 +232,15 @@ class _Step:
 
         run = _edges.EdgeRun(graph, weights, leaves=True, input_value=point)
         fwd = run.hooks(model)
+        grad_names = patterns if exact or grouped else []
         if grouped:
             fwd = fwd + [(name, keep_live) for name in patterns]
-            fwd = fwd + [(capture.Z.format(la), keep_live) for la in layers]
+            grad_names = grad_names + [capture.Z.format(la) for la in layers]
         with (
             torch.enable_grad(),
             model.hooks(fwd_hooks=fwd),
             capture.recorded(model, names if exact else []) as acts,
-            capture.recorded(model, patterns if exact else [], grad=True) as grads,
+            capture.recorded(model, grad_names, grad=True) as grads,
         ):
             logits = model(batch.tokens)
             values = _pairs.metric_values(metric, logits, batch)
@@ -251,15 +251,10 @@ class _Step:
                     ".item(), argmax or torch.no_grad()"
                 )
             leaves = run.leaves_in_order()
-            inner = [name for name, value in live.items() if value.requires_grad]
             found = torch.autograd.grad(
-                values.sum(),
-                leaves + [live[name] for name in inner],
-                allow_unused=True,
-                retain_graph=grouped,
+                values.sum(), leaves, allow_unused=True, retain_graph=grouped
             )
         self.grads = [torch.zeros_like(leaf) if g is None else g for leaf, g in zip(leaves, found)]
-        inner_grads = {n: g for n, g in zip(inner, found[len(leaves) :]) if g is not None}
         self.firsts = sorted(run.leaf)
         self.run = run
         self.outputs = run.outputs()
@@ -274,7 +269,7 @@ class _Step:
             for layer in layers:
                 pattern, z = PATTERN.format(layer), capture.Z.format(layer)
                 self.kv_copies[layer] = self._kv_copies(
-                    layer, live.get(pattern), inner_grads.get(pattern), inner_grads.get(z)
+                    layer, live.get(pattern), grads.get(pattern), grads.get(z)
                 )
 
     def _copy_heads(self) -> list[int]:
@@ -323,9 +318,15 @@ class _Step:
             found = torch.autograd.grad(
                 outputs, inputs, grad_outputs, retain_graph=True, allow_unused=True
             )
-            for got, into in zip(found, [v_copies if t is v_in else k_copies for t in inputs]):
+            for got, want, t in zip(found, grad_outputs, inputs):
+                if got is None and bool(want.ne(0).any()):  # else the last copy takes it all
+                    raise RuntimeError(
+                        f"layer {layer}: the {'value' if t is v_in else 'key'} inputs do not "
+                        "reach hook_pattern/hook_z in the autograd graph, so their gradient "
+                        "cannot be split among the query heads of a group"
+                    )
                 if got is not None:
-                    into[rows] = got
+                    (v_copies if t is v_in else k_copies)[rows] = got
         return (k_copies if need_k else None), v_copies
 
     @torch.no_grad()  # the recorded activations may still require grad: build no graph from them

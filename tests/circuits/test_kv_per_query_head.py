@@ -87,6 +87,10 @@ def _check_copies(scores: EdgeScores, tolerance: float = 1e-6) -> None:
     shares = (scores.scores / g.copies[None, :])[:, g.ungrouped_target]
     kv = _kv_columns(g)
     assert float((copies[:, kv] - shares[:, kv]).abs().max()) > 1e-3 * scale
+    # every query head's copy has its own score (none left to the last head of its group)
+    for h in range(g.n_heads):
+        own = [u for u in kv if f".h{h}<" in g.ungrouped_readers[u][0]]
+        assert float(copies[:, own].abs().max()) > 1e-3 * scale
     # the other readers keep their grouped scores
     rest = [u for u in range(len(g.ungrouped_readers)) if u not in set(kv)]
     assert torch.equal(copies[:, rest], scores.scores[:, g.ungrouped_target[rest]])

@@ -9,8 +9,7 @@ MIB's circuit track (arXiv 2504.13151; hannamw/MIB-circuit-track: `replicate.sh`
   before pruning), N the edges of EAP-IG's UNGROUPED graph (MIB's `len(graph.edges)`: a grouped
   key/value edge counts once per query head of its group; `units="grouped"` counts this graph's
   edges instead). See `EdgeScores.top` for how a grouped key/value edge enters an ungrouped
-  ranking (each query head's copy at its own score, `EdgeScores.ungrouped_scores`, or an equal
-  share without them; kept when all copies fit).
+  ranking (each query head's copy at an equal share of its score; kept when all copies fit).
 - two rankings: the SIGNED ranking (the largest scores: edges that help the metric, with
   absolute=False) gives the curve whose area is CPR; the |score| ranking gives the curve whose
   area from 1 is CMD.

@@ -315,20 +315,27 @@ def test_ungrouped_top_ranks_each_copy_by_its_own_score():
     scores = _hand_made()
     # copies: k 5.0 / 0.5 (equal shares would be 2.75 each), v -1.0 / 3.0 (shares 1.0)
     # |score| order: k.h0 5, v.h1 3, h0->logits 2.5, q 2, v.h0 1, k.h1 0.5, ...
-    assert scores.top(4, units="ungrouped").edge_names == ["input->a0.h0<q>", "a0.h0->logits"]
-    assert scores.top(5, units="ungrouped").edge_names == [
+    assert scores.top(4, units="ungrouped", own_copies=True).edge_names == [
+        "input->a0.h0<q>",
+        "a0.h0->logits",
+    ]
+    assert scores.top(5, units="ungrouped", own_copies=True).edge_names == [
         "input->a0.h0<q>", "input->a0.h0<v>", "a0.h0->logits",
     ]  # fmt: skip
-    assert scores.top(6, units="ungrouped").edge_names == [
+    assert scores.top(6, units="ungrouped", own_copies=True).edge_names == [
         "input->a0.h0<q>", "input->a0.h0<k>", "input->a0.h0<v>", "a0.h0->logits",
     ]  # fmt: skip
     # signed: v.h0 (-1.0) ranks last, so v is left out of every circuit but the full one
-    assert "input->a0.h0<v>" not in scores.top(7, absolute=False, units="ungrouped").edge_names
-    # without copies, equal shares: k (2.75 each) is kept with 4 edges
+    assert (
+        "input->a0.h0<v>"
+        not in scores.top(7, absolute=False, units="ungrouped", own_copies=True).edge_names
+    )
+    # by default, and without copies, equal shares: k (2.75 each) is kept with 4 edges
     plain = EdgeScores(scores.graph, scores.scores, "eap", "denoise")
     assert "input->a0.h0<k>" in plain.top(4, units="ungrouped").edge_names
+    assert scores.top(4, units="ungrouped") == plain.top(4, units="ungrouped")
     # greedy ranks a grouped edge by its weakest copy, as top keeps it
-    assert scores.greedy(5, units="ungrouped").edge_names == [
+    assert scores.greedy(5, units="ungrouped", own_copies=True).edge_names == [
         "input->a0.h0<q>", "input->a0.h0<v>", "a0.h0->logits",
     ]  # fmt: skip
 
@@ -340,9 +347,10 @@ def test_noise_copies_take_mibs_sign():
     )
     assert torch.equal(noise.ungrouped_helps, scores.ungrouped_helps)
     for n in (3, 5, 7, 9):
-        assert noise.top(n, absolute=False, units="ungrouped") == scores.top(
-            n, absolute=False, units="ungrouped"
-        )
+        for own in (False, True):
+            assert noise.top(n, absolute=False, units="ungrouped", own_copies=own) == scores.top(
+                n, absolute=False, units="ungrouped", own_copies=own
+            )
 
 
 def test_export_and_json_round_trip_carry_each_copy(tmp_path):
@@ -357,8 +365,7 @@ def test_export_and_json_round_trip_carry_each_copy(tmp_path):
     back = read_json(paths[0], g)
     assert torch.equal(back.ungrouped_scores, scores.ungrouped_scores)
     assert torch.equal(back.scores, scores.scores)
-    # the circuits of the folder were chosen by the copies' own scores
-    circuit = scores.top(7, units="ungrouped")
+    circuit = scores.top(6, units="ungrouped", own_copies=True)
     circuit.to_json(tmp_path / "c.json")
     again = Circuit.from_json(tmp_path / "c.json", g)
     assert again == circuit and torch.equal(again.ungrouped_scores, circuit.ungrouped_scores)

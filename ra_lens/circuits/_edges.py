@@ -212,6 +212,10 @@ class EdgeRun:
     _diff_total: Tensor | None = None
     # Post-norm blocks: each layer's sum of head outputs a, the norm's input in this run.
     post_input: dict[int, Tensor] = field(default_factory=dict)
+    # leaves=True: each layer's key (value) readers' inputs [kv_head batch pos d_model] and what
+    # they project to [batch pos kv_head d_head], in the autograd graph, keyed (layer, "k"/"v"):
+    # attribute splits a key/value head's gradient among its query heads from them.
+    kv_inputs: dict[tuple[int, str], tuple[Tensor, Tensor]] = field(default_factory=dict)
     _post_row_cache: dict[int, slice] | None = None
 
     # ---- writers
@@ -359,6 +363,8 @@ class EdgeRun:
             new = torch.einsum("hbpd,hde->bphe", normed, W[index].to(normed.dtype)) + b[index].to(
                 normed.dtype
             )
+            if self.leaves and kind != "q":
+                self.kv_inputs[(layer, kind)] = (inputs, new)
             out = value.clone()
             out[:, :, index] = new.to(value.dtype)
             return out

@@ -17,6 +17,17 @@ noise: m(clean run with it patched to corrupted) - m(clean). Means over pairs; 0
   edges as "eap".
 - "exact-ig": "exact" with R, the residual stream and the gradients averaged along the IG path.
 
+Grouped-query models (n_kv_heads < n_heads): the graph has one `<k>` and one `<v>` reader per
+key/value head, while EAP-IG's ungrouped graph, which MIB judges, has one per query head (the key
+or value input that head alone reads). Every method also scores those copies
+(`EdgeScores.ungrouped_scores`), each as EAP-IG's would on the ungrouped model: query head h reads
+the key only through its own pattern A_h and the value only through z_h = A_h v, so its copy's
+gradient is the backward pass of dM/dA_h (through the model's own softmax, soft-cap, q/k norms and
+rotation) or of A_h^T dM/dz_h (through v's projection) to the reader's input; "exact" keeps each
+query head's own exact-softmax key score. The copies of an edge add up to its grouped score: the
+last query head of each group gets the grouped score less the others' (one backward pass per
+group saved). Models without grouped-query attention keep one pass and no copies.
+
 `level="node"` returns `NodeScores`: each writer's score is the sum of its outgoing edges' (the
 first-order effect of patching its output into every reader), each reader's the sum of its
 incoming edges' (patching its whole input).
@@ -25,7 +36,7 @@ incoming edges' (patching its whole input).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import einops
 import torch
@@ -138,6 +149,7 @@ def attribute(
     n = base_b.tokens.shape[0]
     rows_list = pairs.chunks(n, batch_size)
     total = torch.zeros(len(graph.writers), len(graph.readers), dtype=torch.float64)
+    kv_total: Tensor | None = None  # [writer layer kv head]: per query head, grouped-query only
     bar = tqdm(total=len(rows_list) * n_steps, desc=f"attribute {method}", disable=not progress)
     with capture.preserved_state(model), _edges.mlp_in_enabled(model):
         weights = [_edges.layer_weights(model, layer) for layer in range(graph.n_layers)]
@@ -159,13 +171,34 @@ def attribute(
                 if base_out is None:
                     base_out = step.outputs
                 diffs = step.run.residual_effects(other_out - base_out.to(other_out.device))
-                total += step.scores(diffs, base.real_mask()).cpu() / n_steps
+                part, kv_part = step.scores(diffs, base.real_mask())
+                total += part.cpu() / n_steps
+                if kv_part is not None:
+                    kv_part = kv_part.cpu() / n_steps
+                    kv_total = kv_part if kv_total is None else kv_total + kv_part
                 bar.update(1)
     bar.close()
     scores = (total / n) * graph.real
     if level == "node":
         return NodeScores(graph, scores.sum(1), scores.sum(0), method, direction)
-    return EdgeScores(graph, scores, method, direction)
+    copies = None if kv_total is None else _ungrouped(graph, scores, kv_total / n)
+    return EdgeScores(graph, scores, method, direction, ungrouped_scores=copies)
+
+
+def _ungrouped(
+    graph: Graph,
+    scores: Float[Tensor, "writer reader"],
+    kv: Float[Tensor, "writer layer kv head"],
+) -> Float[Tensor, "writer ureader"]:
+    """The scores over EAP-IG's ungrouped readers (`Graph.ungrouped_readers`): each query
+    head's own key (kv=0) and value (kv=1) scores, the other readers' as they are."""
+    out = scores[:, graph.ungrouped_target].clone()
+    for u, (name, r) in enumerate(graph.ungrouped_readers):
+        reader = graph.reader(graph.readers[r])
+        if reader.kind in ("k", "v"):
+            head = int(name[name.index(".h") + 2 : name.index("<")])
+            out[:, u] = kv[:, reader.layer, 0 if reader.kind == "k" else 1, head]
+    return out * graph.real[:, graph.ungrouped_target]
 
 
 class _Step:
@@ -184,16 +217,30 @@ class _Step:
     ):
         self.model, self.graph, self.weights, self.exact = model, graph, weights, exact
         layers = range(graph.n_layers)
-        names = [PATTERN.format(la) for la in layers]
+        grouped = graph.group > 1  # per-query-head key/value gradients (`_kv_copies`)
+        patterns = [PATTERN.format(la) for la in layers]
+        names = list(patterns)
         names += [capture.query_hook_name(model, la) for la in layers]
         names += [capture.key_hook_name(model, la) for la in layers]
         names += capture.rotation_hooks(layers)
+        # grouped-query: every layer's pattern as the model uses it (in the autograd graph), and
+        # the gradients at hook_pattern and hook_z (`_kv_copies`)
+        live: dict[str, Tensor] = {}
+
+        def keep_live(value: Tensor, hook: Any) -> None:
+            live.setdefault(hook.name, value)
+
         run = _edges.EdgeRun(graph, weights, leaves=True, input_value=point)
+        fwd = run.hooks(model)
+        grad_names = patterns if exact or grouped else []
+        if grouped:
+            fwd = fwd + [(name, keep_live) for name in patterns]
+            grad_names = grad_names + [capture.Z.format(la) for la in layers]
         with (
             torch.enable_grad(),
-            model.hooks(fwd_hooks=run.hooks(model)),
+            model.hooks(fwd_hooks=fwd),
             capture.recorded(model, names if exact else []) as acts,
-            capture.recorded(model, names[: graph.n_layers] if exact else [], grad=True) as grads,
+            capture.recorded(model, grad_names, grad=True) as grads,
         ):
             logits = model(batch.tokens)
             values = pairs.metric_values(metric, logits, batch)
@@ -204,35 +251,140 @@ class _Step:
                     ".item(), argmax or torch.no_grad()"
                 )
             leaves = run.leaves_in_order()
-            self.grads = torch.autograd.grad(values.sum(), leaves, allow_unused=True)
-        self.grads = [
-            torch.zeros_like(leaf) if g is None else g for leaf, g in zip(leaves, self.grads)
-        ]
+            found = torch.autograd.grad(
+                values.sum(), leaves, allow_unused=True, retain_graph=grouped
+            )
+        self.grads = [torch.zeros_like(leaf) if g is None else g for leaf, g in zip(leaves, found)]
         self.firsts = sorted(run.leaf)
         self.run = run
         self.outputs = run.outputs()
         self.resid = {la: x.detach() for la, x in run.resid.items()}
         capture.fill_rotated(model, acts, layers)
         self.acts, self.pattern_grads = acts, grads
+        # layer -> (key copies, value copies), each [kv_head * (group - 1) batch pos d_model]:
+        # the gradient at the input of the key (value) head that query head h reads, through
+        # head h alone, for the heads h of `_copy_heads` (the last of each group is the rest)
+        self.kv_copies: dict[int, tuple[Tensor | None, Tensor]] = {}
+        if grouped:
+            for layer in layers:
+                pattern, z = PATTERN.format(layer), capture.Z.format(layer)
+                self.kv_copies[layer] = self._kv_copies(
+                    layer, live.get(pattern), grads.get(pattern), grads.get(z)
+                )
+
+    def _copy_heads(self) -> list[int]:
+        """The query heads whose key/value copies get their own backward pass: all but the last
+        of each group, whose copy is the grouped score less the others' (the copies add up to
+        it, so one pass per group is saved)."""
+        group = self.graph.group
+        return [h for h in range(self.graph.n_heads) if h % group != group - 1]
+
+    def _kv_copies(
+        self, layer: int, pattern: Tensor | None, r_grad: Tensor | None, z_grad: Tensor | None
+    ) -> tuple[Tensor | None, Tensor]:
+        """Query head h reads its key/value head's key only through its own pattern A_h and
+        the value only through z_h = A_h v: dM/d(h's copy of the key input) is the backward pass
+        of R_h = dM/dA_h alone (through the model's own softmax, soft-cap, norms and rotation),
+        dM/d(h's copy of the value input) the backward pass of A_h^T dM/dz_h through v's
+        projection. One pass per position r < group - 1 in the group serves head r of every
+        key/value head (`_copy_heads`)."""
+        g, group = self.graph, self.graph.group
+        k_in, _ = self.run.kv_inputs[(layer, "k")]
+        v_in, v_out = self.run.kv_inputs[(layer, "v")]
+        need_k = not self.exact  # exact takes each query head's key score from the softmax
+        if pattern is None or (r_grad is not None and not pattern.requires_grad):
+            raise RuntimeError(
+                f"layer {layer}: hook_pattern is not in the autograd graph, so the key inputs' "
+                "gradients cannot be split among the query heads of a group"
+            )
+        shape = (g.n_kv_heads * (group - 1), *k_in.shape[1:])
+        k_copies = torch.zeros(shape, dtype=k_in.dtype, device=k_in.device)
+        v_copies = torch.zeros(shape, dtype=v_in.dtype, device=v_in.device)
+        for r in range(group - 1):
+            heads = torch.arange(r, g.n_heads, group, device=k_in.device)  # one per kv head
+            rows = slice(r, None, group - 1)  # their places among `_copy_heads`
+            outputs, inputs, grad_outputs = [], [], []
+            if z_grad is not None:
+                a_r = pattern.detach()[:, heads].to(z_grad.dtype)
+                dv = torch.einsum("bhts,bthe->bshe", a_r, z_grad[:, :, heads])
+                outputs.append(v_out), inputs.append(v_in), grad_outputs.append(dv.to(v_out))
+            if need_k and r_grad is not None:
+                mask = torch.zeros(g.n_heads, dtype=r_grad.dtype, device=r_grad.device)
+                mask[heads] = 1
+                outputs.append(pattern), inputs.append(k_in)
+                grad_outputs.append((r_grad * mask[None, :, None, None]).to(pattern))
+            if not outputs:
+                continue
+            found = torch.autograd.grad(
+                outputs, inputs, grad_outputs, retain_graph=True, allow_unused=True
+            )
+            for got, want, t in zip(found, grad_outputs, inputs):
+                if got is None and bool(want.ne(0).any()):  # else the last copy takes it all
+                    raise RuntimeError(
+                        f"layer {layer}: the {'value' if t is v_in else 'key'} inputs do not "
+                        "reach hook_pattern/hook_z in the autograd graph, so their gradient "
+                        "cannot be split among the query heads of a group"
+                    )
+                if got is not None:
+                    (v_copies if t is v_in else k_copies)[rows] = got
+        return (k_copies if need_k else None), v_copies
 
     @torch.no_grad()  # the recorded activations may still require grad: build no graph from them
-    def scores(self, diffs: Tensor, real: Tensor) -> Float[Tensor, "writer reader"]:
-        """Edge scores summed over the batch: diffs . gradient, and the exact softmax for q/k."""
+    def scores(
+        self, diffs: Tensor, real: Tensor
+    ) -> tuple[Float[Tensor, "writer reader"], Float[Tensor, "writer layer kv head"] | None]:
+        """Edge scores summed over the batch: diffs . gradient, and the exact softmax for q/k;
+        on a grouped-query model also each query head's copy of the key (kv=0) and value (kv=1)
+        edges (None otherwise)."""
         g = self.graph
         out = torch.zeros(len(g.writers), len(g.readers), dtype=torch.float64, device=diffs.device)
+        copies = None
+        if self.kv_copies:
+            shape = (len(g.writers), g.n_layers, 2, g.n_heads)
+            copies = torch.zeros(shape, dtype=torch.float64, device=diffs.device)
         # The dot products run in the model's precision (float32 at least), summed in float64.
         dtype = torch.float64 if diffs.dtype == torch.float64 else torch.float32
         flat = diffs.to(dtype).flatten(1)
+        per_layer = g.n_heads + 2 * g.n_kv_heads + 1
         for first, grad in zip(self.firsts, self.grads):
             n_before = int(g.real[:, first].sum())  # writers feeding this block of readers
-            block = flat[:n_before] @ grad.to(diffs.device, dtype).flatten(1).T
-            out[:n_before, first : first + grad.shape[0]] = block.double()
+            layer, at = divmod(first, per_layer)
+            extra = []  # the copies' gradients ride on the same product: flat is read once
+            if copies is not None and at == 0 and layer in self.kv_copies:  # q/k/v readers
+                extra = [c for c in self.kv_copies[layer] if c is not None]
+            columns = torch.cat([grad, *extra]).to(diffs.device, dtype).flatten(1)
+            block = (flat[:n_before] @ columns.T).double()
+            out[:n_before, first : first + grad.shape[0]] = block[:, : grad.shape[0]]
+            if extra:
+                assert copies is not None
+                self._copy_scores(layer, block, grad.shape[0], copies)
         if self.exact:
             for layer in range(g.n_layers):
-                self._exact_layer(layer, diffs, real, out)
-        return out
+                self._exact_layer(layer, diffs, real, out, copies)
+        return out, copies
 
-    def _exact_layer(self, layer: int, diffs: Tensor, real: Tensor, out: Tensor) -> None:
+    def _copy_scores(self, layer: int, block: Tensor, n_readers: int, copies: Tensor) -> None:
+        """Fill copies[:, layer] from `block`: this layer's q/k/v readers' scores (n_readers
+        columns) followed by those of the key copies (not with exact) and the value copies of
+        `_copy_heads`; the last head of each group gets the grouped score less the others'."""
+        g, group = self.graph, self.graph.group
+        heads = self._copy_heads()
+        last = list(range(group - 1, g.n_heads, group))
+        n, width = block.shape[0], len(heads)
+        at = n_readers
+        for kv, grads in enumerate(self.kv_copies[layer]):
+            if grads is None:  # exact keys: every head's own score comes from the softmax
+                continue
+            own = block[:, at : at + width]
+            at += width
+            copies[:n, layer, kv, heads] = own
+            first = g.n_heads + kv * g.n_kv_heads
+            whole = block[:, first : first + g.n_kv_heads]
+            copies[:n, layer, kv, last] = whole - own.reshape(n, g.n_kv_heads, group - 1).sum(-1)
+
+    def _exact_layer(
+        self, layer: int, diffs: Tensor, real: Tensor, out: Tensor, copies: Tensor | None
+    ) -> None:
         g, model, w = self.graph, self.model, self.weights[layer]
         acts = self.acts
         names = [capture.query_hook_name(model, layer), capture.key_hook_name(model, layer)]
@@ -290,9 +442,11 @@ class _Step:
             dk = dk.repeat_interleave(group, dim=3)
             dlog = torch.einsum("bthe,wbshe->wbhts", q_low, dk).double()
             new = facts.logits(raw[None] + dlog).softmax(-1)
-            key = ((new - base_pattern[None]) * weight[None]).sum((-1, -2)).sum(1)
-            key = einops.reduce(key, "w (g r) -> w g", "sum", r=group)
+            key = ((new - base_pattern[None]) * weight[None]).sum((-1, -2)).sum(1)  # [w h]
             writers = slice(start, start + chunk.shape[0])
+            if copies is not None:  # query head h's softmax reads the key through head h only
+                copies[writers, layer, 0] = key.to(copies.device)
+            key = einops.reduce(key, "w (g r) -> w g", "sum", r=group)
             out[writers, first : first + g.n_heads] = query.to(out.device)
             out[writers, first + g.n_heads : first + g.n_heads + g.n_kv_heads] = key.to(out.device)
 

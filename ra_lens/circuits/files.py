@@ -11,17 +11,20 @@ grouped-query attention: it has `<k>`/`<v>` readers per QUERY head. A key/value 
 grouped-query model (`a0.h1->a3.h2<k>` on key/value head 2) is therefore written on every query
 head of its group (`a0.h1->a3.h{2r..2r+r-1}<k>`, r = n_heads / n_kv_heads) with the same
 in_graph, so EAP-IG and MIB, which load the file as an ungrouped model, patch exactly the
-key/value inputs this circuit patches, and with an equal share of the edge's score, score / r: the
-shared key/value input's score sums what the r query heads get from it, as the r copies' scores
-sum in EAP-IG's graph, so MIB's ranking over the copies sees each copy at its share, not r copies
-of the whole (see `EdgeScores.top(units="ungrouped")`, which ranks the same way).
+key/value inputs this circuit patches. Each copy carries its own score where the circuit has
+per-query-head scores (`Circuit.ungrouped_scores`, from `attribute`: the part of the edge's score
+that goes through that query head, what EAP-IG scores on its ungrouped model), else an equal
+share, score / r; either way the r copies add up to the edge's score, so MIB's ranking over the
+copies never sees r copies of the whole (see `EdgeScores.top(units="ungrouped")`, which ranks
+the same way).
 
 Reading a file back (`read_json`): with `kv="strict"` (default) a key/value edge is in the
 circuit when it is in_graph on all query heads of its group and out when on none; a file where
 the heads of a group disagree is refused, naming the first such edge (a file EAP-IG wrote for an
 ungrouped copy of the model can disagree: pass `kv="any"` to keep an edge in_graph on any head
 of its group, or `kv="all"` to keep only those in_graph on all of them). A key/value edge's
-score is the sum of its copies' scores (the score written, read back). Edges missing from the
+score is the sum of its copies' scores (the score written, read back), and on a grouped-query
+model each copy's score is kept as read (`Circuit.ungrouped_scores`). Edges missing from the
 file are out of the circuit with score 0; unknown names, a mismatched `cfg` or a damaged file
 raise an error naming the file.
 
@@ -77,6 +80,11 @@ def write_json(circuit: Circuit, path: str | Path) -> None:
         if scores is not None
         else torch.zeros(g.real.shape, dtype=torch.float64)
     )
+    # each ungrouped copy of a key/value edge carries its own score, or its share (docstring)
+    if circuit.ungrouped_scores is not None:
+        ungrouped = circuit.ungrouped_scores.detach().to("cpu", torch.float64)
+    else:
+        ungrouped = (score / g.copies[None, :])[:, g.ungrouped_target]
     in_circuit = set(circuit.nodes)
     nodes: dict[str, dict[str, Any]] = {}
     for i, name in enumerate(g.writers):
@@ -87,13 +95,11 @@ def write_json(circuit: Circuit, path: str | Path) -> None:
     nodes["logits"] = {"in_graph": True}  # EAP-IG's logits node is always in its graph
     edges: dict[str, dict[str, Any]] = {}
     readers = ungrouped_readers(g)
-    # each ungrouped copy of a key/value edge carries its share (module docstring)
-    score = score / g.copies[None, :]
-    real, chosen, values = g.real.tolist(), circuit.edges.tolist(), score.tolist()
+    real, chosen, values = g.real.tolist(), circuit.edges.tolist(), ungrouped.tolist()
     for w, writer in enumerate(g.writers):
-        for reader, r in readers:
+        for u, (reader, r) in enumerate(readers):
             if real[w][r]:
-                edges[f"{writer}->{reader}"] = {"score": values[w][r], "in_graph": chosen[w][r]}
+                edges[f"{writer}->{reader}"] = {"score": values[w][u], "in_graph": chosen[w][r]}
     cfg = {
         "n_layers": g.n_layers,
         "n_heads": g.n_heads,
@@ -146,7 +152,10 @@ def read_json(
     )
     edges, scores = _merge(path, g, kv, in_graph, score, torch.tensor([r for _, r in readers]))
     node_scores = _node_scores(path, data["nodes"], g)
-    return Circuit(g, edges & g.real, scores=scores, node_scores=node_scores)
+    copies = score * g.real[:, g.ungrouped_target] if g.group > 1 else None
+    return Circuit(
+        g, edges & g.real, scores=scores, node_scores=node_scores, ungrouped_scores=copies
+    )
 
 
 def _merge(
@@ -258,8 +267,8 @@ def export_mib(
     """Write a MIB circuit-track folder for one task and model (hannamw/MIB-circuit-track).
 
     - `folder/importances.json`: every edge's score in EAP-IG's ungrouped layout (this module's
-      docstring: a key/value edge on each query head of its group, with an equal share of its
-      score), every edge in_graph. The scores carry MIB's sign, positive where the edge helps
+      docstring: a key/value edge on each query head of its group, each copy with its own score
+      where `scores.ungrouped_scores` has them, else an equal share), every edge in_graph. The scores carry MIB's sign, positive where the edge helps
       the metric (`EdgeScores.helps`: denoise scores as they are, noise scores negated), since
       MIB ranks them signed for CPR. This is the file MIB's `run_evaluation.py` loads for a task
       and model: name the folder `{circuit_dir}/{method}_{ablation}_{level}/{task}_{model}`
@@ -296,7 +305,10 @@ def export_mib(
     # MIB ranks the file's scores with and without abs(): they carry its sign (positive = helps)
     sign = 1.0 if scores.direction == "denoise" else -1.0
     node_scores = None if scores.node_scores is None else sign * scores.node_scores.detach().cpu()
-    everything = Circuit(g, g.real.clone(), scores=scores.helps, node_scores=node_scores)
+    copies = None if scores.ungrouped_scores is None else scores.ungrouped_helps
+    everything = Circuit(
+        g, g.real.clone(), scores=scores.helps, node_scores=node_scores, ungrouped_scores=copies
+    )
     paths = [out / "importances.json"]
     write_json(everything, paths[0])
     if circuits:

@@ -9,10 +9,13 @@ from ra_lens.circuits.curve import (
     faithfulness_curve,
     mib_circuits,
 )
+from ra_lens.circuits.ensemble import ensemble
 from ra_lens.circuits.faithfulness import Faithfulness, FaithfulnessEvaluator, faithfulness
 from ra_lens.circuits.files import MIB_SUBMISSION_FRACTIONS, export_mib
 from ra_lens.circuits.graph import Graph
 from ra_lens.circuits.page import CircuitPage
+from ra_lens.circuits.refine import Refinement, refine
+from ra_lens.circuits.stability import pair_scores, stable
 
 __all__ = [
     "MIB_FRACTIONS",
@@ -25,9 +28,14 @@ __all__ = [
     "FaithfulnessEvaluator",
     "Graph",
     "NodeScores",
+    "Refinement",
     "attribute",
+    "ensemble",
     "export_mib",
     "faithfulness",
     "faithfulness_curve",
     "mib_circuits",
+    "pair_scores",
+    "refine",
+    "stable",
 ]

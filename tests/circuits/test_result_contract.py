@@ -79,10 +79,14 @@ def test_edge_scores_to_dict_and_table_against_a_sort(scores):
     report = json.loads(json.dumps(scores.to_dict(k=6)))
     assert [(e["edge"], e["score"]) for e in report["top_edges"]] == expected
     assert all(e["helps"] == e["score"] for e in report["top_edges"])  # denoise: same sign
+    copies = {}  # a grouped-query model: each query head's copy of a key/value edge too
+    if g.n_kv_heads < g.n_heads:
+        copies = {"ungrouped_scores": [len(g.writers), len(g.ungrouped_readers)]}
     assert report["tensors"] == {
         "scores": list(scores.scores.shape),
         "per_pair": [2, *scores.scores.shape],
         "node_scores": [len(g.writers)],
+        **copies,
     }
     assert report["method"] == "eap" and report["seconds"] == 0.25
     assert report["n_edges"] == g.n_edges and report["graph"]["n_kv_heads"] == g.n_kv_heads

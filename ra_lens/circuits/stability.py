@@ -24,9 +24,9 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
+from ra_lens import pairs
 from ra_lens._typing import Validated
 from ra_lens.capture import HookedModel
-from ra_lens.circuits import _pairs
 from ra_lens.circuits.circuit import EdgeScores
 from ra_lens.ranking.statistics import bootstrap_indices
 from ra_lens.types import MetricFn, Tokens
@@ -56,7 +56,7 @@ def pair_scores(
     from ra_lens.circuits.attribute import attribute
 
     start = time.process_time()
-    clean_b, corrupted_b = _pairs.paired(model, clean, corrupted)
+    clean_b, corrupted_b = pairs.paired(model, clean, corrupted)
     n = clean_b.tokens.shape[0]
     parts = []
     for i in range(n):
@@ -65,9 +65,9 @@ def pair_scores(
             model,
             # one pair at the batch's full padded width: a metric holding per-position
             # tensors still lines up (attribute masks the padding)
-            _pairs.part(clean_b, rows),
-            _pairs.part(corrupted_b, rows),
-            _pairs.metric_for(metric, rows, n),
+            clean_b.rows(rows),
+            corrupted_b.rows(rows),
+            pairs.metric_rows(metric, rows, n),
             method=method,  # type: ignore[arg-type]  # checked by attribute
             direction=direction,  # type: ignore[arg-type]
             steps=steps,

@@ -85,7 +85,7 @@ def attribute(
     corrupted: Tokens,
     metric: MetricFn,
     *,
-    method: Validated[Method] = "exact",
+    method: Validated[Method] = "eap-ig",
     level: Validated[Literal["edge", "node"]] = "edge",
     direction: Validated[Literal["denoise", "noise"]] = "denoise",
     steps: int = 5,
@@ -101,7 +101,9 @@ def attribute(
             length (right padding across pairs is fine).
         metric: logits -> Float[Tensor, "batch"], one value per prompt (ra_lens.metrics); a plain
             callable needs batch_size >= the number of pairs.
-        method: "eap", "eap-ig", "exact" or "exact-ig" (module docstring).
+        method: "eap", "eap-ig", "exact" or "exact-ig" (module docstring). The default,
+            "eap-ig" with 5 steps, denoise, is EAP-IG-inputs' algorithm: on held-out SmolLM2
+            pairs it gave the best CPR at a fraction of "exact"'s and "exact-ig"'s cost (README).
         level: "edge" -> EdgeScores [writer reader]; "node" -> NodeScores.
         direction: "denoise" (gradient on the corrupted run) or "noise" (on the clean run).
         steps: points on the IG path ("eap-ig", "exact-ig"; ignored otherwise).

@@ -70,6 +70,8 @@ METHODS: dict[str, tuple[str, int, str]] = {
     "ens-ig": ("ensemble", 5, "denoise"),
     "ens-eap-ig-exact": ("ensemble", 5, "denoise"),
 }
+#: The label of `circuits.attribute`'s default (eap-ig, 5 steps, denoise): the goals are its.
+DEFAULT_METHOD = "eap-ig-5"
 #: ensemble label -> the methods it averages (`circuits.ensemble`: normalised, in MIB's sign);
 #: their scores are computed once per task, and the ensemble's seconds are the sum of theirs.
 ENSEMBLES: dict[str, tuple[str, ...]] = {
@@ -427,6 +429,7 @@ def circuit_study(
             "cpr_from": "signed ranking (largest score)",
             "cmd_from": "|score| ranking",
             "direction": "per method (METHODS)",
+            "default_method": DEFAULT_METHOD,
             "truth_tasks": list(truth_tasks),
             "truth_pairs": truth_pairs,
         },

@@ -175,6 +175,27 @@ def one_layer_model(*, q_gain: float = 1.0, **overrides: Any) -> Any:
     return model.eval()
 
 
+def hooked_toy(**overrides: Any) -> Any:
+    """A 2-layer HookedTransformer (TL 2), float64, eval mode, seed 0: the same weights for the
+    same settings (`overrides` change the config: rotary, grouped key/value heads, norms)."""
+    from transformer_lens import HookedTransformer, HookedTransformerConfig
+    from transformers import AutoTokenizer
+
+    from ra_lens.toy_models import tiny_tokenizer_dir
+
+    settings = dict(
+        d_model=32, d_head=8, n_layers=2, n_heads=4, n_ctx=64, d_vocab=300, act_fn="gelu",
+        normalization_type="LN", seed=0,
+    )  # fmt: skip
+    settings.update(overrides)
+    torch.manual_seed(0)
+    model = HookedTransformer(
+        HookedTransformerConfig(**settings),
+        tokenizer=AutoTokenizer.from_pretrained(tiny_tokenizer_dir()),
+    )
+    return model.to(torch.float64).eval()
+
+
 def dropout_model() -> Any:
     """A tiny float64 model in train mode whose forward pass is random unless every module is in
     eval mode: under TL 4 a GPT-2 bridge with dropout 0.3 (residual, embedding, attention; the

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from helpers import has_bridge, one_layer_model, snapshot
+from helpers import has_bridge, hooked_toy, one_layer_model, snapshot
 
 from ra_lens import capture
 from ra_lens.capture import to_batch
@@ -17,29 +17,12 @@ from ra_lens.circuits.circuit import Circuit
 from ra_lens.circuits.faithfulness import FaithfulnessEvaluator, faithfulness
 from ra_lens.circuits.graph import Graph
 from ra_lens.metrics import logit_diff
-from ra_lens.toy_models import tiny_model, tiny_tokenizer_dir
+from ra_lens.toy_models import tiny_model
 
 # Pair 0 is shorter than pair 1: the batch is right-padded.
 CLEAN = ["The capital of France is", "When Mary and John went to the store"]
 CORRUPTED = ["The capital of Italy is", "When John and Mary went to the store"]
 METRIC = logit_diff([294, 50], [52, 60])
-
-
-def _hooked(**overrides):
-    from transformer_lens import HookedTransformer, HookedTransformerConfig
-    from transformers import AutoTokenizer
-
-    settings = dict(
-        d_model=32, d_head=8, n_layers=2, n_heads=4, n_ctx=64, d_vocab=300, act_fn="gelu",
-        normalization_type="LN", seed=0,
-    )  # fmt: skip
-    settings.update(overrides)
-    torch.manual_seed(0)
-    model = HookedTransformer(
-        HookedTransformerConfig(**settings),
-        tokenizer=AutoTokenizer.from_pretrained(tiny_tokenizer_dir()),
-    )
-    return model.to(torch.float64).eval()
 
 
 LLAMA_ATTENTION = dict(positional_embedding_type="rotary", n_key_value_heads=2)
@@ -50,7 +33,7 @@ def build(kind: str):
     """ "gpt2" or "llama" (GQA + rotary): a bridge under TL 4, a HookedTransformer under TL 2."""
     if has_bridge():
         return tiny_model(kind, dtype=torch.float64)
-    return _hooked(**(LLAMA_LIKE if kind == "llama" else {}))
+    return hooked_toy(**(LLAMA_LIKE if kind == "llama" else {}))
 
 
 @pytest.fixture(scope="module", params=["gpt2", "llama"])
@@ -428,7 +411,7 @@ def test_a_pair_without_contrast_has_a_nan_ratio_not_an_infinite_one(model, batc
 @pytest.mark.skipif(has_bridge(), reason="TransformerBridge has no ungrouped key/value heads")
 def test_ungrouped_grouped_query_attention_is_refused_naming_the_flag():
     """EAP-IG's setting repeats each key/value head per query head in hook_k/hook_v."""
-    model = _hooked(**LLAMA_LIKE, ungroup_grouped_query_attention=True)
+    model = hooked_toy(**LLAMA_LIKE, ungroup_grouped_query_attention=True)
     graph = Graph.from_model(model)
     before = snapshot(model)
     calls = [
@@ -448,7 +431,7 @@ def test_ungrouped_grouped_query_attention_is_refused_naming_the_flag():
         )
     assert snapshot(model)[:2] == before[:2] and snapshot(model)[3] == before[3]
     model.set_ungroup_grouped_query_attention(False)  # the fix the message names
-    grouped = _hooked(**LLAMA_LIKE)  # the same weights (same seed)
+    grouped = hooked_toy(**LLAMA_LIKE)  # the same weights (same seed)
     scores = attribute(model, CLEAN, CORRUPTED, METRIC, method="eap").scores
     assert torch.equal(scores, attribute(grouped, CLEAN, CORRUPTED, METRIC, method="eap").scores)
 
@@ -499,7 +482,7 @@ def test_parallel_blocks_on_hooked_transformer_are_exact():
     """TL 2's parallel attention/MLP blocks (Pythia, GPT-J): the MLP reads resid_pre (its
     hook_mlp_in), not the heads of its own layer; full and empty circuits exact, and dropping a
     head's edges is patching its hook_z."""
-    model = _hooked(parallel_attn_mlp=True)
+    model = hooked_toy(parallel_attn_mlp=True)
     clean, corrupted = to_batch(model, CLEAN), to_batch(model, CORRUPTED)
     graph = Graph.from_model(model)
     assert graph.parallel_attn_mlp and not bool(graph.real[graph.writer_index["a1.h0"], -2])
@@ -533,8 +516,8 @@ def test_exact_methods_run_in_half_precision_close_to_float32(dtype):
     every half-precision model, blaming soft-capping or rotary), and its scores stay near the
     float32 model's."""
     kind = "llama"
-    half = tiny_model(kind, dtype=dtype) if has_bridge() else _hooked(**LLAMA_LIKE).to(dtype)
-    full = tiny_model(kind) if has_bridge() else _hooked(**LLAMA_LIKE).to(torch.float32)
+    half = tiny_model(kind, dtype=dtype) if has_bridge() else hooked_toy(**LLAMA_LIKE).to(dtype)
+    full = tiny_model(kind) if has_bridge() else hooked_toy(**LLAMA_LIKE).to(torch.float32)
     got = attribute(half, CLEAN, CORRUPTED, METRIC, method="exact").scores
     expected = attribute(full, CLEAN, CORRUPTED, METRIC, method="exact").scores
     scale = float(expected.abs().max())

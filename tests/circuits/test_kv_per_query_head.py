@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import has_bridge
+from helpers import has_bridge, hooked_toy
 
 from ra_lens import capture
 from ra_lens.capture import to_batch
@@ -22,7 +22,7 @@ from ra_lens.circuits.circuit import Circuit, EdgeScores
 from ra_lens.circuits.files import export_mib, read_json
 from ra_lens.circuits.graph import Graph
 from ra_lens.metrics import logit_diff
-from ra_lens.toy_models import tiny_model, tiny_tokenizer_dir
+from ra_lens.toy_models import tiny_model
 
 CLEAN = ["The capital of France is", "When Mary and John went to the store"]
 CORRUPTED = ["The capital of Italy is", "When John and Mary went to the store"]
@@ -35,24 +35,6 @@ LLAMA_LIKE = dict(
     positional_embedding_type="rotary", n_key_value_heads=2, normalization_type="RMS",
     act_fn="silu", gated_mlp=True,
 )  # fmt: skip
-
-
-def _hooked(**overrides):
-    """A HookedTransformer (TL 2), float64, seed 0: the same weights for the same settings."""
-    from transformer_lens import HookedTransformer, HookedTransformerConfig
-    from transformers import AutoTokenizer
-
-    settings = dict(
-        d_model=32, d_head=8, n_layers=2, n_heads=4, n_ctx=64, d_vocab=300, act_fn="gelu",
-        normalization_type="LN", seed=0,
-    )  # fmt: skip
-    settings.update(overrides)
-    torch.manual_seed(0)
-    model = HookedTransformer(
-        HookedTransformerConfig(**settings),
-        tokenizer=AutoTokenizer.from_pretrained(tiny_tokenizer_dir()),
-    )
-    return model.to(torch.float64).eval()
 
 
 def _model(arch: str):
@@ -99,7 +81,7 @@ def _check_copies(scores: EdgeScores, tolerance: float = 1e-6) -> None:
 @pytest.mark.parametrize("method", METHODS)
 def test_copies_add_up_to_the_grouped_score(method):
     model = tiny_model("llama", dtype=torch.float64, spread=True) if has_bridge() else None
-    model = model if model is not None else _hooked(**LLAMA_LIKE)
+    model = model if model is not None else hooked_toy(**LLAMA_LIKE)
     for direction in ("denoise", "noise"):
         scores = attribute(model, CLEAN, CORRUPTED, METRIC, method=method, direction=direction)
         _check_copies(scores)
@@ -119,7 +101,7 @@ def test_copies_add_up_on_every_grouped_query_architecture(arch):
 
 
 def test_multi_head_attention_has_no_copies():
-    model = tiny_model("gpt2", dtype=torch.float64) if has_bridge() else _hooked()
+    model = tiny_model("gpt2", dtype=torch.float64) if has_bridge() else hooked_toy()
     scores = attribute(model, CLEAN, CORRUPTED, METRIC, method="eap")
     assert scores.ungrouped_scores is None
     g = scores.graph
@@ -197,7 +179,7 @@ def test_eap_copy_scores_are_eap_ig_scores_on_the_ungrouped_model(build):
     from ra_lens.toy_models import hooked_matrix_model
 
     builder = (
-        (lambda: _hooked(**LLAMA_LIKE))
+        (lambda: hooked_toy(**LLAMA_LIKE))
         if build == "llama_like"
         else (lambda: hooked_matrix_model("llama"))
     )
@@ -226,7 +208,7 @@ def test_exact_key_copies_are_the_true_effect_of_patching_one_copy(direction):
         n_layers=1, attn_only=True, normalization_type=None, positional_embedding_type="rotary",
         n_key_value_heads=2,
     )  # fmt: skip
-    model, twin = _hooked(**settings), _ungrouped_twin(lambda: _hooked(**settings))
+    model, twin = hooked_toy(**settings), _ungrouped_twin(lambda: hooked_toy(**settings))
     clean, corrupted = to_batch(model, CLEAN), to_batch(model, CORRUPTED)
     base, other = (corrupted, clean) if direction == "denoise" else (clean, corrupted)
     scores = attribute(model, clean, corrupted, METRIC, method="exact", direction=direction)
@@ -391,7 +373,7 @@ def test_bad_copies_are_refused_naming_the_problem():
 
 
 def test_edge_run_keeps_key_and_value_inputs_only_with_leaves():
-    model = tiny_model("llama") if has_bridge() else _hooked(**LLAMA_LIKE)
+    model = tiny_model("llama") if has_bridge() else hooked_toy(**LLAMA_LIKE)
     graph = Graph.from_model(model)
     weights = [_edges.layer_weights(model, la) for la in range(graph.n_layers)]
     run = _edges.EdgeRun(graph, weights)

@@ -240,7 +240,7 @@ def markdown(study: dict[str, Any]) -> str:
         lines += [
             f"### Ablation: {ablation}",
             "",
-            "| task (held-out pairs) | method | CPR (higher better) | CMD (lower better) | CPU s | "
+            "| task (pairs) | method | CPR (higher better) | CMD (lower better) | CPU s | "
             + " | ".join(f"f @ {c} edges" for c in counts)
             + " |",
             "|---|---|---|---|---:|" + "---|" * len(counts),
@@ -252,7 +252,7 @@ def markdown(study: dict[str, Any]) -> str:
                 e = entry[ablation]
                 at = [_ci(e["at_edges"][c], 2) if c in e["at_edges"] else "-" for c in counts]
                 lines.append(
-                    f"| {name} ({task['n_pairs']}) | {label} | {_ci(e['cpr'])} | {_ci(e['cmd'])}"
+                    f"| {name} ({_pair_counts(task)}) | {label} | {_ci(e['cpr'])} | {_ci(e['cmd'])}"
                     f" | {_cpu(task['methods'][label])} | " + " | ".join(at) + " |"
                 )
         lines.append("")
@@ -309,7 +309,11 @@ def _cpu(result: dict[str, Any]) -> str:
 
 
 def _scored_on(cfg: dict[str, Any]) -> str:
-    train = cfg.get("train_pairs", 0)
-    if train:
-        return f"Scores from {train} training pairs per task, measured on the held-out pairs."
+    if cfg.get("train_pairs", 0):
+        return "Scores from the training pairs, measured on the held-out pairs (counts per task)."
     return "Scores from the measured pairs themselves."
+
+
+def _pair_counts(task: dict[str, Any]) -> str:
+    train = len(task.get("train_pairs", []))
+    return f"{task['n_pairs']} held out, {train} train" if train else str(task["n_pairs"])

@@ -94,7 +94,7 @@ def test_paired_differences(saved):
     cmd = task["summary"]["paired_cmd"]["patching"]["exact - eap-noise"]["difference"]["estimate"]
     expected = cpr["exact"]["patching"]["cmd"]["estimate"] - cpr["eap-noise"]["patching"]["cmd"]["estimate"]  # fmt: skip
     assert cmd == pytest.approx(expected)
-    assert "random - eap-ig-5" not in paired and "| toy (4) | random |" in text
+    assert "random - eap-ig-5" not in paired and "| toy (4 held out, 3 train) | random |" in text
     goals = study["goals"]["toy"]
     # the goals are the library default's (eap-ig-5), here the CPR reference itself
     assert goals["method"] == study["config"]["default_method"] == "eap-ig-5"

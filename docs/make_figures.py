@@ -182,16 +182,13 @@ def circuit_study(out: Path, source: Path = CIRCUIT_JSON) -> list[Path]:
                 if ablation not in entry:
                     continue
                 e = entry[ablation]
-                cpr = e["cpr"]
-                line = ax.plot(
-                    x, [e["faithfulness"][i] for i in shown],
-                    label=f"{label}: CPR {cpr['estimate']:.3f} [{cpr['low']:.3f}, {cpr['high']:.3f}]",
+                cpr, cmd = e["cpr"], e["cmd"]
+                # the signed ranking's curve, whose area is MIB's CPR (CMD: the |score| ranking's)
+                ax.plot(
+                    x, [e["signed_faithfulness"][i] for i in shown],
+                    label=f"{label}: CPR {cpr['estimate']:.2f} [{cpr['low']:.2f}, {cpr['high']:.2f}], CMD {cmd['estimate']:.3f}",
                     linestyle=("-", "--", ":", "-.")[k % 4], marker="os^vDx"[k % 6], markersize=3,
-                    linewidth=2.0 if label.startswith("exact") else 1.2, color=f"C{k}",
-                )[0]  # fmt: skip
-                ax.fill_between(
-                    x, [e["low"][i] for i in shown], [e["high"][i] for i in shown],
-                    color=line.get_color(), alpha=0.15, linewidth=0,
+                    linewidth=1.4, color=f"C{k}",
                 )  # fmt: skip
             ax.axhline(1.0, color="grey", lw=0.8, ls=":")
             ax.axhline(0.0, color="grey", lw=0.8, ls=":")
@@ -201,19 +198,25 @@ def circuit_study(out: Path, source: Path = CIRCUIT_JSON) -> list[Path]:
             ax.set_xlim(min(x) / 1.25, max(x) * 1.25)
             ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}"))
             ax.xaxis.set_minor_formatter(NullFormatter())
-            ax.set_ylim(-0.4, 1.4)  # bands of tiny circuits can be wider: clipped
-            ax.set_title(f"{name} ({task['n_pairs']} pairs), {ablation}", fontsize=9)
-            chosen = "greedy" if data["config"].get("selection") == "greedy" else "top-n by |score|"
-            ax.set_xlabel(f"edges kept ({chosen}, pruned; of {task['n_edges_total']:,})")
+            ax.set_ylim(-0.6, 2.6)
+            held, train = task["n_pairs"], len(task.get("train_pairs", []))
+            ax.set_title(f"{name} ({held} held-out pairs, {train} train), {ablation}", fontsize=9)
+            chosen = "greedy" if data["config"].get("selection") == "greedy" else "top-n"
+            ax.set_xlabel(
+                f"edges kept ({chosen} by score, pruned; of {task['n_edges_total']:,} ungrouped)"
+            )
             ax.grid(alpha=0.3)
             if ax.lines[:-2]:
                 ax.legend(  # below the panel: the curves fill the upper left
                     fontsize=6.5, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2,
-                    title="95% bootstrap bands", title_fontsize=7,
+                    title="CPR with 95% bootstrap interval", title_fontsize=7,
                 )  # fmt: skip
     for ax in axes[:, 0]:
         ax.set_ylabel("faithfulness")
-    fig.suptitle(f"Circuit faithfulness on {data['config']['model']} (edge patching)", fontsize=10)
+    fig.suptitle(
+        f"Circuit faithfulness on {data['config']['model']}, MIB's signed ranking (edge patching)",
+        fontsize=10,
+    )
     fig.tight_layout()
     path = out / "circuit_study.png"
     fig.savefig(path, dpi=130)

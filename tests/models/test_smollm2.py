@@ -132,9 +132,9 @@ def test_hooked_ra_does_not_depend_on_weight_processing(smollm2):
 OTHER_ENV_SCRIPT = """
 import sys, torch
 from pathlib import Path
-sys.path.insert(0, sys.argv[1])
+sys.path[:0] = [sys.argv[1], str(Path(sys.argv[1]) / "models")]  # helpers, and this file
 import ra_lens
-from test_real_model import backend_outputs
+from test_smollm2 import backend_outputs
 model = ra_lens.load_model(device="cpu")
 torch.save(backend_outputs(model, Path(sys.argv[2]) / "maps.json"), Path(sys.argv[2]) / "out.pt")
 """

@@ -208,7 +208,7 @@ def circuit_study(out: Path, source: Path = CIRCUIT_JSON) -> list[Path]:
             ax.grid(alpha=0.3)
             if ax.lines[:-2]:
                 ax.legend(  # below the panel: the curves fill the upper left
-                    fontsize=6.5, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2,
+                    fontsize=6.5, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=1,
                     title="CPR with 95% bootstrap interval", title_fontsize=7,
                 )  # fmt: skip
     for ax in axes[:, 0]:

@@ -49,6 +49,7 @@ def reversed_attention(
     convention: Validated[Convention] = "qk",
     memory: Validated[Memory] = "full",
     rows_at: Validated[Int[Tensor, "batch"]] | None = None,
+    remote: bool | str = False,
 ) -> ReversedAttention:
     """Reversed Attention dL/d(QK^T) of every head, for each prompt's own metric.
 
@@ -73,6 +74,10 @@ def reversed_attention(
             layer's). Same result; see `ra_lens.layerwise`.
         rows_at: with keep="rows", the query position of each prompt's row, Int[Tensor, "batch"]
             (default: each prompt's last real position, where the ra_lens.metrics read by default).
+        remote: nnsight models only: False runs the trace locally (see `ra_lens.nnsight`).
+
+    Also takes an nnsight model (`nnsight.TransformersModel` wrapping a HuggingFace causal LM
+    with attn_implementation="eager"): the same result, read through nnsight (memory="full").
 
     Returns:
         ReversedAttention with maps Float[Tensor, "batch layer head query key"] (CPU, float32).
@@ -96,6 +101,19 @@ def reversed_attention(
     >>> torch.allclose(ra.maps[:, 1], grad, atol=1e-6)
     True
     """
+    from ra_lens.nnsight.adapter import is_nnsight_model
+
+    if is_nnsight_model(model):
+        if memory != "full":
+            raise ValueError("nnsight models run memory='full' only: drop memory=")
+        from ra_lens.nnsight.route import reversed_attention as through_nnsight
+
+        return through_nnsight(
+            model, tokens, metric, layers=layers, keep=keep, convention=convention,
+            rows_at=rows_at, remote=remote,
+        )  # fmt: skip
+    if remote is not False:
+        raise ValueError("remote= is for nnsight models: this is a TransformerLens model")
     if convention not in CONVENTIONS:
         raise ValueError(f"unknown convention {convention!r}: choose one of {CONVENTIONS}")
     if keep not in ("maps", "norms", "rows"):

@@ -1,0 +1,246 @@
+"""The seam between nnsight models and ra-lens's model contract.
+
+An nnsight model (`nnsight.TransformersModel`, or `LanguageModel`, its deprecated alias) wraps a
+HuggingFace causal LM. Each layer's attention module is found by what it is (the child of each
+decoder block whose class is an attention module); under eager attention it returns
+(output, weights), and `weights` is the softmax output A, Float[Tensor, "batch head query key"],
+checked once per model on a probe prompt (shape, rows summing to one). The softmax call itself
+(needed to edit A before it meets the values, and to read soft-capped scores) is found among the
+attention forward's operations by what its output is, never by its label: the labels move between
+nnsight and transformers releases.
+
+The per-architecture facts (scale, soft-cap) are the contract's own (`contract.attention_scale`,
+`contract.attention_softcap`), read from the HuggingFace modules through the same attribute the
+TransformerBridge exposes them by (`original_component`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from torch import nn
+
+from ra_lens import contract
+
+#: What the probe found, per wrapped HuggingFace model (dropped with the model).
+FOUND: weakref.WeakKeyDictionary[nn.Module, Layout] = weakref.WeakKeyDictionary()
+
+
+def is_nnsight_model(model: object) -> bool:
+    """True for an nnsight model (an Envoy wrapping a module), without importing nnsight."""
+    return any(
+        c.__module__.startswith("nnsight.") and c.__name__ == "Envoy" for c in type(model).__mro__
+    )
+
+
+@dataclass
+class Layout:
+    """Where a wrapped HuggingFace model keeps what RA needs.
+
+    attention_paths: per layer, the dotted path of its attention module from the root.
+    embed_path: the input embedding module's path.
+    softmax_path: the softmax call, from an attention module (e.g.
+        "source.attention_interface_1.source.nn_functional_softmax_0"), or None until needed.
+    """
+
+    attention_paths: list[str]
+    embed_path: str
+    softmax_path: str | None = None
+
+
+def hf_module(model: Any) -> nn.Module:
+    """The HuggingFace model inside an nnsight model."""
+    inner = getattr(model, "_module", None)
+    if not isinstance(inner, nn.Module) or not hasattr(inner, "config"):
+        raise TypeError(
+            f"{type(model).__name__} does not wrap a HuggingFace model: ra-lens reads nnsight "
+            "models built as nnsight.TransformersModel(hf_model, tokenizer=...)"
+        )
+    return inner
+
+
+def layout(model: Any) -> Layout:
+    """The model's `Layout` (paths checked against eager attention), found once per model.
+
+    Raises:
+        ValueError: attention other than eager (SDPA, flash), which returns no weights.
+        TypeError: no decoder block list or no attention module in a block.
+    """
+    hf = hf_module(model)
+    implementation = getattr(hf.config, "_attn_implementation", None)
+    if implementation != "eager":
+        raise ValueError(
+            f"the model runs {implementation!r} attention, which returns no attention weights: "
+            "load it with attn_implementation=\"eager\" (e.g. AutoModelForCausalLM."
+            "from_pretrained(name, attn_implementation=\"eager\")) before wrapping it in nnsight"
+        )
+    if hf in FOUND:
+        return FOUND[hf]
+    names = {module: name for name, module in hf.named_modules()}
+    blocks = _decoder_blocks(hf)
+    paths = []
+    for i, block in enumerate(blocks):
+        attn = [c for c in block.children() if type(c).__name__.endswith("Attention")]
+        if len(attn) != 1:
+            raise TypeError(
+                f"block {i} ({type(block).__name__}) has {len(attn)} attention modules: ra-lens "
+                "reads one self-attention module per decoder block"
+            )
+        paths.append(names[attn[0]])
+    found = Layout(paths, names[hf.get_input_embeddings()])
+    FOUND[hf] = found
+    return found
+
+
+def _decoder_blocks(hf: nn.Module) -> nn.ModuleList:
+    n = hf.config.num_hidden_layers
+    lists = [m for m in hf.modules() if isinstance(m, nn.ModuleList) and len(m) == n]
+    if not lists:
+        raise TypeError(
+            f"found no list of {n} decoder blocks in {type(hf).__name__}: ra-lens reads "
+            "HuggingFace causal LMs whose blocks sit in one nn.ModuleList"
+        )
+    return lists[0]
+
+
+def _contract_view(attn: nn.Module) -> Any:
+    """A one-layer stand-in with the TransformerBridge's attribute names, so the contract's
+    own readers (`attention_scale`, `attention_softcap`) read the HuggingFace module."""
+    block = SimpleNamespace(attn=SimpleNamespace(original_component=attn))
+    return SimpleNamespace(blocks=[block], cfg=SimpleNamespace())
+
+
+def scale_and_softcap(model: Any, path: str) -> tuple[float, float | None]:
+    """The contract's attention scale s and soft-cap c of the attention module at `path`."""
+    attn = hf_module(model).get_submodule(path)
+    view = _contract_view(attn)
+    return contract.attention_scale(view, 0), contract.attention_softcap(view, 0)
+
+
+def resolve(root: Any, path: str) -> Any:
+    """root.a.b.3.c: attributes, digits indexing module lists."""
+    node = root
+    for part in path.split("."):
+        node = node[int(part)] if part.isdigit() else getattr(node, part)
+    return node
+
+
+@contextlib.contextmanager
+def preserved(model: Any) -> Iterator[None]:
+    """Eval mode, parameters frozen for the call (so no .grad accumulates); afterwards every
+    module's mode, every requires_grad flag and every .grad restored as found."""
+    hf = hf_module(model)
+    modes = [(m, m.training) for m in hf.modules()]
+    params = list(hf.parameters())
+    flags = [p.requires_grad for p in params]
+    grads = [p.grad for p in params]
+    if torch.is_inference_mode_enabled():
+        raise RuntimeError(
+            "ra-lens needs autograd, and this call runs inside torch.inference_mode(): call it "
+            "outside that block"
+        )
+    try:
+        hf.eval()
+        for p in params:
+            p.requires_grad_(False)
+        with torch.enable_grad():
+            yield
+    finally:
+        for m, mode in modes:
+            m.training = mode
+        for p, flag, grad in zip(params, flags, grads):
+            p.requires_grad_(flag)
+            p.grad = grad
+
+
+def softmax_path(model: Any) -> str:
+    """The softmax call inside each attention module, found by what its output is, once per
+    model: among the operations of the first layer's attention forward, the last one whose
+    output holds the module's weights is the attention call; inside it, the first operation
+    whose output is a [batch, head, query, key] tensor of non-negative rows summing to one is
+    the softmax. Then checked on every layer.
+
+    Raises:
+        TypeError: no such operation (nnsight cannot trace this attention's source).
+    """
+    found = layout(model)
+    if found.softmax_path is not None:
+        return found.softmax_path
+    probe = torch.tensor([[1, 2, 3, 4]], device=_device(model))
+    first = resolve(model, found.attention_paths[0])
+    try:
+        names = list(first.source.names)
+    except Exception as error:  # nnsight's SourceNotAvailable and the like
+        raise TypeError(f"nnsight cannot trace the attention's source: {error}") from error
+    weights = _probe(model, probe, [lambda: first.output[1]])[0]
+    call = next(
+        (n for n in reversed(names) if _holds(_probe_op(model, probe, first, n), weights)), None
+    )
+    if call is None:
+        raise TypeError(_NOT_FOUND)
+    inner = _probe(model, probe, [lambda: list(getattr(first.source, call).source.names)])[0]
+    for name in inner:
+        path = f"source.{call}.source.{name}"
+        if _is_softmax(_probe_op(model, probe, first, path), weights):
+            _check_every_layer(model, probe, path)
+            found.softmax_path = path
+            return path
+    raise TypeError(_NOT_FOUND)
+
+
+_NOT_FOUND = (
+    "found no softmax call inside the attention forward whose output is the attention weights: "
+    "ra-lens reads HuggingFace attention modules whose eager path calls a softmax"
+)
+
+
+def _device(model: Any) -> torch.device:
+    return next(hf_module(model).parameters()).device
+
+
+def _probe(model: Any, tokens: torch.Tensor, readers: list[Any]) -> list[Any]:
+    """Run one trace and return each reader's value (readers run in forward order)."""
+    with torch.no_grad(), model.trace(tokens):
+        got = [reader() for reader in readers]
+        kept = [g.save() if hasattr(g, "save") else g for g in got]
+    return list(kept)
+
+
+def _probe_op(model: Any, tokens: torch.Tensor, attn: Any, path: str) -> Any:
+    """The output of one operation of the attention forward, or None where it does not run."""
+    node = resolve(attn, path if path.startswith("source.") else f"source.{path}")
+    try:
+        return _probe(model, tokens, [lambda: node.output])[0]
+    except Exception:  # the operation did not run on this path (a branch not taken)
+        return None
+
+
+def _holds(value: Any, weights: torch.Tensor) -> bool:
+    return isinstance(value, tuple) and any(
+        isinstance(v, torch.Tensor) and v.shape == weights.shape and torch.equal(v, weights)
+        for v in value
+    )
+
+
+def _is_softmax(value: Any, weights: torch.Tensor) -> bool:
+    if not isinstance(value, torch.Tensor) or value.shape != weights.shape:
+        return False
+    rows = value.double().sum(-1)
+    return bool((value >= 0).all()) and torch.allclose(rows, torch.ones_like(rows), atol=1e-3)
+
+
+def _check_every_layer(model: Any, tokens: torch.Tensor, path: str) -> None:
+    attns = [resolve(model, p) for p in layout(model).attention_paths]
+    readers = []
+    for attn in attns:
+        readers += [lambda a=attn: resolve(a, path).output, lambda a=attn: a.output[1]]
+    got = _probe(model, tokens, readers)
+    for i in range(len(attns)):
+        if not torch.equal(got[2 * i].to(got[2 * i + 1].dtype), got[2 * i + 1]):
+            raise TypeError(f"layer {i}: {_NOT_FOUND}")

@@ -1,0 +1,57 @@
+"""TransformerLens-style `hook_pattern` hooks (`attention_patch_hooks`, `forward_patch_hooks`)
+applied inside an nnsight trace: each hook edits the output of its layer's softmax call, before
+the pattern meets the values, exactly where TransformerLens's `hook_pattern` sits."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ra_lens.nnsight import adapter
+
+_PATTERN = re.compile(r"^blocks\.(\d+)\.attn\.hook_pattern$")
+
+
+def run_with_pattern_hooks(
+    model: Any, tokens: Tensor, fwd_hooks: Sequence[tuple[str, Any]]
+) -> Tensor:
+    """Logits Float[Tensor, "batch pos vocab"] of `tokens` with each (hook name, hook function)
+    applied to its layer's attention pattern A ([batch, head, query, key]), as
+    `model.hooks(fwd_hooks=...)` would on a TransformerLens model. Runs in eval mode under
+    no_grad; the model is left as found.
+
+    Raises:
+        ValueError: a hook on anything but `blocks.{layer}.attn.hook_pattern`.
+    """
+    by_layer: dict[int, list[Any]] = {}
+    for name, fn in fwd_hooks:
+        match = _PATTERN.match(name) if isinstance(name, str) else None
+        if match is None:
+            raise ValueError(
+                f"hook {name!r}: nnsight models take hooks on blocks.{{layer}}.attn.hook_pattern "
+                "only (attention_patch_hooks, forward_patch_hooks)"
+            )
+        by_layer.setdefault(int(match.group(1)), []).append(fn)
+    found = adapter.layout(model)
+    if any(layer >= len(found.attention_paths) for layer in by_layer):
+        raise ValueError(f"hooks on layers {sorted(by_layer)}: the model has {len(found.attention_paths)}")
+    path = adapter.softmax_path(model) if by_layer else None
+    with adapter.preserved(model), torch.no_grad():
+        return _run(model, tokens.to(adapter._device(model)), found, path, by_layer)
+
+
+def _run(model: Any, tokens: Tensor, found: Any, path: str | None, by_layer: dict) -> Tensor:
+    with model.trace(tokens):
+        for layer in sorted(by_layer):
+            softmax = adapter.resolve(adapter.resolve(model, found.attention_paths[layer]), path)
+            pattern = softmax.output
+            for fn in by_layer[layer]:
+                edited = fn(pattern, None)
+                pattern = pattern if edited is None else edited
+            softmax.output = pattern
+        logits = model.output.logits.save()
+    return logits

@@ -1,0 +1,169 @@
+"""`reversed_attention` on nnsight models: checks and batching here, the trace in `_trace`."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ra_lens.capture import Batch
+from ra_lens.math import CONVENTIONS
+from ra_lens.nnsight import adapter
+from ra_lens.nnsight._trace import ra_in_trace
+from ra_lens.result import ReversedAttention
+
+
+def reversed_attention(
+    model: Any,
+    tokens: Tensor | Batch | str | Sequence[str],
+    metric: Any,
+    *,
+    layers: Sequence[int] | None = None,
+    keep: str = "maps",
+    convention: str = "qk",
+    rows_at: Tensor | None = None,
+    remote: Any = False,
+) -> ReversedAttention:
+    """Reversed Attention of an nnsight model; same arguments and result as
+    `ra_lens.reversed_attention` (which calls this for nnsight models)."""
+    if remote is not False:
+        raise NotImplementedError("remote execution of reversed_attention is not available yet")
+    if convention not in CONVENTIONS:
+        raise ValueError(f"unknown convention {convention!r}: choose one of {CONVENTIONS}")
+    if keep not in ("maps", "norms", "rows"):
+        raise ValueError(f"unknown keep {keep!r}: choose 'maps', 'norms' or 'rows'")
+    if rows_at is not None and keep != "rows":
+        raise ValueError("rows_at chooses the rows of keep='rows': pass keep='rows' with it")
+    found = adapter.layout(model)
+    n_layers = len(found.attention_paths)
+    chosen = list(range(n_layers)) if layers is None else [int(la) for la in layers]
+    if not chosen or any(not 0 <= la < n_layers for la in chosen) or len(set(chosen)) < len(chosen):
+        raise ValueError(f"layers {list(layers or [])} must be distinct, in [0, {n_layers})")
+    chosen = sorted(chosen)
+    batch = to_batch(model, tokens)
+    paths = [found.attention_paths[la] for la in chosen]
+    facts = [adapter.scale_and_softcap(model, p) for p in paths]
+    scales, caps = [f[0] for f in facts], [f[1] for f in facts]
+    needs_scores = convention == "qk" and any(c is not None for c in caps)
+    score_path = adapter.softmax_path(model) if needs_scores else None
+    lengths = _metric_lengths(metric, batch)
+    positions = _row_positions(rows_at, batch) if keep == "rows" else None
+    device = adapter._device(model)
+    with adapter.preserved(model):
+        try:
+            out = ra_in_trace(
+                model,
+                batch.tokens.to(device),
+                paths,
+                metric,
+                keep=keep,
+                convention=convention,
+                scales=scales,
+                softcaps=caps,
+                score_paths=[score_path] * len(paths),
+                embed_path=found.embed_path,
+                rows_at=positions,
+                lengths=None if lengths is None else lengths.to(device),
+                real=batch.real_mask().to(device) if batch.padded else None,
+            )
+        except ValueError:
+            raise
+        except Exception as error:
+            raise _explained(error) from error
+    values = out["values"]
+    if values.ndim > 1 or (values.ndim == 1 and values.shape[0] != batch.tokens.shape[0]):
+        raise ValueError(
+            f"the metric returned shape {tuple(values.shape)}: it must return one value per "
+            f"prompt, Float[Tensor, '{batch.tokens.shape[0]}'], or a scalar"
+        )
+    cpu = {k: v.detach().to("cpu", torch.float32) for k, v in out.items()}
+    return ReversedAttention(
+        norms=cpu["norms"],
+        pattern_norms=cpu["pattern_norms"],
+        tokens=batch.tokens.cpu(),
+        lengths=batch.lengths.cpu(),
+        metric_values=cpu["values"],
+        layers=chosen,
+        convention=convention,
+        scales=scales,
+        routes=["pattern"] * len(chosen),
+        maps=cpu.get("maps"),
+        patterns=cpu.get("patterns"),
+        rows=cpu.get("rows"),
+        row_positions=None if positions is None else positions.cpu(),
+        str_tokens=_str_tokens(model, batch),
+    )
+
+
+def _explained(error: Exception) -> Exception:
+    """nnsight's errors, said in ra-lens's terms where the cause is known."""
+    text = f"{type(error).__name__}: {error}"
+    if "grad" in text and ("never" in text or "not" in text or "None" in text):
+        return ValueError(
+            "no gradient reached the attention weights: the metric must depend on the logits "
+            f"the model returns, through the attention of the chosen layers ({text[:300]})"
+        )
+    return RuntimeError(
+        f"nnsight could not trace this model ({text[:500]}): ra-lens reads nnsight."
+        "TransformersModel(hf_model, tokenizer=...) wrapping a HuggingFace causal LM"
+    )
+
+
+def to_batch(model: Any, tokens: Tensor | Batch | str | Sequence[str]) -> Batch:
+    """A right-padded `Batch` from ids or strings (the model's tokenizer, no added BOS beyond
+    what the tokenizer adds itself)."""
+    if isinstance(tokens, Batch):
+        return tokens
+    if isinstance(tokens, Tensor):
+        if tokens.ndim not in (1, 2) or tokens.is_floating_point():
+            raise ValueError(f"tokens must be Int[Tensor, 'batch pos'], got {tokens.dtype} {tuple(tokens.shape)}")
+        ids = tokens if tokens.ndim == 2 else tokens[None]
+        return Batch(ids.long(), torch.full((ids.shape[0],), ids.shape[1], dtype=torch.long))
+    prompts = [tokens] if isinstance(tokens, str) else list(tokens)
+    if not prompts or not all(isinstance(p, str) for p in prompts):
+        raise TypeError("tokens must be an Int[Tensor, 'batch pos'], a string or strings")
+    tokenizer = getattr(model, "tokenizer", None)
+    if tokenizer is None:
+        raise ValueError("the nnsight model has no tokenizer: pass token ids")
+    rows = [tokenizer(p, return_tensors="pt")["input_ids"][0] for p in prompts]
+    lengths = torch.tensor([len(r) for r in rows], dtype=torch.long)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    ids = torch.full((len(rows), int(lengths.max())), int(pad or 0), dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, : len(row)] = row
+    return Batch(ids, lengths)
+
+
+def _metric_lengths(metric: Any, batch: Batch) -> Tensor | None:
+    """batch.lengths where the metric accepts them (as `core.call_metric` decides)."""
+    try:
+        accepts = "lengths" in inspect.signature(metric).parameters
+    except (TypeError, ValueError):
+        accepts = False
+    if accepts:
+        return batch.lengths
+    if batch.padded:
+        raise ValueError(
+            "prompts of different lengths were right-padded, and the metric cannot know where each "
+            "one ends: use a metric from ra_lens.metrics or give the metric a `lengths` parameter"
+        )
+    return None
+
+
+def _row_positions(rows_at: Tensor | None, batch: Batch) -> Tensor:
+    from ra_lens.core import _row_positions as checked
+
+    return checked(rows_at, batch)
+
+
+def _str_tokens(model: Any, batch: Batch) -> list[list[str]] | None:
+    tokenizer = getattr(model, "tokenizer", None)
+    if tokenizer is None:
+        return None
+    return [
+        tokenizer.convert_ids_to_tokens(row[: int(n)].tolist())
+        for row, n in zip(batch.tokens, batch.lengths)
+    ]

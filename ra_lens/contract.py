@@ -230,6 +230,12 @@ def attention_scale(model: HookedModel, layer: int) -> float:
             return 1.0
         attn_scale = float(getattr(cfg, "attn_scale", -1.0))
         return attn_scale if attn_scale > 0 else math.sqrt(cfg.d_head)
+    return hf_attention_scale(inner, layer)
+
+
+def hf_attention_scale(inner: Any, layer: int) -> float:
+    """`attention_scale` of a HuggingFace attention module itself (what a bridge wraps, or
+    what an nnsight model holds): 1 / `scaling` or 1 / `inv_norm_factor`; 1 where unscaled."""
     for name in ("scaling", "inv_norm_factor"):
         value = getattr(inner, name, None)
         if isinstance(value, (int, float)) and value > 0:
@@ -258,9 +264,17 @@ def attention_softcap(model: HookedModel, layer: int) -> float | None:
     True
     """
     inner = getattr(model.blocks[layer].attn, "original_component", None)
+    if inner is not None:
+        return hf_attention_softcap(inner)
+    value = getattr(model.cfg, "attn_scores_soft_cap", None)
+    if value is None or float(value) <= 0:
+        return None
+    return float(value)
+
+
+def hf_attention_softcap(inner: Any) -> float | None:
+    """`attention_softcap` of a HuggingFace attention module: its `attn_logit_softcapping`."""
     value = getattr(inner, "attn_logit_softcapping", None)
-    if value is None and inner is None:
-        value = getattr(model.cfg, "attn_scores_soft_cap", None)
     if value is None or float(value) <= 0:
         return None
     return float(value)

@@ -9,9 +9,9 @@ checked once per model on a probe prompt (shape, rows summing to one). The softm
 attention forward's operations by what its output is, never by its label: the labels move between
 nnsight and transformers releases.
 
-The per-architecture facts (scale, soft-cap) are the contract's own (`contract.attention_scale`,
-`contract.attention_softcap`), read from the HuggingFace modules through the same attribute the
-TransformerBridge exposes them by (`original_component`).
+The per-architecture facts (scale, soft-cap) are the contract's own readers of HuggingFace
+attention modules (`contract.hf_attention_scale`, `contract.hf_attention_softcap`), the ones
+`attention_scale` / `attention_softcap` apply to a TransformerBridge's modules.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import contextlib
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -77,8 +76,8 @@ def layout(model: Any) -> Layout:
     if implementation != "eager":
         raise ValueError(
             f"the model runs {implementation!r} attention, which returns no attention weights: "
-            "load it with attn_implementation=\"eager\" (e.g. AutoModelForCausalLM."
-            "from_pretrained(name, attn_implementation=\"eager\")) before wrapping it in nnsight"
+            'load it with attn_implementation="eager" (e.g. AutoModelForCausalLM.'
+            'from_pretrained(name, attn_implementation="eager")) before wrapping it in nnsight'
         )
     if hf in FOUND:
         return FOUND[hf]
@@ -86,16 +85,24 @@ def layout(model: Any) -> Layout:
     blocks = _decoder_blocks(hf)
     paths = []
     for i, block in enumerate(blocks):
-        attn = [c for c in block.children() if type(c).__name__.endswith("Attention")]
+        attn = _attention_children(block)
         if len(attn) != 1:
             raise TypeError(
                 f"block {i} ({type(block).__name__}) has {len(attn)} attention modules: ra-lens "
                 "reads one self-attention module per decoder block"
             )
+        # A wrapper holding one attention module (GPT-Neo's GPTNeoAttention): the inner one
+        # computes the scores and carries their scale.
+        while len(_attention_children(attn[0])) == 1:
+            attn = _attention_children(attn[0])
         paths.append(names[attn[0]])
     found = Layout(paths, names[hf.get_input_embeddings()])
     FOUND[hf] = found
     return found
+
+
+def _attention_children(module: nn.Module) -> list[nn.Module]:
+    return [c for c in module.children() if type(c).__name__.endswith("Attention")]
 
 
 def _decoder_blocks(hf: nn.Module) -> nn.ModuleList:
@@ -109,18 +116,11 @@ def _decoder_blocks(hf: nn.Module) -> nn.ModuleList:
     return lists[0]
 
 
-def _contract_view(attn: nn.Module) -> Any:
-    """A one-layer stand-in with the TransformerBridge's attribute names, so the contract's
-    own readers (`attention_scale`, `attention_softcap`) read the HuggingFace module."""
-    block = SimpleNamespace(attn=SimpleNamespace(original_component=attn))
-    return SimpleNamespace(blocks=[block], cfg=SimpleNamespace())
-
-
 def scale_and_softcap(model: Any, path: str) -> tuple[float, float | None]:
     """The contract's attention scale s and soft-cap c of the attention module at `path`."""
     attn = hf_module(model).get_submodule(path)
-    view = _contract_view(attn)
-    return contract.attention_scale(view, 0), contract.attention_softcap(view, 0)
+    layer = layout(model).attention_paths.index(path)
+    return contract.hf_attention_scale(attn, layer), contract.hf_attention_softcap(attn)
 
 
 def resolve(root: Any, path: str) -> Any:
@@ -206,17 +206,19 @@ def _device(model: Any) -> torch.device:
 
 def _probe(model: Any, tokens: torch.Tensor, readers: list[Any]) -> list[Any]:
     """Run one trace and return each reader's value (readers run in forward order)."""
+    # Filled in place: nnsight hands back only what the body saves or mutates outside itself.
+    kept: list[Any] = []
     with torch.no_grad(), model.trace(tokens):
-        got = [reader() for reader in readers]
-        kept = [g.save() if hasattr(g, "save") else g for g in got]
-    return list(kept)
+        for reader in readers:
+            kept.append(reader())
+    return kept
 
 
 def _probe_op(model: Any, tokens: torch.Tensor, attn: Any, path: str) -> Any:
     """The output of one operation of the attention forward, or None where it does not run."""
-    node = resolve(attn, path if path.startswith("source.") else f"source.{path}")
-    try:
-        return _probe(model, tokens, [lambda: node.output])[0]
+    full = path if path.startswith("source.") else f"source.{path}"
+    try:  # resolved inside the trace: nested `.source` exists only there
+        return _probe(model, tokens, [lambda: resolve(attn, full).output])[0]
     except Exception:  # the operation did not run on this path (a branch not taken)
         return None
 

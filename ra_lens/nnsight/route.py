@@ -113,28 +113,49 @@ def _explained(error: Exception) -> Exception:
 
 
 def to_batch(model: Any, tokens: Tensor | Batch | str | Sequence[str]) -> Batch:
-    """A right-padded `Batch` from ids or strings (the model's tokenizer, no added BOS beyond
-    what the tokenizer adds itself)."""
+    """A right-padded `Batch` from ids or strings (`to_tokens`: BOS first, as TransformerLens
+    tokenises, so both routes see the same ids)."""
     if isinstance(tokens, Batch):
         return tokens
     if isinstance(tokens, Tensor):
         if tokens.ndim not in (1, 2) or tokens.is_floating_point():
-            raise ValueError(f"tokens must be Int[Tensor, 'batch pos'], got {tokens.dtype} {tuple(tokens.shape)}")
+            raise ValueError(
+                f"tokens must be Int[Tensor, 'batch pos'], got {tokens.dtype} {tuple(tokens.shape)}"
+            )
         ids = tokens if tokens.ndim == 2 else tokens[None]
         return Batch(ids.long(), torch.full((ids.shape[0],), ids.shape[1], dtype=torch.long))
     prompts = [tokens] if isinstance(tokens, str) else list(tokens)
     if not prompts or not all(isinstance(p, str) for p in prompts):
         raise TypeError("tokens must be an Int[Tensor, 'batch pos'], a string or strings")
-    tokenizer = getattr(model, "tokenizer", None)
-    if tokenizer is None:
-        raise ValueError("the nnsight model has no tokenizer: pass token ids")
-    rows = [tokenizer(p, return_tensors="pt")["input_ids"][0] for p in prompts]
+    tokenizer = _tokenizer(model)
+    rows = [to_tokens(model, p) for p in prompts]
     lengths = torch.tensor([len(r) for r in rows], dtype=torch.long)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     ids = torch.full((len(rows), int(lengths.max())), int(pad or 0), dtype=torch.long)
     for i, row in enumerate(rows):
         ids[i, : len(row)] = row
     return Batch(ids, lengths)
+
+
+def to_tokens(model: Any, text: str, *, prepend_bos: bool = True) -> Tensor:
+    """Int[Tensor, "pos"]: `text` through the model's tokenizer without its own special tokens,
+    with the BOS token first where the tokenizer has one (TransformerLens's `to_tokens`)."""
+    tokenizer = _tokenizer(model)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    bos = tokenizer.bos_token_id
+    if prepend_bos and bos is not None:
+        ids = [bos, *ids]
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def _tokenizer(model: Any) -> Any:
+    tokenizer = getattr(model, "tokenizer", None)
+    if tokenizer is None:
+        raise ValueError(
+            "the nnsight model has no tokenizer: pass token ids, or wrap the model as "
+            "nnsight.TransformersModel(hf_model, tokenizer=tokenizer)"
+        )
+    return tokenizer
 
 
 def _metric_lengths(metric: Any, batch: Batch) -> Tensor | None:
@@ -167,3 +188,39 @@ def _str_tokens(model: Any, batch: Batch) -> list[list[str]] | None:
         tokenizer.convert_ids_to_tokens(row[: int(n)].tolist())
         for row, n in zip(batch.tokens, batch.lengths)
     ]
+
+
+def ra_ranking(
+    model: Any,
+    prompts: Tensor | Batch | Sequence[str],
+    targets: Any,
+    *,
+    loss_row: bool = False,
+    batch_size: int = 8,
+    per_prompt: bool = False,
+) -> Tensor:
+    """`ra_lens.ranking.ra_ranking` on an nnsight model (which calls this): mean RA norm of each
+    head for each prompt's own -log p(target), Float[Tensor, "layer head"] (per_prompt:
+    Float[Tensor, "batch layer head"]); loss_row: the norm of the row at the loss position."""
+    from ra_lens.metrics import target_nll
+
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    batch = to_batch(model, prompts)
+    targets = torch.as_tensor(targets, dtype=torch.long).reshape(-1)
+    n = batch.tokens.shape[0]
+    if targets.shape[0] != n:
+        raise ValueError(f"{targets.shape[0]} targets for {n} prompts: give one per prompt")
+    parts = []
+    for start in range(0, n, batch_size):
+        rows = slice(start, min(start + batch_size, n))
+        part = batch.rows(rows, trim=True)
+        metric = target_nll(targets[rows])
+        if loss_row:
+            ra = reversed_attention(model, part, metric, keep="rows")
+            assert ra.rows is not None
+            parts.append(ra.rows.double().pow(2).sum(-1).sqrt().float())
+        else:
+            parts.append(reversed_attention(model, part, metric, keep="norms").norms)
+    scores = torch.cat(parts)
+    return scores if per_prompt else scores.mean(0)

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from ra_lens import capture
+from ra_lens._typing import Validated
 from ra_lens.capture import RESID_PRE, Batch, HookedModel, Z
 from ra_lens.core import reversed_attention
 from ra_lens.math import upcast
@@ -23,7 +24,7 @@ from ra_lens.types import Scores, Targets, Tokens
 
 @overload
 def ra_ranking(
-    model: HookedModel,
+    model: Validated[HookedModel],
     prompts: Tokens,
     targets: Targets,
     *,
@@ -34,7 +35,7 @@ def ra_ranking(
 ) -> Scores: ...
 @overload
 def ra_ranking(
-    model: HookedModel,
+    model: Validated[HookedModel],
     prompts: Tokens,
     targets: Targets,
     *,
@@ -44,7 +45,7 @@ def ra_ranking(
     per_prompt: Literal[True],
 ) -> PerPrompt: ...
 def ra_ranking(
-    model: HookedModel,
+    model: Validated[HookedModel],
     prompts: Tokens,
     targets: Targets,
     *,
@@ -56,7 +57,7 @@ def ra_ranking(
     """Mean Reversed Attention norm of each head, for each prompt's own -log p(target).
 
     Args:
-        model: a TransformerLens model.
+        model: a TransformerLens model, or an nnsight model (`ra_lens.nnsight`).
         prompts: Int[Tensor, "batch pos"], a Batch or strings (right-padded; lengths respected).
         targets: Int[Tensor, "batch"], the target token of each prompt at its last position.
         loss_row: False: Frobenius norm of the whole [query key] map (kept as norms only, so
@@ -79,6 +80,16 @@ def ra_ranking(
     >>> torch.allclose(scores, ra.head_norms(), rtol=1e-5)
     True
     """
+
+    from ra_lens.nnsight.adapter import is_nnsight_model
+
+    if is_nnsight_model(model):  # the same scores, read through nnsight
+        from ra_lens.nnsight.route import ra_ranking as through_nnsight
+
+        return through_nnsight(
+            model, prompts, targets, loss_row=loss_row, batch_size=batch_size,
+            per_prompt=per_prompt,
+        )  # fmt: skip
 
     def score(model: HookedModel, part: Part) -> Tensor:
         keep = "maps" if loss_row else "norms"

@@ -11,6 +11,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from ra_lens._typing import Validated
 from ra_lens.capture import HookedModel, eval_mode, to_batch
 from ra_lens.tasks.prompts import Prompt, answer_token, prompt_lengths
 
@@ -82,7 +83,7 @@ def answer_ranks(
 
 
 def evaluate(
-    model: HookedModel,
+    model: Validated[HookedModel],
     prompts: Sequence[Prompt],
     *,
     fwd_hooks: Sequence[FwdHook] = (),
@@ -103,7 +104,8 @@ def evaluate(
     every batch and are removed afterwards.
 
         Args:
-            model: a TransformerLens model (HookedTransformer or TransformerBridge).
+            model: a TransformerLens model (HookedTransformer or TransformerBridge), or an
+                nnsight model (`ra_lens.nnsight`: the hooks run inside its trace).
             prompts: from `build_prompts`; only `.text` and `.answer` are used.
             fwd_hooks: (hook name or name filter, hook function) pairs, as for `model.hooks`.
             batch_size: prompts per forward pass.
@@ -122,6 +124,14 @@ def evaluate(
         >>> acc.n, acc.ranks.shape, torch.equal(acc.ranks, evaluate(model, prompts, batch_size=1).ranks)
         (4, torch.Size([4]), True)
     """
+    from ra_lens.nnsight.adapter import is_nnsight_model
+
+    if is_nnsight_model(model):  # the same accuracy, the hooks applied inside an nnsight trace
+        from ra_lens.nnsight.patch import evaluate as through_nnsight
+
+        return through_nnsight(
+            model, prompts, fwd_hooks=fwd_hooks, batch_size=batch_size, ks=ks, by_length=by_length
+        )
     prompts = list(prompts)
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")

@@ -162,9 +162,9 @@ def preserved(model: Any) -> Iterator[None]:
 def softmax_path(model: Any) -> str:
     """The softmax call inside each attention module, found by what its output is, once per
     model: among the operations of the first layer's attention forward, the last one whose
-    output holds the module's weights is the attention call; inside it, the first operation
-    whose output is a [batch, head, query, key] tensor of non-negative rows summing to one is
-    the softmax. Then checked on every layer.
+    output holds the module's weights is the attention call (none: the forward computes
+    attention itself); inside it, the first operation whose output is a [batch, head, query,
+    key] tensor of non-negative rows summing to one is the softmax. Then checked on every layer.
 
     Raises:
         TypeError: no such operation (nnsight cannot trace this attention's source).
@@ -182,11 +182,13 @@ def softmax_path(model: Any) -> str:
     call = next(
         (n for n in reversed(names) if _holds(_probe_op(model, probe, first, n), weights)), None
     )
-    if call is None:
-        raise TypeError(_NOT_FOUND)
-    inner = _probe(model, probe, [lambda: list(getattr(first.source, call).source.names)])[0]
+    if call is None:  # the softmax sits in the forward itself (BLOOM)
+        inner, prefix = names, "source"
+    else:
+        inner = _probe(model, probe, [lambda: list(getattr(first.source, call).source.names)])[0]
+        prefix = f"source.{call}.source"
     for name in inner:
-        path = f"source.{call}.source.{name}"
+        path = f"{prefix}.{name}"
         if _is_softmax(_probe_op(model, probe, first, path), weights):
             _check_every_layer(model, probe, path)
             found.softmax_path = path

@@ -26,7 +26,7 @@ setup-tl2: $(VENV_TL2)/.installed
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install $(PIP_FLAGS) "torch==$(TORCH_VERSION)"
-	$(PY) -m pip install $(PIP_FLAGS) -e ".[dev]"
+	$(PY) -m pip install $(PIP_FLAGS) -e ".[dev,nnsight]"
 	touch $@
 
 $(VENV_TL2)/.installed: pyproject.toml

@@ -9,9 +9,13 @@ from typing import Any
 import pytest
 import torch
 
-nnsight = pytest.importorskip(
-    "nnsight", reason="nnsight 0.8.1 needs transformers >= 5: installed in .venv (TL 4) only"
+# nnsight.modeling, not nnsight: with tests/ on sys.path, this folder itself imports as a
+# namespace package "nnsight" where the real one is not installed.
+pytest.importorskip(
+    "nnsight.modeling",
+    reason="nnsight 0.8.1 needs transformers >= 5: installed in .venv (TL 4) only",
 )
+import nnsight  # noqa: E402
 
 import ra_lens  # noqa: E402
 from ra_lens.metrics import target_nll  # noqa: E402

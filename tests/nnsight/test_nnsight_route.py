@@ -11,9 +11,13 @@ import pytest
 import torch
 from helpers import hf_attention_grads, hf_qk_factor
 
-nnsight = pytest.importorskip(
-    "nnsight", reason="nnsight 0.8.1 needs transformers >= 5: installed in .venv (TL 4) only"
+# nnsight.modeling, not nnsight: with tests/ on sys.path, this folder itself imports as a
+# namespace package "nnsight" where the real one is not installed.
+pytest.importorskip(
+    "nnsight.modeling",
+    reason="nnsight 0.8.1 needs transformers >= 5: installed in .venv (TL 4) only",
 )
+import nnsight  # noqa: E402
 
 import ra_lens  # noqa: E402
 from ra_lens.math import convert  # noqa: E402

@@ -160,3 +160,20 @@ def test_smollm2_through_nnsight_equals_huggingface_and_the_bridge(smollm2: Any)
     assert rel(ours.maps, tl.maps) <= RTOL
     assert torch.allclose(ours.norms, tl.norms, rtol=1e-4)
     assert ours.str_tokens == tl.str_tokens or ours.tokens.tolist() == tl.tokens.tolist()
+
+
+@pytest.mark.real_model
+def test_gemma3_through_nnsight_equals_huggingface_and_the_bridge(gemma3: Any) -> None:
+    """Sliding-window and global layers, q/k norms, grouped queries (one key/value head)."""
+    from ra_lens import models
+
+    hf, tok = models._load_hf(models.gemma3_hf_dir(), torch.float32)
+    model = nnsight.TransformersModel(hf, tokenizer=tok)
+    tokens = gemma3.to_tokens("The capital of France is")
+    metric = target_nll([int(gemma3.to_tokens(" Paris", prepend_bos=False)[0, 0])])
+    ours = ra_lens.reversed_attention(model, tokens, metric)
+    tl = ra_lens.reversed_attention(gemma3, tokens, metric)
+    truth = hf_attention_grads(hf, tokens, metric)["qk"]
+    for layer in range(hf.config.num_hidden_layers):
+        assert rel(ours.maps[0, layer], truth[layer][0]) <= RTOL
+    assert rel(ours.maps, tl.maps) <= RTOL

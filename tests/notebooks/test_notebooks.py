@@ -18,7 +18,7 @@ notebooks` runs only this file. The checks on the committed files run everywhere
 The sources are the jupytext percent scripts notebooks/0N_name.py (linted by ruff); each committed
 .ipynb must hold exactly their cells (`test_notebook_matches_its_source`). The notebooks use only
 public ra_lens names that work on TransformerBridge (TL 4) and HookedTransformer (TL 2.18) alike,
-except 04_edit_dynamics (see TL4_ONLY).
+except 04_edit_dynamics and 07_nnsight (see TL4_ONLY).
 """
 
 from __future__ import annotations
@@ -45,11 +45,14 @@ EXPECTED = (
     "04_edit_dynamics",
     "05_circuits_qk",
     "06_circuit_discovery",
+    "07_nnsight",
 )
 #: Notebooks that need TransformerLens 4, with the reason.
 TL4_ONLY = {
     # edit_dynamics refuses HookedTransformer, and tiny_model boots HF models as TransformerBridge
     "04_edit_dynamics": "edit_dynamics and tiny_model need TransformerBridge",
+    # nnsight 0.8.1 needs transformers >= 5, installed in the TL 4 environment only
+    "07_nnsight": "nnsight needs transformers >= 5 (the TL 4 environment)",
 }
 
 

@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from ra_lens.capture import Batch
+from ra_lens.core import _row_positions
 from ra_lens.math import CONVENTIONS
 from ra_lens.nnsight import adapter
 from ra_lens.nnsight._trace import ra_in_trace
@@ -28,7 +29,29 @@ def reversed_attention(
     remote: Any = False,
 ) -> ReversedAttention:
     """Reversed Attention of an nnsight model; same arguments and result as
-    `ra_lens.reversed_attention` (which calls this for nnsight models)."""
+    `ra_lens.reversed_attention` (which calls this for nnsight models).
+
+    One `model.trace` (forward and backward, `_trace.ra_in_trace`) reads each chosen layer's
+    attention weights A and their gradient R = dL/dA, and reduces them on the spot to the
+    convention and `keep` asked for; the model runs in eval mode with its parameters frozen
+    (nothing accumulates in their .grad) and is left as found.
+
+    Args:
+        model: `nnsight.TransformersModel(hf_model, tokenizer=...)` (or `LanguageModel`) of a
+            HuggingFace causal LM loaded with attn_implementation="eager".
+        tokens, metric, layers, keep, convention, rows_at: as `ra_lens.reversed_attention`;
+            strings go through the model's tokenizer with BOS first (`to_tokens`).
+        remote: False (local). Remote execution is not part of this module.
+
+    Returns:
+        ReversedAttention (CPU, float32), routes all "pattern".
+
+    Raises:
+        ValueError: non-eager attention (naming attn_implementation="eager"); a metric without a
+            gradient path or of the wrong shape; bad layers, keep, convention or rows_at.
+        TypeError: an nnsight model that does not wrap a HuggingFace causal LM.
+        RuntimeError: nnsight could not trace the model.
+    """
     if remote is not False:
         raise NotImplementedError("remote execution of reversed_attention is not available yet")
     if convention not in CONVENTIONS:
@@ -172,12 +195,6 @@ def _metric_lengths(metric: Any, batch: Batch) -> Tensor | None:
             "one ends: use a metric from ra_lens.metrics or give the metric a `lengths` parameter"
         )
     return None
-
-
-def _row_positions(rows_at: Tensor | None, batch: Batch) -> Tensor:
-    from ra_lens.core import _row_positions as checked
-
-    return checked(rows_at, batch)
 
 
 def _str_tokens(model: Any, batch: Batch) -> list[list[str]] | None:

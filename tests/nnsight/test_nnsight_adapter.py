@@ -138,3 +138,29 @@ def test_remote_is_not_available_in_this_build() -> None:
     model, _ = wrapped()
     with pytest.raises(NotImplementedError, match="remote"):
         ra_lens.reversed_attention(model, TOKENS, target_nll([5]), remote=True)
+
+
+def test_the_trace_module_imports_only_what_a_server_has() -> None:
+    """ra_lens.nnsight._trace is shipped to servers without ra-lens: torch and the stdlib only."""
+    import ast
+    import sys
+
+    from helpers import REPO_ROOT
+
+    tree = ast.parse((REPO_ROOT / "ra_lens" / "nnsight" / "_trace.py").read_text())
+    imported = {
+        (node.module if isinstance(node, ast.ImportFrom) else alias.name).split(".")[0]
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+        for alias in node.names
+    }
+    assert imported - {"__future__"} <= {"torch", *sys.stdlib_module_names}, imported
+
+
+def test_language_model_the_deprecated_alias_works_too() -> None:
+    hf = hf_model("llama", spread=True)
+    with pytest.warns(Warning):
+        model = nnsight.LanguageModel(hf, tokenizer=tokenizer())
+    ours = ra_lens.reversed_attention(model, TOKENS, target_nll([5]), keep="norms")
+    theirs = ra_lens.reversed_attention(wrapped()[0], TOKENS, target_nll([5]), keep="norms")
+    assert torch.equal(ours.norms, theirs.norms) and float(ours.norms.sum()) > 0

@@ -95,3 +95,22 @@ def test_hooks_elsewhere_are_refused_by_name() -> None:
     model, _ = wrapped("llama")
     with pytest.raises(ValueError, match="hook_pattern only"):
         run_with_pattern_hooks(model, TOKENS, [("blocks.0.hook_resid_pre", lambda x, hook: x)])
+
+
+def test_patching_leaves_the_model_as_found_even_when_a_hook_refuses() -> None:
+    model, hf = wrapped("llama")
+    hf.train()
+    params = list(hf.parameters())
+    params[0].requires_grad_(False)
+    params[2].grad = torch.ones_like(params[2])
+    before = ([m.training for m in hf.modules()], [p.requires_grad for p in params])
+    plain = hf(TOKENS).logits.detach()
+    ra = ra_lens.reversed_attention(model, TOKENS, target_nll([5]))
+    with pytest.raises(ValueError, match="align='strict'"):
+        run_with_pattern_hooks(model, TOKENS[:, 1:], attention_patch_hooks(ra, 1.0, align="strict"))
+    run_with_pattern_hooks(model, TOKENS, attention_patch_hooks(ra, 1.0))
+    assert ([m.training for m in hf.modules()], [p.requires_grad for p in params]) == before
+    assert params[0].grad is None and torch.equal(params[2].grad, torch.ones_like(params[2]))
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in hf.modules())
+    hf.eval()
+    assert torch.equal(hf(TOKENS).logits.detach(), plain)  # no edit left behind

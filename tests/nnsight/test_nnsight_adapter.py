@@ -164,3 +164,19 @@ def test_language_model_the_deprecated_alias_works_too() -> None:
     ours = ra_lens.reversed_attention(model, TOKENS, target_nll([5]), keep="norms")
     theirs = ra_lens.reversed_attention(wrapped()[0], TOKENS, target_nll([5]), keep="norms")
     assert torch.equal(ours.norms, theirs.norms) and float(ours.norms.sum()) > 0
+
+
+def test_a_model_whose_trace_fails_is_refused_and_left_as_found() -> None:
+    """A forward that fails inside nnsight's trace (here the LM head): one error naming what
+    ra-lens reads, the cause kept, and the model as found."""
+    model, hf = wrapped()
+
+    def broken(hidden: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("this head cannot run")
+
+    hf.lm_head.forward = broken
+    unusual_state(hf)
+    before = state(hf)
+    with pytest.raises(RuntimeError, match="nnsight could not trace.*cannot run.*causal LM"):
+        ra_lens.reversed_attention(model, TOKENS, target_nll([5]))
+    assert same(state(hf), before)

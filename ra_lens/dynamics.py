@@ -344,8 +344,10 @@ def _capture(model: HookedModel, tokens: Tensor, layers: list[int]) -> dict[int,
         missing = [k for k in ("x_q", "x_k", "q", "k", "pattern") if k not in acts_of_layer]
         if missing:
             raise NotImplementedError(
-                f"layer {layer} did not fire the hooks {[_NAMES[m].format(layer) for m in missing]}"
-                f"; supported: {SUPPORTED}"
+                f"edit_dynamics: layer {layer} did not fire the hooks "
+                f"{[_NAMES[m].format(layer) for m in missing]} in a forward pass of the model's "
+                f"copy (its attention does not run through its own hook points); supported: "
+                f"{SUPPORTED}"
             )
     return store
 

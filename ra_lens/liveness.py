@@ -16,6 +16,7 @@ In the examples, `model` is a tiny random 2-layer x 4-head model (`ra_lens.toy_m
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -41,7 +42,11 @@ SEAMED: weakref.WeakKeyDictionary[HookedModel, set[int]] = weakref.WeakKeyDictio
 #: installs and removes the seam).
 OPEN_BLOCKS: weakref.WeakKeyDictionary[HookedModel, int] = weakref.WeakKeyDictionary()
 _SOFTMAXES = (torch.softmax, F.softmax, Tensor.softmax)
-_SEAM_ATTRS = ("forward", "accepts_pattern_fn")
+#: What the seam sets on each HuggingFace module's instance (and puts back or removes on exit).
+#: `__getstate__` keeps the rest out of copies: deepcopy and pickle of the model inside a block
+#: read a module's state from it, so a clone gets the module as it was before the seam (not a
+#: closure still running the original module's forward).
+_SEAM_ATTRS = ("forward", "accepts_pattern_fn", "__getstate__")
 
 
 def live_pattern_layers(model: HookedModel, *, in_call: bool = True) -> list[bool]:
@@ -135,7 +140,8 @@ def require_live_patterns(
 def live_attention(model: HookedModel) -> Iterator[None]:
     """Make `hook_pattern` live on the layers whose adapter delegates attention to HuggingFace
     (module docstring); other layers, and models without such layers, are untouched. Restored on
-    exit; re-entrant.
+    exit; re-entrant. A `copy.deepcopy` of the model made inside the block is a model as found
+    (without the seam), independent of this one.
 
     >>> with live_attention(model):  # GPT-2: already live, nothing to do
     ...     live_pattern_layers(model)
@@ -193,6 +199,7 @@ def _install(model: HookedModel, layers: set[int]) -> list[Callable[[], None]]:
 
         inner.forward = seamed
         inner.accepts_pattern_fn = True
+        inner.__getstate__ = functools.partial(_state_without_seam, inner, saved)
 
         def restore(inner: Any = inner, saved: dict[str, Any] = saved) -> None:
             for name in _SEAM_ATTRS:
@@ -203,6 +210,20 @@ def _install(model: HookedModel, layers: set[int]) -> list[Callable[[], None]]:
 
         undo.append(restore)
     return undo
+
+
+def _state_without_seam(inner: torch.nn.Module, saved: dict[str, Any]) -> dict[str, Any]:
+    """The module's state as copy.deepcopy and pickle see it, minus the seam: the instance
+    attributes the seam replaced are those it had before (`saved`), the ones it added are absent.
+    Without this a deep copy made inside `live_attention` keeps `forward` = the closure over the
+    original module, so the clone computes attention with the original's weights."""
+    getstate = saved.get("__getstate__", functools.partial(type(inner).__getstate__, inner))
+    state = dict(getstate())
+    for name in _SEAM_ATTRS:
+        state.pop(name, None)
+        if name in saved:
+            state[name] = saved[name]
+    return state
 
 
 class _PatternThrough(TorchFunctionMode):

@@ -464,7 +464,7 @@ def to_batch(
     Traceback (most recent call last):
     ValueError: 201 tokens exceed the model's context of n_ctx=64: ...
     """
-    shape = model_shape(model)
+    shape = check_model(model)  # a model that cannot run is refused before anything runs it
     if isinstance(tokens, str):
         tokens = [tokens]
     if isinstance(tokens, Batch):

@@ -104,22 +104,30 @@ def model_shape(model: Validated[HookedModel]) -> ModelShape:
 
 
 def check_model(model: Validated[HookedModel]) -> ModelShape:
-    """`model_shape`, and weights that hold numbers: a model on PyTorch's meta device (built
-    without its weights, e.g. under `init_empty_weights` or moved with `.to("meta")`) cannot run.
+    """`model_shape`, and weights that hold numbers: a model with weights or buffers on PyTorch's
+    meta device (built without its weights, e.g. under `init_empty_weights`, moved with
+    `.to("meta")`, or offloaded by accelerate's `device_map`/`cpu_offload`, whose hooks ra-lens's
+    own inputs and hooks do not go through) cannot run. Every call that runs the model checks this
+    first (`capture.to_batch`, `live_attention`, the liveness probe), so the answer is this error
+    rather than torch's "Cannot copy out of meta tensor" from deep inside the forward pass.
 
     Raises:
         TypeError: not a TransformerLens model (see `model_shape`).
-        ValueError: weights on the meta device.
+        ValueError: weights or buffers on the meta device, naming the first.
 
     >>> check_model(model).n_layers
     2
     """
     shape = model_shape(model)
-    if any(p.is_meta for p in model.parameters()):
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    empty = [name for name, tensor in tensors if tensor.is_meta]
+    if empty:
         raise ValueError(
-            "the model's weights are on the meta device (the model was built without them): "
-            "load them first, e.g. with ra_lens.load_model or model.to_empty(device=...) then "
-            "model.load_state_dict(...)"
+            "the model's weights are on the meta device (the model was built without them, or "
+            "accelerate offloaded them): load them first, e.g. with ra_lens.load_model, or "
+            "model.to_empty(device=...) then model.load_state_dict(...); ra-lens runs a model "
+            "whose weights are all in memory (no accelerate disk/meta offload); "
+            f"{len(empty)} of {len(tensors)} weights and buffers hold no numbers, e.g. {empty[0]!r}"
         )
     return shape
 

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
-from ra_lens.contract import PATTERN, RESID_PRE, HookedModel, model_shape
+from ra_lens.contract import PATTERN, RESID_PRE, HookedModel, check_model
 
 #: What the probe found, per model: for each layer, whether hook_pattern is in the autograd graph
 #: of the output as the model was found. `_probe` learns it by a tiny silent forward+backward
@@ -147,6 +147,7 @@ def live_attention(model: HookedModel) -> Iterator[None]:
     ...     live_pattern_layers(model)
     [True, True]
     """
+    check_model(model)  # a model without weights is refused here too, not at its first call
     layers = _seamable(model)
     if not layers:
         yield
@@ -247,7 +248,7 @@ def _probe(model: HookedModel) -> list[bool]:
     from ra_lens import capture
 
     capture.require_autograd()
-    names = [PATTERN.format(layer) for layer in range(model_shape(model).n_layers)]
+    names = [PATTERN.format(layer) for layer in range(check_model(model).n_layers)]
     store: dict[str, Tensor] = {}
     device = next(model.parameters()).device
     tokens = torch.zeros(1, 3, dtype=torch.long, device=device)

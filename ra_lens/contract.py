@@ -219,9 +219,15 @@ def attention_scale(model: HookedModel, layer: int) -> float:
     `scale_attn_by_inverse_layer_idx` and Gemma's `query_pre_attn_scalar` into it) or
     `inv_norm_factor` (BLOOM, Falcon). GPT-Neo's attention has no scale at all (s = 1).
 
+    A TransformerBridge whose attention computes the scores itself (`_bridge_scale`: GPT-2,
+    NeoX-style, BLOOM) must use the scale of the HuggingFace module it wraps; where it does not
+    (GPT-2 with `scale_attn_weights=False`: the bridge still divides by sqrt(d_head)), the bridge
+    runs another model than the checkpoint, and the layer is refused.
+
     Raises:
         NotImplementedError: a HuggingFace attention module whose scale ra-lens cannot read
-            (nothing is assumed: a wrong s would scale every "qk" map silently).
+            (nothing is assumed: a wrong s would scale every "qk" map silently), or a bridge
+            whose scale disagrees with its HuggingFace module's.
 
     >>> math.isclose(attention_scale(model, 0), math.sqrt(model.cfg.d_head))  # GPT-2: sqrt(d_head)
     True
@@ -238,7 +244,53 @@ def attention_scale(model: HookedModel, layer: int) -> float:
             return 1.0
         attn_scale = float(getattr(cfg, "attn_scale", -1.0))
         return attn_scale if attn_scale > 0 else math.sqrt(cfg.d_head)
-    return hf_attention_scale(inner, layer)
+    scale = hf_attention_scale(inner, layer)
+    bridge = _bridge_scale(attn, layer, int(model.cfg.d_head))
+    if bridge is not None and not math.isclose(bridge, scale, rel_tol=1e-6):
+        raise NotImplementedError(
+            f"layer {layer}: the TransformerBridge's {type(attn).__name__} computes QK^T / "
+            f"{bridge:.6g} (TransformerLens fixes 1/sqrt(d_head)) while the HuggingFace "
+            f"{type(inner).__name__} it wraps computes QK^T / {scale:.6g}"
+            f"{_hf_scale_settings(inner)}: the bridge runs another model than the checkpoint, "
+            f"and its attention (and a 'qk' map) would be off by {bridge / scale:.4g}x; ra-lens "
+            "does not inherit that silently. Use a TransformerLens whose bridge applies the "
+            "checkpoint's scale, or the nnsight route (ra_lens.nnsight), which runs HuggingFace's "
+            "own attention"
+        )
+    return scale
+
+
+#: TransformerBridge attention components that compute QK^T themselves, with a scale of their
+#: own (TransformerLens 4.3): the class defining `_reconstruct_attention` -> whether the scale
+#: also grows with the layer under the config's `scale_attn_by_inverse_layer_idx` (GPT-2).
+_RECONSTRUCTING_BRIDGES = {
+    "JointQKVAttentionBridge": True,
+    "JointQKVPositionEmbeddingsAttentionBridge": False,
+    "BloomAttentionBridge": False,
+}
+
+
+def _bridge_scale(attn: Any, layer: int, d_head: int) -> float | None:
+    """The divisor a bridge's own attention code applies to QK^T (sqrt(d_head), times layer + 1
+    under GPT-2's `scale_attn_by_inverse_layer_idx`), or None where the bridge leaves the scores
+    to the HuggingFace module (whose scale `hf_attention_scale` reads)."""
+    owner = next((k for k in type(attn).__mro__ if "_reconstruct_attention" in vars(k)), None)
+    if owner is None or owner.__name__ not in _RECONSTRUCTING_BRIDGES:
+        return None
+    scale = math.sqrt(d_head)
+    by_layer = getattr(getattr(attn, "config", None), "scale_attn_by_inverse_layer_idx", False)
+    if _RECONSTRUCTING_BRIDGES[owner.__name__] and by_layer:
+        scale *= layer + 1
+    return scale
+
+
+def _hf_scale_settings(inner: Any) -> str:
+    """The HuggingFace config's attention-scale settings, for a message: ' (scale_attn_weights=
+    False)' and the like, or ''."""
+    config = getattr(inner, "config", None)
+    names = ("scale_attn_weights", "scale_attn_by_inverse_layer_idx", "query_pre_attn_scalar")
+    found = [f"{n}={getattr(config, n)!r}" for n in names if getattr(config, n, None) is not None]
+    return f" (its config: {', '.join(found)})" if found else ""
 
 
 def hf_attention_scale(inner: Any, layer: int) -> float:

@@ -76,6 +76,9 @@ def metric_rows(metric: MetricFn, rows: slice, n: int) -> MetricFn:
     """The metric for prompts `rows` of n: a metric from `ra_lens.metrics` is cut to those rows
     (`Metric[rows]`); any other callable is used as it is, which needs all n prompts at once.
 
+    Raises:
+        ValueError: a plain callable and rows short of all n, naming what each caller accepts.
+
     >>> from ra_lens.metrics import logit_diff
     >>> metric_rows(logit_diff([1, 2, 3], [4, 5, 6]), slice(1, 3), 3).correct.tolist()
     [2, 3]
@@ -83,10 +86,15 @@ def metric_rows(metric: MetricFn, rows: slice, n: int) -> MetricFn:
     if rows == slice(0, n):
         return metric
     if not isinstance(metric, Metric):
+        # Said for every caller, which this function does not know: attribute and faithfulness
+        # cut by batch_size, pair_scores always pair by pair (it has no batch_size).
         raise ValueError(
-            f"the metric is a plain callable, so it cannot be split into batches of pairs: pass "
-            f"batch_size >= {n} (all pairs in one batch) or a metric from ra_lens.metrics "
-            "(e.g. ra_lens.tasks.ioi.paired_batch's logit_diff)"
+            f"the metric is a plain callable, which ra-lens cannot cut to pairs "
+            f"{rows.start}..{rows.stop - 1} of {n}: pass a metric from ra_lens.metrics (e.g. "
+            "ra_lens.metrics.logit_diff(correct, wrong) with one token per pair, or "
+            "ra_lens.tasks.ioi.paired_batch's); circuits.pair_scores, which scores each pair "
+            "alone, takes only such a metric, while circuits.attribute and the faithfulness "
+            f"calls also take a plain callable with batch_size >= {n} (all pairs in one batch)"
         )
     return metric[rows]
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from helpers import arch_or_hooked
 
-from ra_lens import capture, pairs
+from ra_lens import capture, circuits, pairs
 from ra_lens.metrics import CompletionNLL, logit_diff
 from ra_lens.toy_models import tiny_model
 
@@ -81,6 +81,25 @@ def test_metric_rows_refuses_a_plain_callable_split(model):
     assert pairs.metric_rows(plain, slice(0, 4), 4) is plain  # all rows: used as it is
     with pytest.raises(ValueError, match="batch_size >= 4"):
         pairs.metric_rows(plain, slice(0, 2), 4)
+
+
+def test_pair_scores_with_a_plain_callable_names_what_it_takes(model):
+    """pair_scores cuts the metric pair by pair and has no batch_size; the message used to end
+    "pass batch_size >= 2". It names the metrics pair_scores takes, and they work."""
+    clean, corrupted = ["I like Italy", "I like Paris"], ["I like Paris", "I like Italy"]
+    with pytest.raises(ValueError) as error:
+        circuits.pair_scores(model, clean, corrupted, lambda logits: logits[:, -1, 5])
+    assert str(error.value) == (
+        "the metric is a plain callable, which ra-lens cannot cut to pairs 0..0 of 2: pass a "
+        "metric from ra_lens.metrics (e.g. ra_lens.metrics.logit_diff(correct, wrong) with one "
+        "token per pair, or ra_lens.tasks.ioi.paired_batch's); circuits.pair_scores, which "
+        "scores each pair alone, takes only such a metric, while circuits.attribute and the "
+        "faithfulness calls also take a plain callable with batch_size >= 2 (all pairs in one "
+        "batch)"
+    )
+    scores = circuits.pair_scores(model, clean, corrupted, logit_diff([5, 6], [7, 8]))
+    assert scores.per_pair is not None and scores.per_pair.shape[0] == 2
+    assert float(scores.per_pair.abs().sum()) > 0
 
 
 def test_metric_values_refuses_a_scalar_and_non_finite(model):

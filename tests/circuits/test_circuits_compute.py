@@ -454,9 +454,9 @@ def test_the_model_argument_is_checked():
         with pytest.raises(ValueError) as error:
             call(meta)
         assert str(error.value).startswith(
-            "the model's weights are on the meta device (the model was built without them, or "
-            "accelerate offloaded them): load them first, e.g. with ra_lens.load_model, or "
-            "model.to_empty(device=...) then model.load_state_dict(...);"
+            "the model's weights are on the meta device (the model was built without them): "
+            "load them first, e.g. with ra_lens.load_model, or model.to_empty(device=...) then "
+            "model.load_state_dict(...) (weights accelerate offloads with device_map are fine);"
         )
 
 

@@ -22,11 +22,10 @@ from ra_lens.toy_models import tiny_model
 
 METRIC = target_nll([5, 7])
 META = (
-    r"^the model's weights are on the meta device \(the model was built without them, or "
-    r"accelerate offloaded them\): load them first, e.g. with ra_lens.load_model, or "
-    r"model.to_empty\(device=...\) then model.load_state_dict\(...\); ra-lens runs a model whose "
-    r"weights are all in memory \(no accelerate disk/meta offload\); \d+ of \d+ weights and "
-    r"buffers hold no numbers, e.g. '.+'$"
+    r"^the model's weights are on the meta device \(the model was built without them\): load "
+    r"them first, e.g. with ra_lens.load_model, or model.to_empty\(device=...\) then "
+    r"model.load_state_dict\(...\) \(weights accelerate offloads with device_map are fine\); "
+    r"\d+ of \d+ weights and buffers hold no numbers, e.g. '.+'$"
 )
 
 
@@ -71,13 +70,14 @@ def test_a_model_with_some_weights_left_on_the_meta_device_is_refused() -> None:
         ra_lens.reversed_attention(model, CLEAN_TOKENS, METRIC)
 
 
-def test_a_model_offloaded_by_accelerate_is_refused_up_front() -> None:
-    """accelerate's cpu_offload leaves the weights on the meta device and loads each module's in
-    a hook around its forward; ra-lens's inputs follow the weights' device (meta), so such a model
-    ended in "Tensor.item() cannot be called on meta tensors". It is refused by name, and
-    accelerate's hooks stay as they were. (TL 4: the bridge's HuggingFace model is offloaded, as
-    from_pretrained(device_map=...) would; Llama, whose embeddings are not tied, which
-    cpu_offload cannot handle.)"""
+def test_a_model_whose_first_weight_accelerate_offloads_is_refused_up_front() -> None:
+    """accelerate's cpu_offload leaves every weight on the meta device, the embeddings too, and
+    loads each module's in a hook around its forward; ra-lens puts its inputs on the first
+    weight's device (meta), so such a model ended in "Tensor.item() cannot be called on meta
+    tensors". It is refused by name, and accelerate's hooks stay as they were. (A model whose
+    embeddings stay on a real device runs: tests/core/test_layerwise.py. TL 4: the bridge's
+    HuggingFace model is offloaded, as from_pretrained(device_map=...) would; Llama, whose
+    embeddings are not tied, which cpu_offload cannot handle.)"""
     accelerate = pytest.importorskip("accelerate")
     if has_bridge():
         model = tiny_model("llama")
@@ -85,10 +85,17 @@ def test_a_model_offloaded_by_accelerate_is_refused_up_front() -> None:
     else:
         model = hooked_toy()
         accelerate.cpu_offload(model, execution_device="cpu")
+    first = next(iter(model.named_parameters()))[0]
+    message = (
+        rf"^the model's first weight \('{first}'\) is offloaded by accelerate \(on the meta "
+        r"device\), and ra-lens puts its inputs on the first weight's device: keep the embeddings "
+        r"on a real device \(e.g. device_map=\{'model.embed_tokens': 'cpu', ...\}\) and offload "
+        r"later layers only$"
+    )
     hooks = hook_count(model)
-    with pytest.raises(ValueError, match=META):
+    with pytest.raises(ValueError, match=message):
         ra_lens.reversed_attention(model, CLEAN_TOKENS, METRIC)
-    with pytest.raises(ValueError, match=META):
+    with pytest.raises(ValueError, match=message):
         circuits.pair_scores(model, CLEAN_TOKENS, CORRUPTED_TOKENS, logit_diff)
     assert hook_count(model) == hooks
     assert all(p.is_meta and p.grad is None for p in model.parameters())

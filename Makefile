@@ -52,7 +52,7 @@ test: lint docs models check-wheel test-tl4 test-tl2
 # committed executed copies (docs/notebooks/; never executed here). --strict: a broken link,
 # reference or docstring fails. Open site/index.html from disk; nothing is fetched from the network.
 docs: setup
-	$(VENV)/bin/mkdocs build --strict
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 # Not editable, outside the repository: a file the wheel leaves out fails here (about 2 minutes,
 # most of it pip installing torch and TransformerLens from its cache into the fresh venv).

@@ -5,7 +5,7 @@
 #   make test-fast  the edit-test loop: tiny offline models, no real model, notebooks or script runs
 #   make demo    the paper's Figure-1 example on the embedded SmolLM2-135M-Instruct, into demo_out/
 #   make bench   every benchmarks/bench_*.py at its default plan, JSON into bench_out/
-#   make figures the README's figures into docs/figures/ (docs/make_figures.py)
+#   make figures the figures of the README and the site into docs/figures/ (docs/make_figures.py)
 #   make docs    the documentation site into site/ (mkdocs build --strict, offline; in make test)
 #   make check-wheel  build the sdist and wheel, install the wheel into a fresh venv outside the
 #                repo and run the README's ten lines and `ra-lens --help` there (tools/check_wheel.py)

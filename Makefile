@@ -5,7 +5,10 @@
 #   make test-fast  the edit-test loop: tiny offline models, no real model, notebooks or script runs
 #   make demo    the paper's Figure-1 example on the embedded SmolLM2-135M-Instruct, into demo_out/
 #   make bench   every benchmarks/bench_*.py at its default plan, JSON into bench_out/
-#   make figures the README's figures into docs/figures/ (docs/make_figures.py)
+#   make figures the figures of the README and the site into docs/figures/ (docs/make_figures.py)
+#   make docs    the documentation site into site/ (mkdocs build --strict, offline; in make test)
+#   make check-wheel  build the sdist and wheel, install the wheel into a fresh venv outside the
+#                repo and run the README's ten lines and `ra-lens --help` there (tools/check_wheel.py)
 PYTHON ?= python3
 TORCH_VERSION ?= 2.13.0
 VENV := .venv
@@ -17,7 +20,7 @@ PIP_FLAGS := --disable-pip-version-check -q
 # another process are several times slower than one.
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup setup-tl2 models test test-fast test-fast-tl2 test-tl4 test-tl2 demo bench bench-long figures notebooks lint clean
+.PHONY: setup setup-tl2 models docs check-wheel test test-fast test-fast-tl2 test-tl4 test-tl2 demo bench bench-long figures notebooks lint clean
 
 setup: $(VENV)/.installed
 setup-tl2: $(VENV_TL2)/.installed
@@ -26,7 +29,7 @@ setup-tl2: $(VENV_TL2)/.installed
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install $(PIP_FLAGS) "torch==$(TORCH_VERSION)"
-	$(PY) -m pip install $(PIP_FLAGS) -e ".[dev,nnsight]"
+	$(PY) -m pip install $(PIP_FLAGS) -e ".[dev,docs,nnsight]"
 	touch $@
 
 $(VENV_TL2)/.installed: pyproject.toml
@@ -43,7 +46,18 @@ $(VENV_TL2)/.installed: pyproject.toml
 models: setup
 	$(PY) -c "from ra_lens.models import gemma3_hf_dir, smollm2_hf_dir; smollm2_hf_dir(); gemma3_hf_dir()"
 
-test: lint models test-tl4 test-tl2
+test: lint docs models check-wheel test-tl4 test-tl2
+
+# The site (about 15 s): every page, the API reference from the docstrings and the notebooks'
+# committed executed copies (docs/notebooks/; never executed here). --strict: a broken link,
+# reference or docstring fails. Open site/index.html from disk; nothing is fetched from the network.
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
+# Not editable, outside the repository: a file the wheel leaves out fails here (about 2 minutes,
+# most of it pip installing torch and TransformerLens from its cache into the fresh venv).
+check-wheel: models
+	TORCH_VERSION=$(TORCH_VERSION) $(PY) tools/check_wheel.py
 
 test-tl4: setup
 	$(PY) -m pytest -q
@@ -87,12 +101,14 @@ bench-long: setup
 	$(PY) benchmarks/bench_long_context.py --compare 1024 --lengths 2048 4096 8192 \
 		--json bench_out/long_context.json
 
+# Also refreshes the site's executed copies in docs/notebooks/ (tools/docs_notebooks.py).
 notebooks: setup
-	$(PY) -m pytest -q tests/notebooks/test_notebooks.py
+	RA_LENS_NOTEBOOK_OUT=build/notebooks $(PY) -m pytest -q tests/notebooks/test_notebooks.py
+	$(PY) tools/docs_notebooks.py build/notebooks
 
 lint: setup
-	$(VENV)/bin/ruff check conftest.py ra_lens tests benchmarks notebooks docs
-	$(VENV)/bin/ruff format --check conftest.py ra_lens tests benchmarks notebooks docs
+	$(VENV)/bin/ruff check conftest.py ra_lens tests benchmarks notebooks docs tools
+	$(VENV)/bin/ruff format --check conftest.py ra_lens tests benchmarks notebooks docs tools
 
 clean:
-	rm -rf $(VENV) $(VENV_TL2) demo_out bench_out
+	rm -rf $(VENV) $(VENV_TL2) demo_out bench_out site dist

@@ -292,13 +292,14 @@ def test_eap_score_of_a_post_norm_head_is_its_exact_residual_effect_times_the_gr
     assert got == pytest.approx(expected, rel=1e-9, abs=1e-12)
 
 
-def test_readme_holds_the_architecture_table() -> None:
-    """The README's table is written from this file's expectations (docs/architecture_table.py)."""
+def test_docs_hold_the_architecture_table() -> None:
+    """The architectures page's table is written from this file's expectations
+    (docs/architecture_table.py)."""
     import runpy
 
     root = REPO_ROOT
     table = runpy.run_path(str(root / "docs" / "architecture_table.py"))["table"]()
-    assert table in (root / "README.md").read_text()
+    assert table in (root / "docs" / "concepts" / "architectures.md").read_text()
 
 
 @pytest.mark.parametrize("arch", [a for a in MATRIX_ARCHITECTURES if a not in EXACT_REFUSALS])

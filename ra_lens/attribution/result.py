@@ -44,8 +44,8 @@ class AttentionAttribution:
             R = dM/dA of the patched run, Float[Tensor, "batch layer head query key"].
         clean_metric, corrupted_metric: Float[Tensor, "batch"], the metric of each pair on the
             clean and on the corrupted prompt (whichever run was patched).
-        layers, method, direction, n_heads, n_kv_heads, tokens (the patched run's),
-        other_tokens, lengths, str_tokens (the patched run's).
+        layers, method, direction, n_heads, n_kv_heads: the settings.
+        tokens, other_tokens, lengths, str_tokens: the runs (tokens, str_tokens: the patched one).
 
     A pattern node's estimate is the sum of its edges; a query node's is R times the exact
     change of its row (`delta_pattern`):

@@ -37,7 +37,8 @@ NOTEBOOK_DIR = REPO_ROOT / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("[0-9][0-9]_*.ipynb"))
 CELL_TIMEOUT_S = 600
 KERNEL = "python3"
-#: Every tutorial notebook; a new one is added here (and to the README's list).
+#: Every tutorial notebook; a new one is added here (and to docs/notebooks/index.md and
+#: mkdocs.yml's nav; tools/docs_notebooks.py copies its executed copy to docs/notebooks/).
 EXPECTED = (
     "01_quickstart",
     "02_attention_patching",

@@ -1,0 +1,1 @@
+"""MkDocs hooks for the ra-lens site (mkdocs.yml `hooks:`)."""

@@ -299,7 +299,7 @@ class _Collector:
 
         return hook
 
-    def _save_values(self, layer: int):
+    def _save_values(self, layer: int) -> Callable[[Tensor, Any], None]:
         def hook(values: Tensor, hook: Any) -> None:
             self.values[layer] = values.detach()
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from jaxtyping import Float, Int
@@ -103,7 +103,7 @@ def _head(model: HookedModel) -> tuple[nn.Module, nn.Module | None]:
 
 
 def _residual(args: tuple, kwargs: dict) -> Tensor:
-    return args[0] if args else kwargs["hidden_states"]
+    return cast(Tensor, args[0] if args else kwargs["hidden_states"])
 
 
 def _with_residual(args: tuple, kwargs: dict, x: Tensor) -> tuple[tuple, dict]:
@@ -117,7 +117,7 @@ def _is_cache(value: Any) -> bool:
 
 
 def _first_tensor(output: Any) -> Tensor:
-    return output[0] if isinstance(output, (tuple, list)) else output
+    return cast(Tensor, output[0] if isinstance(output, (tuple, list)) else output)
 
 
 def _record(
@@ -145,7 +145,7 @@ def _record(
                 f"one by one: {_UNSUPPORTED}"
             )
 
-    def before_block(index: int):
+    def before_block(index: int) -> Callable[[Any, tuple, dict], None]:
         def hook(module: Any, args: tuple, kwargs: dict) -> None:
             x = _residual(args, kwargs)
             check_link(f"block {index}", x)
@@ -190,7 +190,7 @@ def _head_backward(
     final: dict[str, Tensor],
     loss_fn: LossFn,
     softcap: float | None = None,
-):
+) -> tuple[Tensor, Tensor]:
     """The metric and dL/d(final residual), recomputing only the head with autograd (and the
     final logit soft-cap, c tanh(logits / c), where the model has one)."""
     resid = final["resid"].detach().requires_grad_(True)

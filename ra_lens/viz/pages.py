@@ -11,7 +11,7 @@ import html as _html
 import re
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -204,10 +204,11 @@ def _assemble_page(
         )
         return head + body + "</body>\n</html>\n"
     divs, calls = [], []
-    for (title, _), (div_id, _, call) in zip(sections, parts, strict=True):
+    found = cast("list[tuple[str, str, str]]", parts)  # none is None (see above)
+    for (title, _), (div_id, _, call) in zip(sections, found, strict=True):
         divs.append(f'<h3>{_html.escape(title)}</h3>\n<div id="{div_id}"></div>\n')
         calls.append(call.strip().replace("</", "<\\/"))
-    bundle = parts[0][1]
+    bundle = found[0][1]
     script = '<script type="module">\n' + bundle + "\n" + "\n".join(calls) + "\n</script>\n"
     return head + "".join(divs) + script + "</body>\n</html>\n"
 

@@ -239,10 +239,10 @@ def raw_input_hooks(
     handles = []
     points = model.hook_dict  # a bridge builds this dict afresh on every access: read it once
 
-    def pre_hook(name: str) -> Callable[[Any, tuple], None]:
+    def pre_hook(name: str) -> Callable[[Any, tuple[Any, ...]], None]:
         point = points[name]
 
-        def hook(module: Any, args: tuple) -> None:
+        def hook(module: Any, args: tuple[Any, ...]) -> None:
             raw = args[0]
             conversion = getattr(point, "hook_conversion", None)
             convert = conversion.convert if conversion is not None else (lambda t: t)

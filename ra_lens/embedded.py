@@ -644,7 +644,7 @@ def _source(model: EmbeddedModel) -> str:
 
 
 def hf_dir(
-    model: EmbeddedModel, cache: str | os.PathLike | None = None, *, rebuild: bool = False
+    model: EmbeddedModel, cache: str | os.PathLike[str] | None = None, *, rebuild: bool = False
 ) -> Path:
     """Make sure a verified converted copy of ``model`` is in the cache; returns its folder.
 

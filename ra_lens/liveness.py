@@ -217,7 +217,7 @@ class _PatternThrough(TorchFunctionMode):
         self,
         func: Callable[..., Any],
         types: Any,
-        args: tuple = (),
+        args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         out = func(*args, **(kwargs or {}))

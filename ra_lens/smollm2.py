@@ -71,7 +71,7 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     embedded.convert_gguf(gguf, out)
 
 
-def smollm2_hf_dir(cache: str | os.PathLike | None = None, *, rebuild: bool = False) -> Path:
+def smollm2_hf_dir(cache: str | os.PathLike[str] | None = None, *, rebuild: bool = False) -> Path:
     """Make sure a verified converted SmolLM2-135M-Instruct is in the cache; returns its folder.
 
     `ra_lens.embedded.hf_dir` for this entry: a plain HuggingFace checkpoint (float32

@@ -197,7 +197,7 @@ def attention_patching(
         raise ValueError(f"only {len(train)} equal-length training prompts for {name!r}")
     with timed(seconds, "reversed_attention"):
         ra = mean_reversed_attention(model, train)
-    hooks_for: dict[str, Callable] = {
+    hooks_for: dict[str, Callable[..., Any]] = {
         "ra": lambda s: attention_patch_hooks(ra, s, model=model),
         "forward": lambda s: forward_patch_hooks(ra, s, model=model),
     }

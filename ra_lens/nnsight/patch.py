@@ -49,7 +49,9 @@ def run_with_pattern_hooks(
         return _run(model, tokens.to(adapter._device(model)), found, path, by_layer)
 
 
-def _run(model: Any, tokens: Tensor, found: Any, path: str | None, by_layer: dict) -> Tensor:
+def _run(
+    model: Any, tokens: Tensor, found: Any, path: str | None, by_layer: dict[int, list[Any]]
+) -> Tensor:
     with model.trace(tokens):
         for layer in sorted(by_layer):
             # path is a str whenever there are hooks (by_layer not empty)

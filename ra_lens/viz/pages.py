@@ -139,7 +139,9 @@ def attribution_edges_page(
     return _write_page(_assemble_page(sections, att, prompt), save)
 
 
-def _parse_heads(ra: ReversedAttention, heads: Sequence[Sequence[Any]] | None) -> list[tuple]:
+def _parse_heads(
+    ra: ReversedAttention, heads: Sequence[Sequence[Any]] | None
+) -> list[tuple[int, int]]:
     if heads is None:
         heads = ra.top_heads(8)
     return [(int(h[0]), int(h[1])) for h in heads]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -58,7 +59,7 @@ class HookedModel(Protocol):
 
     cfg: Any
 
-    def hooks(self, *args: Any, **kwargs: Any) -> Any: ...
+    def hooks(self, *args: Any, **kwargs: Any) -> AbstractContextManager[Any]: ...
 
     def to_tokens(self, *args: Any, **kwargs: Any) -> Tensor: ...
 

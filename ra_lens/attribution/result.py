@@ -20,6 +20,9 @@ if TYPE_CHECKING:
     from jaxtyping import Float
     from matplotlib.figure import Figure
 
+    # TransformerLens 4 (the method imports it when called)
+    from transformer_lens.tools.analysis.attribution_patching import AttributionResult
+
     from ra_lens._typing import Validated
     from ra_lens.attribution.softmax import NodeKind
 
@@ -351,7 +354,7 @@ class AttentionAttribution:
         fields = cast("dict[str, Any]", tensors)
         return cls(by_position=by_position, scores=scores, **meta, **fields)
 
-    def to_transformer_lens(self, pair: int | None = None) -> Any:
+    def to_transformer_lens(self, pair: int | None = None) -> AttributionResult:
         """TransformerLens 4's `AttributionResult` of the query and key nodes.
 
         Keys: `Node(kind="q_input", layer, head, position)` and `Node(kind="k_input", layer,

@@ -8,6 +8,7 @@ and booted as TransformerBridge, so they exercise the same adapters as real chec
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Callable
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any, Literal, cast
 
@@ -110,7 +111,7 @@ def hf_config(
         "query_pre_attn_scalar": 12,
     }
     window = ["sliding_attention", "full_attention"] * n_layers
-    builders = {
+    builders: dict[str, Callable[[], PretrainedConfig]] = {
         # transformers 5's typed __init__ omits the legacy keys n_ctx, rotary_pct and (Phi)
         # partial_rotary_factor, which it still takes through **kwargs (4.x names them)
         "gpt2": lambda: tf.GPT2Config(  # type: ignore[call-arg]

@@ -109,6 +109,7 @@ notebooks: setup
 lint: setup
 	$(VENV)/bin/ruff check conftest.py ra_lens tests benchmarks notebooks docs tools
 	$(VENV)/bin/ruff format --check conftest.py ra_lens tests benchmarks notebooks docs tools
+	$(VENV)/bin/mypy  # over ra_lens/, settings in pyproject.toml's [tool.mypy]
 
 clean:
 	rm -rf $(VENV) $(VENV_TL2) demo_out bench_out site dist

@@ -239,10 +239,10 @@ def raw_input_hooks(
     handles = []
     points = model.hook_dict  # a bridge builds this dict afresh on every access: read it once
 
-    def pre_hook(name: str):
+    def pre_hook(name: str) -> Callable[[Any, tuple[Any, ...]], None]:
         point = points[name]
 
-        def hook(module: Any, args: tuple) -> None:
+        def hook(module: Any, args: tuple[Any, ...]) -> None:
             raw = args[0]
             conversion = getattr(point, "hook_conversion", None)
             convert = conversion.convert if conversion is not None else (lambda t: t)
@@ -280,7 +280,7 @@ def recorded(
     """
     store: dict[str, Tensor] = {}
 
-    def keep(name: str):
+    def keep(name: str) -> Callable[[Tensor, Any], None]:
         def hook(value: Tensor, hook: Any) -> None:
             if name not in store:
                 store[name] = value.detach().clone()
@@ -313,7 +313,7 @@ def rotary_function(
     if cos is not None and sin is not None:
         return lambda x: rotate_half(x, cos, sin)
     attn = model.blocks[layer].attn
-    inner = getattr(attn, "original_component", None)
+    inner: Any = getattr(attn, "original_component", None)
     if type(inner).__name__ == "GPTJAttention":
         return partial(_gptj_rotate, int(inner.rotary_dim or inner.head_dim))
     if inner is None and hasattr(attn, "apply_rotary") and ROT_Q.format(layer) in acts:
@@ -336,7 +336,7 @@ def _gptj_rotate(rotary_dim: int, x: Tensor) -> Tensor:
 
 def _hooked_rotate(attn: Any, x: Tensor) -> Tensor:
     flat = x.reshape(-1, *x.shape[-3:])
-    turned = attn.apply_rotary(flat.to(attn.rotary_sin.dtype), 0)
+    turned: Tensor = attn.apply_rotary(flat.to(attn.rotary_sin.dtype), 0)
     return turned.to(x.dtype).reshape(x.shape)
 
 
@@ -374,7 +374,7 @@ def fill_rotated(model: HookedModel, acts: dict[str, Tensor], layers: Iterable[i
                 acts[rotated.format(layer)] = rotate(acts[plain.format(layer)])
 
 
-def gradient_leaf_hook(store: dict[str, Tensor]):
+def gradient_leaf_hook(store: dict[str, Tensor]) -> Callable[[Tensor, Any], Tensor]:
     """Forward hook that turns an activation into a fresh leaf that requires grad.
 
     This is how a frozen model (requires_grad False everywhere) still gets a graph, and why no

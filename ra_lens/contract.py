@@ -12,14 +12,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
 
 from ra_lens._typing import Validated
 from ra_lens.math import causal_mask
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 # Every TransformerLens hook name ra-lens uses; format with the layer index.
 PATTERN = "blocks.{}.attn.hook_pattern"
@@ -50,16 +54,32 @@ class HookedModel(Protocol):
     (True, False)
     """
 
-    hook_dict: dict[str, Any]
+    @property
+    def hook_dict(self) -> dict[str, Any]: ...  # read-only on TransformerBridge
+
     cfg: Any
 
-    def hooks(self, *args: Any, **kwargs: Any) -> Any: ...
+    def hooks(self, *args: Any, **kwargs: Any) -> AbstractContextManager[Any]: ...
 
     def to_tokens(self, *args: Any, **kwargs: Any) -> Tensor: ...
 
     def parameters(self, recurse: bool = True) -> Iterator[torch.nn.Parameter]: ...
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
+
+    if TYPE_CHECKING:
+        # Read where a TransformerLens model is already known (both backends have them), but
+        # not part of the run-time isinstance check above, which stays as it was.
+        blocks: Any
+        tokenizer: Any
+
+        def modules(self) -> Iterator[torch.nn.Module]: ...
+
+        def eval(self) -> Self: ...
+
+        def to(self, *args: Any, **kwargs: Any) -> Self: ...
+
+        def run_with_cache(self, *args: Any, **kwargs: Any) -> Any: ...
 
 
 _NOT_TL = (
@@ -256,7 +276,7 @@ def attention_scale(model: HookedModel, layer: int) -> float:
     attn = model.blocks[layer].attn
     if isinstance(getattr(attn, "attn_scale", None), (int, float)):
         return float(attn.attn_scale)
-    inner = getattr(attn, "original_component", None)
+    inner: Any = getattr(attn, "original_component", None)
     if isinstance(getattr(inner, "scale", None), (int, float)):
         return float(inner.scale)
     if inner is None:  # no HuggingFace module behind the hooks: the config says
@@ -466,7 +486,7 @@ def _alibi_slopes(model: HookedModel, layer: int) -> tuple[float, ...] | None:
     (`build_alibi_tensor`) or TL 2's attention (`create_alibi_multipliers`; its bias m_h (s - t)
     differs from m_h s by a constant per row, which the softmax ignores). None elsewhere."""
     attn = model.blocks[layer].attn
-    inner = getattr(attn, "original_component", None)
+    inner: Any = getattr(attn, "original_component", None)
     if type(inner).__name__.startswith("Bloom"):
         from transformers.models.bloom.modeling_bloom import build_alibi_tensor
 

@@ -261,7 +261,7 @@ class _Collector:
         # Real (non-pad) positions; RA at pads is zero by causality, the mask makes it exact.
         self.real: Tensor | None = batch.real_mask() if batch.padded else None
 
-    def fwd_hooks(self) -> list[tuple[str, Callable]]:
+    def fwd_hooks(self) -> list[tuple[str, Callable[..., Any]]]:
         """TransformerLens hooks, run after any user hook: the values z was computed from."""
         return [
             (V.format(layer), self._save_values(layer))
@@ -299,7 +299,7 @@ class _Collector:
 
         return hook
 
-    def _save_values(self, layer: int):
+    def _save_values(self, layer: int) -> Callable[[Tensor, Any], None]:
         def hook(values: Tensor, hook: Any) -> None:
             self.values[layer] = values.detach()
 

@@ -22,7 +22,7 @@ import copy
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from jaxtyping import Float, Int
@@ -197,10 +197,10 @@ def edit_dynamics(
         after = _stepped(clone, batch.tokens, layer, grads[layer], lr)
         pattern = _pattern(acts, facts[i], mask)
         # dS/dZ: 1/s, times the soft-cap's slope where there is one
-        slope = 1.0 / scales[i]
+        slope: float | Tensor = 1.0 / scales[i]
         if facts[i].softcap is not None:
             capped = facts[i].logits(_logits(acts)).masked_fill(~mask, 0.0)
-            slope = softcap_slope(capped, facts[i].softcap) / scales[i]
+            slope = softcap_slope(capped, cast(float, facts[i].softcap)) / scales[i]
         weighted = pattern * pred * slope
         out["pred"].append(pred * mask)
         out["sec"].append(second * mask)

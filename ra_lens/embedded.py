@@ -56,6 +56,7 @@ from typing import Any
 
 import torch
 
+from ra_lens._typing import StrPath
 from ra_lens.files import write_file
 
 __all__ = [
@@ -661,9 +662,7 @@ def _source(model: EmbeddedModel) -> str:
     return " + ".join(f"{wheel.spec}:{wheel.member}" for wheel in model.wheels)
 
 
-def hf_dir(
-    model: EmbeddedModel, cache: str | os.PathLike | None = None, *, rebuild: bool = False
-) -> Path:
+def hf_dir(model: EmbeddedModel, cache: StrPath | None = None, *, rebuild: bool = False) -> Path:
     """Make sure a verified converted copy of ``model`` is in the cache; returns its folder.
 
     The folder is a plain HuggingFace checkpoint (config.json, model.safetensors in float32,

@@ -25,10 +25,12 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from ra_lens._typing import StrPath
+
 __all__ = ["check_writable", "check_writable_folder", "is_stream", "load_json", "write_file"]
 
 
-def is_stream(path: str | os.PathLike) -> bool:
+def is_stream(path: StrPath) -> bool:
     """Whether `path` is written in place rather than replaced: a FIFO, a terminal or other
     character device, a socket, or anything under /dev or /proc (``/dev/stdout`` may stand for a
     pipe or for the file the shell redirected it to: either way it must not be renamed over).
@@ -46,7 +48,7 @@ def is_stream(path: str | os.PathLike) -> bool:
     return stat.S_ISFIFO(mode) or stat.S_ISCHR(mode) or stat.S_ISSOCK(mode)
 
 
-def write_file(path: str | os.PathLike, data: str | bytes, *, make_folders: bool = False) -> Path:
+def write_file(path: StrPath, data: str | bytes, *, make_folders: bool = False) -> Path:
     """Write `data` (text is UTF-8) to `path`; returns the file actually written.
 
     - A symlink is followed: the file it points to gets the data, the link stays a link.
@@ -88,7 +90,7 @@ def write_file(path: str | os.PathLike, data: str | bytes, *, make_folders: bool
     return target
 
 
-def check_writable(path: str | os.PathLike, flag: str) -> None:
+def check_writable(path: StrPath, flag: str) -> None:
     """Refuse, before any work, a `path` that `write_file(path, ..., make_folders=True)` could
     not write: a folder or another thing that is not a regular file, or a place whose nearest
     existing folder is not writable. A stream (`is_stream`) is always accepted. `flag` names the
@@ -107,7 +109,7 @@ def check_writable(path: str | os.PathLike, flag: str) -> None:
     check_writable_folder(target.parent, flag)
 
 
-def check_writable_folder(folder: str | os.PathLike, flag: str) -> None:
+def check_writable_folder(folder: StrPath, flag: str) -> None:
     """Refuse a `folder` that cannot be created and written into (its nearest existing ancestor
     decides); `flag` names the option in the message (e.g. "--out").
 
@@ -127,7 +129,7 @@ def check_writable_folder(folder: str | os.PathLike, flag: str) -> None:
         ) from None
 
 
-def load_json(path: str | os.PathLike, what: str) -> Any:
+def load_json(path: StrPath, what: str) -> Any:
     """The JSON value in the file at `path`, read as UTF-8. Every failure names the file and,
     where the file is not what was expected, `what` it should be (e.g. "a saved study
     (circuit_study --json)").

@@ -29,13 +29,13 @@ The conversion checks what it produces:
 from __future__ import annotations
 
 import copy
-import os
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ra_lens import embedded
+from ra_lens._typing import StrPath
 
 __all__ = [
     "GEMMA3_270M",
@@ -249,7 +249,7 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     embedded.save_converted(hf_model, tokenizer, out)
 
 
-def gemma3_hf_dir(cache: str | os.PathLike | None = None, *, rebuild: bool = False) -> Path:
+def gemma3_hf_dir(cache: StrPath | None = None, *, rebuild: bool = False) -> Path:
     """Make sure a verified converted Gemma-3-270M is in the cache; returns its folder.
 
     `ra_lens.embedded.hf_dir` for this entry: a plain HuggingFace checkpoint (float32

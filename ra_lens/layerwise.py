@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from jaxtyping import Float, Int
@@ -37,7 +37,7 @@ def layerwise_backward(
     tokens: Int[Tensor, "batch pos"],
     first_layer: int,
     loss_fn: LossFn,
-    grad_hooks: Callable[[], contextlib.AbstractContextManager],
+    grad_hooks: Callable[[], contextlib.AbstractContextManager[Any]],
 ) -> Float[Tensor, "..."]:
     """Run the metric's backward pass through blocks first_layer..n_layers-1, one at a time.
 
@@ -102,11 +102,13 @@ def _head(model: HookedModel) -> tuple[nn.Module, nn.Module | None]:
     return (ln_final, unembed) if isinstance(ln_final, torch.nn.Module) else (unembed, None)
 
 
-def _residual(args: tuple, kwargs: dict) -> Tensor:
-    return args[0] if args else kwargs["hidden_states"]
+def _residual(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor:
+    return cast(Tensor, args[0] if args else kwargs["hidden_states"])
 
 
-def _with_residual(args: tuple, kwargs: dict, x: Tensor) -> tuple[tuple, dict]:
+def _with_residual(
+    args: tuple[Any, ...], kwargs: dict[str, Any], x: Tensor
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
     if args:
         return (x, *args[1:]), kwargs
     return args, {**kwargs, "hidden_states": x}
@@ -117,7 +119,7 @@ def _is_cache(value: Any) -> bool:
 
 
 def _first_tensor(output: Any) -> Tensor:
-    return output[0] if isinstance(output, (tuple, list)) else output
+    return cast(Tensor, output[0] if isinstance(output, (tuple, list)) else output)
 
 
 def _record(
@@ -126,13 +128,13 @@ def _record(
     blocks: list[nn.Module],
     first_layer: int,
     head_input: nn.Module,
-) -> tuple[dict[int, tuple[tuple, dict]], dict[str, Tensor]]:
+) -> tuple[dict[int, tuple[tuple[Any, ...], dict[str, Any]]], dict[str, Tensor]]:
     """Forward without autograd, keeping each chosen block's call and the head's input.
 
     Also checks the assumption the backward pass relies on: each block's input is the previous
     block's output, and the head's input is the last block's output (nothing in between).
     """
-    calls: dict[int, tuple[tuple, dict]] = {}
+    calls: dict[int, tuple[tuple[Any, ...], dict[str, Any]]] = {}
     previous: dict[str, Tensor] = {}
     final: dict[str, Tensor] = {}
 
@@ -145,8 +147,8 @@ def _record(
                 f"one by one: {_UNSUPPORTED}"
             )
 
-    def before_block(index: int):
-        def hook(module: Any, args: tuple, kwargs: dict) -> None:
+    def before_block(index: int) -> Callable[[Any, tuple[Any, ...], dict[str, Any]], None]:
+        def hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             x = _residual(args, kwargs)
             check_link(f"block {index}", x)
             # The model made a fresh key/value cache for this forward pass (reversed_attention
@@ -157,10 +159,12 @@ def _record(
 
         return hook
 
-    def after_block(module: Any, args: tuple, kwargs: dict, output: Any) -> None:
+    def after_block(
+        module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+    ) -> None:
         previous["out"] = _first_tensor(output)
 
-    def before_head(module: Any, args: tuple) -> None:
+    def before_head(module: Any, args: tuple[Any, ...]) -> None:
         check_link("the final layer norm / unembedding", args[0])
         final["resid"] = args[0]
 
@@ -190,7 +194,7 @@ def _head_backward(
     final: dict[str, Tensor],
     loss_fn: LossFn,
     softcap: float | None = None,
-):
+) -> tuple[Tensor, Tensor]:
     """The metric and dL/d(final residual), recomputing only the head with autograd (and the
     final logit soft-cap, c tanh(logits / c), where the model has one)."""
     resid = final["resid"].detach().requires_grad_(True)
@@ -216,7 +220,7 @@ def _head_backward(
 
 
 def _block_backward(
-    block: nn.Module, index: int, args: tuple, kwargs: dict, grad: Tensor
+    block: nn.Module, index: int, args: tuple[Any, ...], kwargs: dict[str, Any], grad: Tensor
 ) -> Tensor:
     """Call one block again with autograd and return dL/d(its residual input)."""
     x = _residual(args, kwargs).detach().requires_grad_(True)

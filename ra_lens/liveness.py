@@ -184,7 +184,7 @@ def _seam_layers(model: HookedModel) -> set[int]:
 
 def _install(model: HookedModel, layers: set[int]) -> list[Callable[[], None]]:
     """Give each layer's HuggingFace module the bridge's pattern seam; returns the undo steps."""
-    undo = []
+    undo: list[Callable[[], None]] = []
     for layer in sorted(layers):
         inner = model.blocks[layer].attn.original_component
         forward = inner.forward
@@ -235,7 +235,13 @@ class _PatternThrough(TorchFunctionMode):
         super().__init__()
         self.pattern_fn, self.done = pattern_fn, False
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
         out = func(*args, **(kwargs or {}))
         if not self.done and func in _SOFTMAXES and isinstance(out, Tensor) and out.ndim == 4:
             self.done = True

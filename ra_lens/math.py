@@ -157,7 +157,8 @@ def frobenius_norms(maps: Float[Tensor, "... query key"]) -> Float[Tensor, "..."
     tensor([[4., 4., 4.],
             [4., 4., 4.]])
     """
-    return torch.linalg.vector_norm(upcast(maps), dim=(-2, -1))
+    # torch's stubs type torch.linalg's functions as Any
+    return torch.linalg.vector_norm(upcast(maps), dim=(-2, -1))  # type: ignore[no-any-return]
 
 
 def rotate_half(

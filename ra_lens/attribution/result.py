@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor
@@ -17,7 +17,14 @@ from ra_lens.attribution.softmax import DIRECTIONS, METHODS, NODES, key_delta_ro
 from ra_lens.result import read_safetensors, write_safetensors
 
 if TYPE_CHECKING:
+    from jaxtyping import Float
     from matplotlib.figure import Figure
+
+    # TransformerLens 4 (the method imports it when called)
+    from transformer_lens.tools.analysis.attribution_patching import AttributionResult
+
+    from ra_lens._typing import Validated
+    from ra_lens.attribution.softmax import NodeKind
 
 
 @dataclass
@@ -227,7 +234,8 @@ class AttentionAttribution:
             "top": {
                 kind: [
                     {"layer": layer, "head": head, "score": score}
-                    for layer, head, score in self.top_heads(k, node=kind)
+                    # self.nodes holds NodeKind values (the keys of by_position)
+                    for layer, head, score in self.top_heads(k, node=cast("NodeKind", kind))
                 ]
                 for kind in self.nodes
             },
@@ -342,9 +350,11 @@ class AttentionAttribution:
                 f"{path} is not a readable ra-lens result file ({error}): it is damaged, "
                 "truncated or was edited; compute the result again and save it"
             ) from None
-        return cls(by_position=by_position, scores=scores, **meta, **tensors)
+        # the remaining tensors are the tensor fields by name (checked above)
+        fields = cast("dict[str, Any]", tensors)
+        return cls(by_position=by_position, scores=scores, **meta, **fields)
 
-    def to_transformer_lens(self, pair: int | None = None) -> Any:
+    def to_transformer_lens(self, pair: int | None = None) -> AttributionResult:
         """TransformerLens 4's `AttributionResult` of the query and key nodes.
 
         Keys: `Node(kind="q_input", layer, head, position)` and `Node(kind="k_input", layer,

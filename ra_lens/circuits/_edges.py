@@ -30,7 +30,7 @@ wanted. Readers with nothing to change keep the model's own value bit for bit.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,7 +53,7 @@ class LayerWeights:
     """The attention weights of one layer in TransformerLens's per-head layout (k/v per key/value
     head), detached, and the layer's first norm (a callable module)."""
 
-    ln1: Any
+    ln1: Callable[[Tensor], Tensor]
     W_Q: Float[Tensor, "head d_model d_head"]
     b_Q: Float[Tensor, "head d_head"]
     W_K: Float[Tensor, "kv_head d_model d_head"]
@@ -335,7 +335,7 @@ class EdgeRun:
         self._add_writers(value[None])
         return value
 
-    def _resid_hook(self, layer: int):
+    def _resid_hook(self, layer: int) -> Callable[[Tensor, Any], None]:
         def hook(value: Tensor, hook: Any) -> None:
             self.resid[layer] = value
             readers = self._readers_of(layer)[:-1]  # the MLP reads after this layer's heads
@@ -343,7 +343,7 @@ class EdgeRun:
 
         return hook
 
-    def _qkv_hook(self, layer: int, kind: str):
+    def _qkv_hook(self, layer: int, kind: str) -> Callable[[Tensor, Any], Tensor]:
         g = self.graph
         n_q, n_kv = g.n_heads, g.n_kv_heads
         first = {"q": 0, "k": n_q, "v": n_q + n_kv}[kind]
@@ -371,7 +371,7 @@ class EdgeRun:
 
         return hook
 
-    def _z_hook(self, layer: int):
+    def _z_hook(self, layer: int) -> Callable[[Tensor, Any], None]:
         def hook(value: Tensor, hook: Any) -> None:
             W_O = self.weights[layer].W_O.to(value.dtype)
             self._add_writers(torch.einsum("bphe,hed->hbpd", value, W_O))
@@ -382,7 +382,7 @@ class EdgeRun:
 
         return hook
 
-    def _post_in_hook(self, layer: int):
+    def _post_in_hook(self, layer: int) -> Callable[[Tensor, Any], None]:
         def hook(value: Tensor, hook: Any) -> None:
             self.post_input[layer] = value.detach()
 
@@ -416,7 +416,7 @@ class EdgeRun:
     def _mlp_out_hook(self, value: Tensor, hook: Any) -> None:
         self._add_writers(value[None])
 
-    def _renorm_hook(self, layer: int):
+    def _renorm_hook(self, layer: int) -> Callable[[Tensor, Any], Tensor]:
         """A parallel block whose MLP reads the attention's norm (GPT-J, Phi, Falcon): the MLP's
         input is ln1(resid - delta), recomputed only when its delta is not empty."""
 
@@ -429,7 +429,7 @@ class EdgeRun:
 
         return hook
 
-    def _subtract_hook(self, layer: int, kind: str):
+    def _subtract_hook(self, layer: int, kind: str) -> Callable[[Tensor, Any], Tensor]:
         def hook(value: Tensor, hook: Any) -> Tensor:
             (reader,) = self._readers_of(layer)[-1:]
             deltas = self._delta([reader], value)

@@ -312,11 +312,14 @@ class _Step:
             if z_grad is not None:
                 a_r = pattern.detach()[:, heads].to(z_grad.dtype)
                 dv = torch.einsum("bhts,bthe->bshe", a_r, z_grad[:, :, heads])
-                outputs.append(v_out), inputs.append(v_in), grad_outputs.append(dv.to(v_out))
+                outputs.append(v_out)
+                inputs.append(v_in)
+                grad_outputs.append(dv.to(v_out))
             if need_k and r_grad is not None:
                 mask = torch.zeros(g.n_heads, dtype=r_grad.dtype, device=r_grad.device)
                 mask[heads] = 1
-                outputs.append(pattern), inputs.append(k_in)
+                outputs.append(pattern)
+                inputs.append(k_in)
                 grad_outputs.append((r_grad * mask[None, :, None, None]).to(pattern))
             if not outputs:
                 continue

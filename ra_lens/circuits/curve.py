@@ -37,7 +37,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 from tqdm.auto import tqdm
 
@@ -51,6 +51,8 @@ from ra_lens.types import HookedModel, MetricFn, Tokens
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
+
+    from ra_lens.circuits.faithfulness import Ablation
 
 #: MIB's circuit sizes: 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 50 and 100 % of the graph's edges.
 MIB_FRACTIONS: tuple[float, ...] = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
@@ -80,7 +82,7 @@ class FaithfulnessCurve:
     signed_n_edges: list[int]
     abs_values: list[float]
     abs_n_edges: list[int]
-    units: str = "ungrouped"
+    units: Validated[Units] = "ungrouped"  # checked in __post_init__
     method: str = ""
     selection: str = "top"
     ablation: str = "patching"
@@ -171,7 +173,7 @@ class FaithfulnessCurve:
         ax.legend(fontsize=8)
         from ra_lens.viz import save_figure
 
-        return save_figure(ax.figure, save)
+        return save_figure(cast("Figure", ax.figure), save)  # a Figure's axes (not a SubFigure's)
 
     def save(self, path: str | Path) -> None:
         """Write `to_dict()` as JSON with `ra_lens.files.write_file` (atomic, through symlinks).
@@ -274,8 +276,9 @@ def faithfulness_curve(
         from ra_lens.circuits.faithfulness import FaithfulnessEvaluator
 
         evaluator = FaithfulnessEvaluator(
-            model, clean, corrupted, metric, ablation=ablation, batch_size=batch_size
-        )
+            model, clean, corrupted, metric, batch_size=batch_size,
+            ablation=cast("Ablation", ablation),  # the evaluator checks it
+        )  # fmt: skip
 
         def evaluate(model: HookedModel, circuit: Circuit, *args: Any, **kwargs: Any) -> Any:
             return evaluator(circuit)

@@ -18,6 +18,7 @@ and a dashed line a negative score.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import cast
 
 import torch
 from matplotlib.axes import Axes
@@ -60,7 +61,7 @@ def draw_circuit(
             if w.kind == "mlp":
                 pos[name] = (_mlp_x(g), row[w.layer] + _MLP_LIFT)
             else:
-                pos[name] = (float(w.head), row[w.layer])
+                pos[name] = (float(cast(int, w.head)), row[w.layer])  # a head: head is set
 
     width = max(6.0, 0.8 * (g.n_heads + 3))
     fig = Figure(figsize=(width, max(3.5, 0.75 * (top + 1))), layout="constrained")

@@ -122,7 +122,7 @@ def ensemble(
         values[spec.name] = sum(
             c * v.detach().to("cpu", torch.float64)
             for c, v in zip(coefficients, field_values, strict=True)
-        )  # type: ignore[assignment]
+        )
     for spec in fields(kind):  # a tensor field some inputs lack: not combinable
         if spec.name not in values and any(
             isinstance(getattr(item, spec.name), Tensor) for item in items

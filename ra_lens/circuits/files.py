@@ -45,7 +45,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from jaxtyping import Bool, Float, Int
@@ -209,7 +209,7 @@ def _load(path: Path) -> dict[str, Any]:
         )
     if not isinstance(data["edges"], dict) or not isinstance(data["nodes"], dict):
         raise ValueError(f"{path}: 'nodes' and 'edges' must be JSON objects keyed by name")
-    return data
+    return cast("dict[str, Any]", data)  # a dict: checked above
 
 
 def _check_cfg(path: str | Path, cfg: Any, g: Graph) -> None:

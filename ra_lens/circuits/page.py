@@ -39,7 +39,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, cast
 
 import numpy as np
 import torch
@@ -48,7 +48,7 @@ from torch import Tensor
 
 import ra_lens
 from ra_lens import capture
-from ra_lens.circuits.circuit import Circuit, EdgeScores
+from ra_lens.circuits.circuit import Circuit, EdgeScores, Units
 from ra_lens.circuits.curve import MIB_FRACTIONS, FaithfulnessCurve, mib_circuits
 from ra_lens.circuits.graph import Graph
 from ra_lens.types import HookedModel, MetricFn, Tokens
@@ -130,7 +130,7 @@ def scores_page(
         title: the page's title.
     """
     graph = scores.graph
-    units = "ungrouped"
+    units: Units = "ungrouped"
     if curve is not None:
         units = curve.units
         total = graph.n_edges if units == "grouped" else graph.n_edges_ungrouped
@@ -146,7 +146,8 @@ def scores_page(
         if not 0 < k <= 1:
             raise ValueError(f"sizes: {k} is not a fraction of the graph's edges in (0, 1]")
     # The |score| ranking (MIB's CMD curve), int(k * N) edges in MIB's units, as the curve.
-    picked = mib_circuits(scores, fractions, absolute=True, selection=selection, units=units)
+    top_or_greedy = cast('Literal["top", "greedy"]', selection)  # checked above
+    picked = mib_circuits(scores, fractions, absolute=True, selection=top_or_greedy, units=units)
     stops = []
     for i, (k, chosen) in enumerate(zip(fractions, picked)):
         value = None
@@ -256,6 +257,8 @@ def _page(
     readers = [flat % n_readers for flat in stored]
     edge_scores = None if dense is None else [_num(dense[w, r]) for w, r in zip(writers, readers)]
 
+    payload_stops: list[dict[str, Any]]
+    previous: set[int]
     payload_stops, previous = [], set()
     # the curve's x axis counts edges as MIB does (ungrouped) unless the curve says otherwise
     units = "ungrouped" if curve is None else curve.units
@@ -290,6 +293,8 @@ def _page(
     model, clean, metric, n_pairs = ra
     largest = max(stops, key=lambda s: s.circuit.n_edges).circuit
     heads = [n for n in largest.nodes if n.startswith("a")]
+    pairs: list[dict[str, Any]]
+    head_maps: dict[str, dict[str, Any]]
     pairs, head_maps, metric_name = [], {}, ""
     if model is not None:
         if clean is None or metric is None:
@@ -387,8 +392,9 @@ def _head_maps(
         entry: dict[str, list[Any]] = {"pattern": [], "ra": [], "scale": []}
         for i in range(k):
             n = int(part.lengths[i])
-            pattern = result.patterns[i, layer, w.head, :n, :n].double().numpy()
-            ra = torch.tril(result.maps[i, layer, w.head, :n, :n]).double().numpy()
+            # keep="maps" keeps both
+            pattern = cast(Tensor, result.patterns)[i, layer, w.head, :n, :n].double().numpy()
+            ra = torch.tril(cast(Tensor, result.maps)[i, layer, w.head, :n, :n]).double().numpy()
             scale = float(np.abs(ra).max())
             entry["pattern"].append(_bytes(np.rint(np.clip(pattern, 0, 1) * 255).astype(np.uint8)))
             q = np.rint(ra / scale * 127) if scale > 0 else np.zeros_like(ra)
@@ -418,4 +424,6 @@ def _metric_name(metric: MetricFn) -> str:
 
 
 def _template(name: str) -> str:
-    return resources.files("ra_lens.circuits").joinpath("page_assets", name).read_text("utf-8")
+    # typeshed's Traversable.joinpath takes several parts from Python 3.11; on 3.10 files()
+    # gives a pathlib or zipfile Path, whose joinpath takes several too
+    return resources.files("ra_lens.circuits").joinpath("page_assets", name).read_text("utf-8")  # type: ignore[call-arg]

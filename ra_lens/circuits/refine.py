@@ -146,7 +146,8 @@ def refine(
         for n in counts:
             result = evaluate(current.top(n, absolute=absolute, units="ungrouped"))
             spent += 1
-            values.append(float(getattr(result, "value", result)))
+            # typeshed's getattr overloads take an Any default for None (so: Any | None)
+            values.append(float(getattr(result, "value", result)))  # type: ignore[arg-type]
         if absolute:
             return -sum(abs(1.0 - v) for v in values) / len(values)
         return sum(values) / len(values)

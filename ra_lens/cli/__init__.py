@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json as json  # tests replace ra_lens.cli.json.dumps (the json module every writer uses)
 import sys
+from typing import cast
 
 from ra_lens.cli._parser import MODEL_HELP as MODEL_HELP
 from ra_lens.cli._parser import build_parser as build_parser
@@ -47,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         _check_outputs(args)
-        return args.run(args)
+        return cast(int, args.run(args))  # every command's run returns its exit status
     except (ValueError, RuntimeError, OSError) as error:
         print(f"ra-lens {args.command}: error: {error}", file=sys.stderr)
         return 2

@@ -8,10 +8,13 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from ra_lens.files import check_writable, check_writable_folder, is_stream, write_file
 from ra_lens.types import HookedModel
+
+if TYPE_CHECKING:
+    from ra_lens.toy_models import Architecture
 
 
 def _load(name: str, backend: str = "auto") -> HookedModel:
@@ -19,7 +22,8 @@ def _load(name: str, backend: str = "auto") -> HookedModel:
     if name.startswith("tiny-"):
         from ra_lens.toy_models import tiny_model
 
-        return tiny_model(name.removeprefix("tiny-"))
+        # tiny_model checks the name itself (an unknown one gets an error listing the names)
+        return tiny_model(cast("Architecture", name.removeprefix("tiny-")))
     from ra_lens.models import load_model
 
     return load_model(name, backend=backend, device="cpu")

@@ -115,6 +115,7 @@ def _attribute_inputs(
     from ra_lens import metrics, to_batch
     from ra_lens.tasks import ioi
 
+    metric: metrics.Metric
     if args.clean is None:
         clean, corrupted, metric = ioi.paired_batch(model, _circuit_pairs(args, model, file_pairs))
         return clean, corrupted, metric, "logit(answer) - logit(wrong)"

@@ -4,8 +4,15 @@ and a circuitsvis page."""
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from ra_lens.cli._shared import _emit_json, _model, _say
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+    from ra_lens.capture import Batch
+    from ra_lens.metrics import Metric
 
 #: What `ra-lens maps --out DIR` writes into DIR.
 OUT_FILES = ("head_norms.png", "top_heads.png", "reversed_attention.html")
@@ -25,6 +32,8 @@ def _run_maps(args: argparse.Namespace) -> int:
     target_ids = model.to_tokens(args.target, prepend_bos=False)[0].tolist()
     if not target_ids:
         raise ValueError("--target is empty: give the text the model should produce")
+    tokens: Batch | Tensor
+    metric: Metric
     if args.completion:
         tokens, metric = metrics.completion(model, args.prompt, args.target)
     else:

@@ -117,7 +117,7 @@ def patching_effects(
 
         # The name asked for, not hook.name: on TransformerBridge an alias such as hook_q
         # reports its canonical name (attn.q.hook_out).
-        def patch(x: Tensor, hook: Any, name: str, by_name: dict = by_name) -> Tensor:
+        def patch(x: Tensor, hook: Any, name: str, by_name: dict[str, Any] = by_name) -> Tensor:
             x = x.clone()
             src = source[name]
             pattern = name.endswith("hook_pattern")

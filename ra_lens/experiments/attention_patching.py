@@ -8,7 +8,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
@@ -22,6 +22,9 @@ from ra_lens.metrics import target_nll
 from ra_lens.patching import attention_patch_hooks, forward_patch_hooks
 from ra_lens.result import ReversedAttention
 from ra_lens.tasks import Accuracy, Prompt, Task, evaluate, task_prompts
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 # The paper's grid, extended to stronger negative values (SmolLM2 peaks between -16 and -32).
 PAPER_SCALES: tuple[float, ...] = (
@@ -99,7 +102,7 @@ class PatchingResult:
         lines.append(f"best RA scale {scale:g}: top-3 {acc:.0%} (unpatched {u.top3:.0%})")
         return "\n".join(lines)
 
-    def plot(self, save: str | Path | None = None):
+    def plot(self, save: str | Path | None = None) -> Figure:
         """Accuracy against scale for RA and forward patching (a matplotlib Figure)."""
         from ra_lens import viz
 
@@ -194,7 +197,7 @@ def attention_patching(
         raise ValueError(f"only {len(train)} equal-length training prompts for {name!r}")
     with timed(seconds, "reversed_attention"):
         ra = mean_reversed_attention(model, train)
-    hooks_for: dict[str, Callable] = {
+    hooks_for: dict[str, Callable[..., Any]] = {
         "ra": lambda s: attention_patch_hooks(ra, s, model=model),
         "forward": lambda s: forward_patch_hooks(ra, s, model=model),
     }

@@ -33,7 +33,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
 from jaxtyping import Float
@@ -55,9 +55,15 @@ from ra_lens.tasks import format_prompt, ioi, load
 from ra_lens.tasks.ioi import PromptPair
 from ra_lens.types import HookedModel
 
+if TYPE_CHECKING:
+    from ra_lens.circuits.faithfulness import Ablation
+
+_MethodName = Literal["eap", "eap-ig", "exact", "exact-ig", "random", "ensemble"]
+
 #: method label -> (circuits.attribute's method, IG steps, direction); "random" draws uniform
 #: scores. "-noise": the gradient on the clean run (EAP-IG's own choice), scores in MIB's sign.
-METHODS: dict[str, tuple[str, int, str]] = {
+#: label -> (attribute's method, or "random" / "ensemble"; IG steps; direction)
+METHODS: dict[str, tuple[_MethodName, int, Literal["denoise", "noise"]]] = {
     "eap": ("eap", 1, "denoise"),
     "eap-noise": ("eap", 1, "noise"),
     "eap-ig-5": ("eap-ig", 5, "denoise"),
@@ -128,7 +134,7 @@ FULL_SETTINGS: dict[str, Any] = {
 def antonym_pairs(model: HookedModel, n: int, *, seed: int = 0) -> list[PromptPair]:
     """Antonym prompts with one fixed 3-shot context; the corrupted prompt asks about another word
     whose prompt has the same token length, and whose (one-token) antonym is the wrong answer."""
-    rows = list(load("antonym").pairs)
+    rows = list(cast("tuple[tuple[str, str], ...]", load("antonym").pairs))  # a Task's pairs
     random.Random(seed).shuffle(rows)
     demos, rest = rows[:ANTONYM_SHOTS], rows[ANTONYM_SHOTS:]
 
@@ -278,8 +284,9 @@ def run_task(
         if key not in measured:
             if ablation not in evaluators:
                 evaluators[ablation] = circuits.FaithfulnessEvaluator(
-                    model, clean, corrupted, metric, ablation=ablation, batch_size=batch_size
-                )
+                    model, clean, corrupted, metric, batch_size=batch_size,
+                    ablation=cast("Ablation", ablation),  # the evaluator checks it
+                )  # fmt: skip
             result = evaluators[ablation](circuit)
             measured[key] = result.circuit_per_pair.tolist()
             if circuit.n_edges == 0:
@@ -325,6 +332,7 @@ def run_task(
             return scored[label]
         method, steps, direction = METHODS[label]
         spent: dict[str, float] = {}
+        result: circuits.EdgeScores | circuits.NodeScores
         if method == "ensemble":
             parts = [score(part) for part in ENSEMBLES[label]]
             result = circuits.ensemble([part for part, _ in parts])
@@ -354,9 +362,12 @@ def run_task(
             subset = scores
             if truth_pairs < len(pairs) and method != "random":
                 sub_clean, sub_corrupted, sub_metric = ioi.paired_batch(model, pairs[:truth_pairs])
-                subset = circuits.attribute(
-                    model, sub_clean, sub_corrupted, sub_metric, method=method, steps=steps,
-                    direction=direction, batch_size=batch_size,
+                subset = cast(  # edge scores: attribute's default level
+                    circuits.EdgeScores,
+                    circuits.attribute(
+                        model, sub_clean, sub_corrupted, sub_metric, method=method, steps=steps,
+                        direction=direction, batch_size=batch_size,
+                    ),
                 )  # fmt: skip
             heads = head_node_scores(subset)
             out["truth"]["pearson"][label] = pearson(heads, truth)
@@ -659,7 +670,7 @@ def main(argv: list[str] | None = None) -> int:
             from ra_lens.models import bridge_available
             from ra_lens.toy_models import tiny_model
 
-            arch = "llama" if bridge_available() else "hooked"
+            arch: Literal["llama", "hooked"] = "llama" if bridge_available() else "hooked"
             model = tiny_model(arch, n_layers=2)
             model_name = f"tiny-{arch} (random weights)"
         else:

@@ -18,7 +18,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, cast
 
 from tqdm.auto import tqdm
 
@@ -376,7 +376,7 @@ def _device_name(device: str) -> str:
 
 def _cells(text: str, quick: bool = False) -> list[tuple[str | Task, int]]:
     """TASK:SHOTS,... as (task, shots); under --quick the toy task is called "toy"."""
-    known = {name: name for name in tasks.available()}
+    known: dict[str, str | Task] = {name: name for name in tasks.available()}
     if quick:
         known = {QUICK_TASK.name: QUICK_TASK, **known}
     out: list[tuple[str | Task, int]] = []
@@ -401,7 +401,7 @@ def _load_saved(path: Path) -> dict[str, Any]:
             f"{path} is not a saved ranking study (no {', '.join(missing)}): pass a file "
             "ranking_study --json wrote"
         )
-    return data
+    return cast("dict[str, Any]", data)  # a dict: checked above
 
 
 def _check_device(device: str) -> None:
@@ -527,7 +527,7 @@ def _run(args: argparse.Namespace) -> tuple[StudyResult, Callable[[StudyResult],
         from ra_lens.models import bridge_available
         from ra_lens.toy_models import tiny_model
 
-        arch = "llama" if bridge_available() else "hooked"  # TL 2.x
+        arch: Literal["llama", "hooked"] = "llama" if bridge_available() else "hooked"  # TL 2.x
         model, model_name = tiny_model(arch, n_layers=2), f"tiny-{arch} (random weights)"
         model = model.to(args.device)
         cells = cells or list(QUICK_CELLS)

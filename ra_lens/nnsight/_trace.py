@@ -9,7 +9,7 @@ attention internals.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -74,7 +74,8 @@ def ra_in_trace(
         for i, path in enumerate(attention_paths):
             attn = _resolve(model, path)
             needs_scores = softcaps[i] is not None and convention == "qk"
-            scores.append(_resolve(attn, score_paths[i]).input if needs_scores else None)
+            # a soft-capped layer has a score path (the cast only tells the type checker)
+            scores.append(_resolve(attn, cast(str, score_paths[i])).input if needs_scores else None)
             weights.append(attn.output[1])
         logits = model.output.logits
         values = metric(logits) if lengths is None else metric(logits, lengths=lengths)
@@ -92,16 +93,17 @@ def ra_in_trace(
             _reduce(weights[i], grads[i], scores[i], convention, scales[i], softcaps[i], real)
             for i in range(n)
         ]
-        out["values"] = values.detach().save()
-        out["norms"] = torch.stack([r[0] for r in reduced], 1).save()
-        out["pattern_norms"] = torch.stack([r[1] for r in reduced], 1).save()
+        # Inside the trace these are nnsight proxies, which have .save() (a Tensor has not)
+        out["values"] = values.detach().save()  # type: ignore[attr-defined]
+        out["norms"] = torch.stack([r[0] for r in reduced], 1).save()  # type: ignore[attr-defined]
+        out["pattern_norms"] = torch.stack([r[1] for r in reduced], 1).save()  # type: ignore[attr-defined]
         if keep == "rows":
             prompts = torch.arange(tokens.shape[0], device=reduced[0][2].device)
-            at = rows_at.to(prompts.device)
-            out["rows"] = torch.stack([r[2][prompts, :, at] for r in reduced], 1).save()
+            at = cast(torch.Tensor, rows_at).to(prompts.device)  # given with keep="rows"
+            out["rows"] = torch.stack([r[2][prompts, :, at] for r in reduced], 1).save()  # type: ignore[attr-defined]
         if keep == "maps":
-            out["maps"] = torch.stack([r[2] for r in reduced], 1).save()
-            out["patterns"] = torch.stack([r[3] for r in reduced], 1).save()
+            out["maps"] = torch.stack([r[2] for r in reduced], 1).save()  # type: ignore[attr-defined]
+            out["patterns"] = torch.stack([r[3] for r in reduced], 1).save()  # type: ignore[attr-defined]
     return dict(out)
 
 
@@ -127,7 +129,10 @@ def _reduce(
         maps = maps - a * maps.sum(-1, keepdim=True)  # softmax VJP: A * (R - rowsum(A * R))
         if convention == "qk":
             if softcap is not None:
-                ratio = _upcast(scores.detach()).clamp(-softcap, softcap) / softcap
+                # the scores are read wherever a soft-cap meets convention "qk"
+                ratio = (
+                    _upcast(cast(torch.Tensor, scores).detach()).clamp(-softcap, softcap) / softcap
+                )
                 maps = maps * (1.0 - ratio * ratio)
             maps = maps / scale
     if real is not None:

@@ -71,7 +71,7 @@ def layout(model: Any) -> Layout:
         ValueError: attention other than eager (SDPA, flash), which returns no weights.
         TypeError: no decoder block list or no attention module in a block.
     """
-    hf = hf_module(model)
+    hf: Any = hf_module(model)  # a HuggingFace model: config, get_input_embeddings()
     implementation = getattr(hf.config, "_attn_implementation", None)
     if implementation != "eager":
         raise ValueError(
@@ -105,7 +105,7 @@ def _attention_children(module: nn.Module) -> list[nn.Module]:
     return [c for c in module.children() if type(c).__name__.endswith("Attention")]
 
 
-def _decoder_blocks(hf: nn.Module) -> nn.ModuleList:
+def _decoder_blocks(hf: Any) -> nn.ModuleList:  # a HuggingFace model (reads hf.config)
     n = hf.config.num_hidden_layers
     lists = [m for m in hf.modules() if isinstance(m, nn.ModuleList) and len(m) == n]
     if not lists:

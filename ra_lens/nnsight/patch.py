@@ -5,19 +5,22 @@ the pattern meets the values, exactly where TransformerLens's `hook_pattern` sit
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor
 
 from ra_lens.nnsight import adapter
 
+if TYPE_CHECKING:
+    from ra_lens.tasks.accuracy import Accuracy
+
 _PATTERN = re.compile(r"^blocks\.(\d+)\.attn\.hook_pattern$")
 
 
 def run_with_pattern_hooks(
-    model: Any, tokens: Tensor, fwd_hooks: Sequence[tuple[str, Any]]
+    model: Any, tokens: Tensor, fwd_hooks: Sequence[tuple[str | Callable[[str], bool], Any]]
 ) -> Tensor:
     """Logits Float[Tensor, "batch pos vocab"] of `tokens` with each (hook name, hook function)
     applied to its layer's attention pattern A ([batch, head, query, key]), as
@@ -46,16 +49,21 @@ def run_with_pattern_hooks(
         return _run(model, tokens.to(adapter._device(model)), found, path, by_layer)
 
 
-def _run(model: Any, tokens: Tensor, found: Any, path: str | None, by_layer: dict) -> Tensor:
+def _run(
+    model: Any, tokens: Tensor, found: Any, path: str | None, by_layer: dict[int, list[Any]]
+) -> Tensor:
     with model.trace(tokens):
         for layer in sorted(by_layer):
-            softmax = adapter.resolve(adapter.resolve(model, found.attention_paths[layer]), path)
+            # path is a str whenever there are hooks (by_layer not empty)
+            softmax = adapter.resolve(
+                adapter.resolve(model, found.attention_paths[layer]), cast(str, path)
+            )
             pattern = softmax.output
             for fn in by_layer[layer]:
                 edited = fn(pattern, None)
                 pattern = pattern if edited is None else edited
             softmax.output = pattern
-        logits = model.output.logits.save()
+        logits: Tensor = model.output.logits.save()
     return logits
 
 
@@ -63,11 +71,11 @@ def evaluate(
     model: Any,
     prompts: Sequence[Any],
     *,
-    fwd_hooks: Sequence[tuple[str, Any]] = (),
+    fwd_hooks: Sequence[tuple[str | Callable[[str], bool], Any]] = (),
     batch_size: int = 16,
     ks: Sequence[int] = (1, 2, 3),
     by_length: bool | None = None,
-) -> Any:
+) -> Accuracy:
     """`ra_lens.tasks.evaluate` on an nnsight model (which calls this): the same batching
     (prompts of one token length per batch under end-aligned hooks), tokens and ranks."""
     from ra_lens.nnsight.route import to_batch, to_tokens

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from jaxtyping import Float
@@ -24,6 +24,9 @@ from ra_lens.patching import HeadMeans, ablation_hooks, head_ablation_hooks
 from ra_lens.ranking.engine import check_scores, head_order
 from ra_lens.ranking.statistics import Interval, bootstrap_mean, trapezoid_auc
 from ra_lens.types import Scores
+
+if TYPE_CHECKING:
+    from ra_lens.tasks import Accuracy
 
 #: p = 0, 10, ..., 100% of heads kept.
 DEFAULT_FRACTIONS: tuple[float, ...] = tuple(i / 10 for i in range(11))
@@ -194,7 +197,7 @@ def evaluate_ablated(
     *,
     means: HeadMeans | None = None,
     batch_size: int = 16,
-) -> Any:
+) -> Accuracy:
     """`tasks.evaluate` with `ablated` heads zeroed or mean-ablated.
 
     With position-aligned means (`last_token_means`) the prompts run one token length at a time

@@ -3,6 +3,7 @@ layer index."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Literal, overload
 
 import torch
@@ -68,7 +69,7 @@ def forward_ranking(
         keep = real[:, None, :, None] & real[:, None, None, :]
         norms = torch.zeros(part.size, n_layers, shape.n_heads, dtype=torch.float64)
 
-        def record(layer: int):
+        def record(layer: int) -> Callable[[Tensor, Any], None]:
             def hook(pattern: Tensor, hook: Any) -> None:
                 head_norms = frobenius_norms(upcast(pattern) * keep.to(pattern.device))
                 norms[:, layer] = head_norms.double().cpu()

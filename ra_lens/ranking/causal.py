@@ -10,7 +10,7 @@ import contextlib
 import functools
 import inspect
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Literal, overload
 
 import torch
@@ -167,7 +167,7 @@ def indirect_effect(
     heads = [(la, h) for la in range(shape.n_layers) for h in range(shape.n_heads)]
     cache: dict[str, Tensor] = {}
 
-    def patch(head: int, value: Tensor, last: Tensor):
+    def patch(head: int, value: Tensor, last: Tensor) -> Callable[[Tensor, Any], Tensor]:
         def hook(z: Tensor, hook: Any) -> Tensor:
             z = z.clone()
             rows = torch.arange(z.shape[0], device=z.device)
@@ -306,7 +306,9 @@ def activation_patching(
     shape = capture.model_shape(model)
     z_names = {Z.format(la) for la in range(shape.n_layers)}
 
-    def effect(model: HookedModel, clean_tokens: Tensor, corrupted_tokens: Tensor, part: Part):
+    def effect(
+        model: HookedModel, clean_tokens: Tensor, corrupted_tokens: Tensor, part: Part
+    ) -> Tensor:
         def metric(logits: Tensor) -> Tensor:
             probs = target_probs(logits, part.prompts.lengths, part.targets)
             return probs if tl_reduce else probs.mean()
@@ -317,7 +319,10 @@ def activation_patching(
             result = patch_heads(
                 model, corrupted_tokens, cache, metric, reduce=reduce, baseline=True
             )
-            values = result.effect().double()  # [layer head] or [layer head batch]
+            # TL's patch functions are functools.partial over an overloaded function, which mypy
+            # types by its first overload (Tensor); with baseline=True it is a PatchingResult.
+            # values: [layer head] or [layer head batch]
+            values: Tensor = result.effect().double()  # type: ignore[attr-defined]
             return values.permute(2, 0, 1) if part.per_prompt else values
         patched = patch_heads(model, corrupted_tokens, cache, metric)
         return patched.double() - float(metric(model(corrupted_tokens)))

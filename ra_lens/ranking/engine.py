@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from jaxtyping import Float, Int
@@ -70,7 +70,7 @@ class Part:
 
     @property
     def size(self) -> int:
-        return self.rows.stop - self.rows.start
+        return cast(int, self.rows.stop - self.rows.start)  # typeshed: slice's fields are Any
 
 
 Scorer = Callable[[HookedModel, Part], Tensor]
@@ -227,7 +227,9 @@ def rank(
     return (total / n).float()
 
 
-def check_scores(scores: Any, n_layers: int, n_heads: int, what: str = "scores") -> Scores:
+def check_scores(
+    scores: Validated[Tensor], n_layers: int, n_heads: int, what: str = "scores"
+) -> Scores:
     """Scores as a finite float CPU tensor of shape [n_layers, n_heads], or a clear error.
 
     >>> check_scores(torch.ones(2, 4, dtype=torch.float64), 2, 4).dtype

@@ -5,6 +5,7 @@ patching and query/key patching. Each is a scorer run by `engine.rank`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Literal, overload
 
 import torch
@@ -92,7 +93,7 @@ def ra_ranking(
         )  # fmt: skip
 
     def score(model: HookedModel, part: Part) -> Tensor:
-        keep = "maps" if loss_row else "norms"
+        keep: Literal["maps", "norms"] = "maps" if loss_row else "norms"
         ra = reversed_attention(model, part.prompts, target_nll(part.targets), keep=keep)
         if not loss_row:
             return ra.norms
@@ -449,7 +450,7 @@ def _z_and_grads(
     store: dict[str, Tensor] = {}
     seen: dict[int, Tensor] = {}
 
-    def keep(layer: int):
+    def keep(layer: int) -> Callable[[Tensor, Any], Tensor]:
         # On TransformerBridge hook_z sees a view of o's input; only a tensor the hook returns
         # is used downstream, so return a clone and differentiate with respect to it.
         def hook(z: Tensor, hook: Any) -> Tensor:

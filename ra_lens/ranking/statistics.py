@@ -229,6 +229,7 @@ def spearman_interval(
         )
     estimate = spearman(mean_a.float(), mean_b.float())
     index_a = bootstrap_indices(a.shape[0], n_boot, seed) if a.ndim == 3 else None
+    index_b: Tensor | None
     if b.ndim == 3 and index_a is not None and b.shape[0] == a.shape[0]:
         index_b = index_a
     else:

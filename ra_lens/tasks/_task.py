@@ -8,6 +8,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
+from typing import TYPE_CHECKING, cast
+
+if TYPE_CHECKING:
+    from importlib.abc import Traversable
 
 Pair = tuple[str, str]
 
@@ -67,7 +71,7 @@ class Task:
                 f"task {self.name!r} has {n} pairs: too few for a 70/21/9 train/test/valid split "
                 f"(would give {n_train}/{n_test}/{max(n_valid, 0)}); at least 10 are needed"
             )
-        order = list(self.pairs)
+        order = list(cast("tuple[Pair, ...]", self.pairs))  # as __post_init__ stored them
         random.Random(seed).shuffle(order)
         return Splits(
             train=tuple(order[:n_train]),
@@ -95,7 +99,7 @@ def normalise_pairs(pairs: Sequence[Sequence[str]], *, what: str = "pairs") -> t
     return tuple(out)
 
 
-def _data_dir():
+def _data_dir() -> Traversable:
     return resources.files("ra_lens.tasks").joinpath("data")
 
 

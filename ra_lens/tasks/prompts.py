@@ -9,6 +9,7 @@ import random
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import cast
 
 from ra_lens._typing import Validated
 from ra_lens.capture import HookedModel
@@ -130,7 +131,10 @@ def single_token_pairs(model: Validated[HookedModel], pairs: Task | Sequence[Pai
     [('b', 'of')]
     """
     _check_model(model, "single_token_pairs(model, pairs)")
-    pairs = pairs.pairs if isinstance(pairs, Task) else normalise_pairs(pairs)
+    # a Task holds its pairs as tuple[Pair, ...] (its __post_init__ stores them so)
+    pairs = (
+        cast("tuple[Pair, ...]", pairs.pairs) if isinstance(pairs, Task) else normalise_pairs(pairs)
+    )
     return [(x, y) for x, y in pairs if model.to_tokens(" " + y, prepend_bos=False).shape[1] == 1]
 
 

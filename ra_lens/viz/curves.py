@@ -7,6 +7,7 @@ Each returns a fresh `matplotlib.figure.Figure`; `save=` also writes it.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import numpy as np
 from matplotlib.figure import Figure
@@ -14,6 +15,9 @@ from matplotlib.ticker import FuncFormatter
 
 from ra_lens.ranking import trapezoid_auc
 from ra_lens.viz._base import ArrayLike, PathLike, _legend, _new_figure, _numpy, save_figure
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
 
 __all__ = ["ablation_curves", "ablation_curves_pair", "scale_sweep"]
 

@@ -11,7 +11,7 @@ import html as _html
 import re
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -139,7 +139,9 @@ def attribution_edges_page(
     return _write_page(_assemble_page(sections, att, prompt), save)
 
 
-def _parse_heads(ra: ReversedAttention, heads: Sequence[Sequence[Any]] | None) -> list[tuple]:
+def _parse_heads(
+    ra: ReversedAttention, heads: Sequence[Sequence[Any]] | None
+) -> list[tuple[int, int]]:
     if heads is None:
         heads = ra.top_heads(8)
     return [(int(h[0]), int(h[1])) for h in heads]
@@ -204,10 +206,11 @@ def _assemble_page(
         )
         return head + body + "</body>\n</html>\n"
     divs, calls = [], []
-    for (title, _), (div_id, _, call) in zip(sections, parts, strict=True):
+    found = cast("list[tuple[str, str, str]]", parts)  # none is None (see above)
+    for (title, _), (div_id, _, call) in zip(sections, found, strict=True):
         divs.append(f'<h3>{_html.escape(title)}</h3>\n<div id="{div_id}"></div>\n')
         calls.append(call.strip().replace("</", "<\\/"))
-    bundle = parts[0][1]
+    bundle = found[0][1]
     script = '<script type="module">\n' + bundle + "\n" + "\n".join(calls) + "\n</script>\n"
     return head + "".join(divs) + script + "</body>\n</html>\n"
 

@@ -75,6 +75,10 @@ class HookedModel(Protocol):
 
         def modules(self) -> Iterator[torch.nn.Module]: ...
 
+        def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]: ...
+
+        def named_buffers(self) -> Iterator[tuple[str, Tensor]]: ...
+
         def eval(self) -> Self: ...
 
         def to(self, *args: Any, **kwargs: Any) -> Self: ...
@@ -162,7 +166,7 @@ def check_model(model: Validated[HookedModel]) -> ModelShape:
     return shape
 
 
-def _offloaded_tensors(model: torch.nn.Module) -> set[int]:
+def _offloaded_tensors(model: HookedModel) -> set[int]:
     """ids of the parameters and buffers that accelerate's hooks load before each call: those of
     modules with an `_hf_hook` (dispatch_model / device_map / cpu_offload put one on each)."""
     return {

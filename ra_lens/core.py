@@ -105,7 +105,11 @@ def reversed_attention(
 
     if is_nnsight_model(model):
         if memory != "full":
-            raise ValueError("nnsight models run memory='full' only: drop memory=")
+            raise ValueError(
+                "nnsight models run memory='full' only (nnsight cannot re-run one block): drop "
+                "memory=; docs/nnsight_memory.md gives the peak memory and the longest prompt "
+                "that fits"
+            )
         from ra_lens.nnsight.route import reversed_attention as through_nnsight
 
         return through_nnsight(

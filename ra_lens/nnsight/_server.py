@@ -17,6 +17,7 @@ import importlib.abc
 import json
 import sys
 import traceback
+from typing import Any
 
 
 class _NoRaLens(importlib.abc.MetaPathFinder):
@@ -30,7 +31,7 @@ class _NoRaLens(importlib.abc.MetaPathFinder):
         return None
 
 
-def _model(model_dir: str, settings: dict) -> object:
+def _model(model_dir: str, settings: dict) -> Any:
     """nnsight.TransformersModel of the saved copy: eager attention, frozen, eval mode."""
     import nnsight
     import torch

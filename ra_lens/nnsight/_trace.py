@@ -67,7 +67,12 @@ def ra_in_trace(
     # The results are plain names saved inside the block, not entries of a dict: a remote
     # server returns the block's saved top-level names (and nnsight pushes them back into this
     # frame), while a dict filled on the server would stay there.
-    values = norms = pattern_norms = rows = maps = patterns = None
+    values: Any = None
+    norms: Any = None
+    pattern_norms: Any = None
+    rows: Any = None
+    maps: Any = None
+    patterns: Any = None
     n = len(attention_paths)
     with model.trace(tokens, **(trace_kwargs or {})):
         embedded = _resolve(model, embed_path).output

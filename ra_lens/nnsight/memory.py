@@ -111,12 +111,13 @@ def measure(tokens: int) -> dict[str, float]:
     }
 
 
-def table() -> list[dict[str, float]]:
+def table() -> list[dict[str, float | str | int]]:
     rows = []
     for name, shape in (("Llama-3.1-8B", LLAMA_31_8B), ("Llama-3.1-70B", LLAMA_31_70B)):
         for tokens in (1024, 8192):
             terms = peak_bytes(shape, tokens, 2)
-            rows.append({"model": name, "tokens": tokens, **{k: v / GB for k, v in terms.items()}})
+            row: dict[str, float | str | int] = {"model": name, "tokens": tokens}
+            rows.append(row | {k: v / GB for k, v in terms.items()})
     return rows
 
 

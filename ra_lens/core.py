@@ -74,7 +74,9 @@ def reversed_attention(
             layer's). Same result; see `ra_lens.layerwise`.
         rows_at: with keep="rows", the query position of each prompt's row, Int[Tensor, "batch"]
             (default: each prompt's last real position, where the ra_lens.metrics read by default).
-        remote: nnsight models only: False runs the trace locally (see `ra_lens.nnsight`).
+        remote: nnsight models only: False runs the trace here; True sends it to NDIF as one
+            request reduced on the server; "local" runs that request offline in a fresh process
+            that cannot import ra_lens (see `ra_lens.nnsight.remote`).
 
     Also takes an nnsight model (`nnsight.TransformersModel` wrapping a HuggingFace causal LM
     with attn_implementation="eager"): the same result, read through nnsight (memory="full").
@@ -105,7 +107,11 @@ def reversed_attention(
 
     if is_nnsight_model(model):
         if memory != "full":
-            raise ValueError("nnsight models run memory='full' only: drop memory=")
+            raise ValueError(
+                "nnsight models run memory='full' only (nnsight cannot re-run one block): drop "
+                "memory=; docs/nnsight_memory.md gives the peak memory and the longest prompt "
+                "that fits"
+            )
         from ra_lens.nnsight.route import reversed_attention as through_nnsight
 
         return through_nnsight(

@@ -64,10 +64,21 @@ def ra_in_trace(
         Float[Tensor, "batch layer head query key"] (keep="maps"); computed in float32 (float64
         for a float64 model), on the model's device.
     """
-    out: dict[str, Any] = {}
+    # The results are plain names saved inside the block, not entries of a dict: a remote
+    # server returns the block's saved top-level names (and nnsight pushes them back into this
+    # frame), while a dict filled on the server would stay there.
+    values: Any = None
+    norms: Any = None
+    pattern_norms: Any = None
+    rows: Any = None
+    maps: Any = None
+    patterns: Any = None
     n = len(attention_paths)
     with model.trace(tokens, **(trace_kwargs or {})):
         embedded = _resolve(model, embed_path).output
+        # Parameters may be frozen (and are on NDIF, where an untracked gradient is silently
+        # None, nnsight #251): the embedding output requiring grad makes backward reach the
+        # attention of every layer.
         if not embedded.requires_grad:
             embedded.requires_grad_(True)
         weights, scores = [], []
@@ -78,14 +89,14 @@ def ra_in_trace(
             scores.append(_resolve(attn, cast(str, score_paths[i])).input if needs_scores else None)
             weights.append(attn.output[1])
         logits = model.output.logits
-        values = metric(logits) if lengths is None else metric(logits, lengths=lengths)
-        if not isinstance(values, torch.Tensor) or not values.requires_grad:
+        value = metric(logits) if lengths is None else metric(logits, lengths=lengths)
+        if not isinstance(value, torch.Tensor) or not value.requires_grad:
             raise ValueError(
                 "the metric's value has no gradient path to the model: compute it from the "
                 "logits without .detach(), .item() or torch.no_grad()"
             )
         grads: list[Any] = [None] * n
-        with values.sum().backward():
+        with value.sum().backward():
             # nnsight serves gradients in backward order: last layer first.
             for i in reversed(range(n)):
                 grads[i] = weights[i].grad
@@ -94,17 +105,19 @@ def ra_in_trace(
             for i in range(n)
         ]
         # Inside the trace these are nnsight proxies, which have .save() (a Tensor has not)
-        out["values"] = values.detach().save()  # type: ignore[attr-defined]
-        out["norms"] = torch.stack([r[0] for r in reduced], 1).save()  # type: ignore[attr-defined]
-        out["pattern_norms"] = torch.stack([r[1] for r in reduced], 1).save()  # type: ignore[attr-defined]
+        values = value.detach().save()  # type: ignore[attr-defined]
+        norms = torch.stack([r[0] for r in reduced], 1).save()  # type: ignore[attr-defined]
+        pattern_norms = torch.stack([r[1] for r in reduced], 1).save()  # type: ignore[attr-defined]
         if keep == "rows":
             prompts = torch.arange(tokens.shape[0], device=reduced[0][2].device)
             at = cast(torch.Tensor, rows_at).to(prompts.device)  # given with keep="rows"
-            out["rows"] = torch.stack([r[2][prompts, :, at] for r in reduced], 1).save()  # type: ignore[attr-defined]
+            rows = torch.stack([r[2][prompts, :, at] for r in reduced], 1).save()  # type: ignore[attr-defined]
         if keep == "maps":
-            out["maps"] = torch.stack([r[2] for r in reduced], 1).save()  # type: ignore[attr-defined]
-            out["patterns"] = torch.stack([r[3] for r in reduced], 1).save()  # type: ignore[attr-defined]
-    return dict(out)
+            maps = torch.stack([r[2] for r in reduced], 1).save()  # type: ignore[attr-defined]
+            patterns = torch.stack([r[3] for r in reduced], 1).save()  # type: ignore[attr-defined]
+    found = {"values": values, "norms": norms, "pattern_norms": pattern_norms}
+    found.update(rows=rows, maps=maps, patterns=patterns)
+    return {k: v for k, v in found.items() if v is not None}
 
 
 def _reduce(

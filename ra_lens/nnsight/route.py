@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Sequence
 from typing import Any
@@ -41,7 +42,11 @@ def reversed_attention(
             HuggingFace causal LM loaded with attn_implementation="eager".
         tokens, metric, layers, keep, convention, rows_at: as `ra_lens.reversed_attention`;
             strings go through the model's tokenizer with BOS first (`to_tokens`).
-        remote: False (local). Remote execution is not part of this module.
+        remote: False runs the trace here; True sends it to NDIF as one request (an API key in
+            NDIF_API_KEY, a model NDIF hosts wrapped by its Hugging Face id) that reduces RA on
+            the server, so keep="norms"/"rows" download O(layers x heads [x keys]) numbers;
+            "local" sends the same request to a fresh local process that cannot import ra_lens,
+            on a copy of this model (`ra_lens.nnsight.remote`).
 
     Returns:
         ReversedAttention (CPU, float32), routes all "pattern".
@@ -50,16 +55,19 @@ def reversed_attention(
         ValueError: non-eager attention (naming attn_implementation="eager"); a metric without a
             gradient path or of the wrong shape; bad layers, keep, convention or rows_at.
         TypeError: an nnsight model that does not wrap a HuggingFace causal LM.
-        RuntimeError: nnsight could not trace the model.
+        RuntimeError: nnsight could not trace the model; NDIF refused or failed the request
+            (the fix named: hosted models, API key, eager attention).
     """
-    if remote is not False:
-        raise NotImplementedError("remote execution of reversed_attention is not available yet")
     if convention not in CONVENTIONS:
         raise ValueError(f"unknown convention {convention!r}: choose one of {CONVENTIONS}")
     if keep not in ("maps", "norms", "rows"):
         raise ValueError(f"unknown keep {keep!r}: choose 'maps', 'norms' or 'rows'")
     if rows_at is not None and keep != "rows":
         raise ValueError("rows_at chooses the rows of keep='rows': pass keep='rows' with it")
+    if remote is not False:
+        from ra_lens.nnsight import remote as remote_run
+
+        remote_run.check(model, remote)
     found = adapter.layout(model)
     n_layers = len(found.attention_paths)
     chosen = list(range(n_layers)) if layers is None else [int(la) for la in layers]
@@ -74,8 +82,10 @@ def reversed_attention(
     score_path = adapter.softmax_path(model) if needs_scores else None
     lengths = _metric_lengths(metric, batch)
     positions = _row_positions(rows_at, batch) if keep == "rows" else None
-    device = adapter._device(model)
-    with adapter.preserved(model):
+    # NDIF's model is not here (the local one holds no weights): the inputs travel from the CPU.
+    device = torch.device("cpu") if remote is True else adapter._device(model)
+    shipping = contextlib.nullcontext() if remote is False else remote_run.shipped_by_value()
+    with adapter.preserved(model), shipping:
         try:
             out = ra_in_trace(
                 model,
@@ -91,11 +101,13 @@ def reversed_attention(
                 rows_at=positions,
                 lengths=None if lengths is None else lengths.to(device),
                 real=batch.real_mask().to(device) if batch.padded else None,
+                trace_kwargs=None if remote is False else remote_run.trace_kwargs(model, remote),
             )
         except ValueError:
             raise
         except Exception as error:
-            raise _explained(error) from error
+            refused = None if remote is False else remote_run.explained(error)
+            raise (refused or _explained(error)) from error
     values = out["values"]
     if values.ndim > 1 or (values.ndim == 1 and values.shape[0] != batch.tokens.shape[0]):
         raise ValueError(

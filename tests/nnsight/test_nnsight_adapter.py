@@ -134,12 +134,6 @@ def test_a_metric_of_the_wrong_shape_is_refused() -> None:
         ra_lens.reversed_attention(model, TOKENS, lambda logits: logits[:, -1, :3])
 
 
-def test_remote_is_not_available_in_this_build() -> None:
-    model, _ = wrapped()
-    with pytest.raises(NotImplementedError, match="remote"):
-        ra_lens.reversed_attention(model, TOKENS, target_nll([5]), remote=True)
-
-
 def test_the_trace_module_imports_only_what_a_server_has() -> None:
     """ra_lens.nnsight._trace is shipped to servers without ra-lens: torch and the stdlib only."""
     import ast

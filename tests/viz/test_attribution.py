@@ -6,13 +6,14 @@ import pytest
 
 from ra_lens import attention_attribution, metrics, viz
 from ra_lens.toy_models import tiny_model
+from tests.helpers import arch_or_hooked
 
 
 @pytest.mark.parametrize(
     ("direction", "move"), [("denoise", "corrupted -> clean"), ("noise", "clean -> corrupted")]
 )
 def test_heatmap_colorbars_and_edge_legend_give_the_sign(direction: str, move: str) -> None:
-    model = tiny_model()
+    model = tiny_model(arch_or_hooked("gpt2"))
     att = attention_attribution(model, "The capital of France is", "The capital of Italy is",
                                 metrics.logit_diff([294], [52]), direction=direction)  # fmt: skip
     fig = viz.attribution_heatmaps(att)

@@ -9,11 +9,12 @@ from matplotlib import colormaps
 from ra_lens import metrics, reversed_attention, viz
 from ra_lens.toy_models import tiny_model
 from ra_lens.viz._base import PATTERN_CMAP, SIGNED_CMAP
+from tests.helpers import arch_or_hooked
 
 
 @pytest.fixture(scope="module")
 def model():
-    return tiny_model()
+    return tiny_model(arch_or_hooked("gpt2"))
 
 
 def _bar_labels(fig) -> list[str]:

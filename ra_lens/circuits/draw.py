@@ -4,9 +4,12 @@
 (layers without one are left out and the rows are labelled), its heads in head order with the
 MLP to the right and a little higher (it reads the heads of its layer). Only nodes of the circuit
 are drawn. An edge ends at its reader: a head's query input on the left of its box, key in the
-middle, value on the right (a key/value head's edge goes to each drawn query head of its group);
-its colour says the reader kind, its width |score| (relative to the largest in the circuit),
-and a dashed line a negative score.
+middle, value on the right (a key/value head's edge goes to each drawn query head of its group).
+Every edge leaves the top of its writer's box and enters the bottom of its reader's box
+vertically, arrowhead first (a curve with vertical ends, so an edge from an MLP, which sits
+beside and a little above its layer's heads, still reads upwards into its reader); its colour
+says the reader kind, its width |score| relative to the largest in the circuit (both in the
+legend), and a dashed line a negative score.
 
     >>> g = Graph(n_layers=2, n_heads=2, n_kv_heads=2, d_model=8)
     >>> c = Circuit.from_edges(g, ["input->a0.h1<q>", "a0.h1->a1.h0<k>", "a1.h0->logits"])
@@ -25,6 +28,7 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
+from matplotlib.path import Path as CurvePath
 
 from ra_lens.circuits.circuit import Circuit, EdgeScores
 from ra_lens.circuits.graph import Graph
@@ -72,7 +76,7 @@ def draw_circuit(
     for layer, y in row.items():
         ax.text(-1.05, y, f"L{layer}", ha="left", va="center", fontsize=8)
 
-    _draw_edges(ax, circuit, nodes, pos, max_width)
+    biggest = _draw_edges(ax, circuit, nodes, pos, max_width)
     for name, (x, y) in pos.items():
         kind = name if name in ("input", "logits") else g.writer(name).kind
         ax.add_patch(
@@ -89,8 +93,9 @@ def draw_circuit(
         )
         ax.text(x, y, name, ha="center", va="center", fontsize=7, zorder=4)
 
-    handles = [Line2D([], [], color=c, lw=2, label=k) for k, c in COLORS.items()]
+    handles = [Line2D([], [], color=c, lw=2, label=f"into {k}") for k, c in COLORS.items()]
     handles.append(Line2D([], [], color="black", lw=1, ls="--", label="score < 0"))
+    handles += _width_handles(biggest if circuit.scores is not None else None, max_width)
     ax.legend(handles=handles, loc="upper left", fontsize=7, frameon=False, ncols=2)
     ax.set_title(
         title
@@ -126,6 +131,23 @@ def draw_scores(scores: EdgeScores, k: int = 20) -> Figure:
     return fig
 
 
+def _width(size: float, biggest: float, max_width: float) -> float:
+    """Line width of an edge of |score| `size` when the circuit's largest is `biggest`."""
+    return 0.5 + (max_width - 0.5) * size / biggest
+
+
+def _width_handles(biggest: float | None, max_width: float) -> list[Line2D]:
+    """Legend entries for the edge width: the largest |score| and a quarter of it, or one width
+    when the circuit carries no scores."""
+    if biggest is None:
+        return [Line2D([], [], color="grey", lw=0.5 + (max_width - 0.5) / 2, label="no scores: one width")]  # fmt: skip
+    return [
+        Line2D([], [], color="grey", lw=_width(f * biggest, biggest, max_width),
+               label=f"width: |score| {f * biggest:.3g}" + (" (largest)" if f == 1 else ""))
+        for f in (1.0, 0.25)
+    ]  # fmt: skip
+
+
 def _mlp_x(g: Graph) -> float:
     return g.n_heads + 0.2
 
@@ -151,7 +173,9 @@ def _draw_edges(
     nodes: list[str],
     pos: dict[str, tuple[float, float]],
     max_width: float,
-) -> None:
+) -> float:
+    """Draw every edge (the strongest last, on top); returns the largest |score| (1 without
+    scores), which sets the widths."""
     g = circuit.graph
     drawn = set(nodes)
     owner = g.reader_owners
@@ -170,26 +194,33 @@ def _draw_edges(
             targets = [g.writers[o] for o in torch.nonzero(owner[r]).flatten().tolist()]
             targets = [t for t in targets if t in drawn]
         x0, y0 = pos[g.writers[w]]
-        lw = 0.5 + (max_width - 0.5) * size[i] / biggest
+        lw = _width(size[i], biggest, max_width)
         negative = scores is not None and float(scores[w, r]) < 0
         for target in targets:
             x1, y1 = pos[target]
-            # A straight line from a head to its own layer's MLP rises above the boxes between.
-            bent = abs(x1 - x0) > 0.1 and y1 - y0 > _MLP_LIFT
-            x1 += _PORT.get(reader.kind, 0.0)
             ax.add_patch(
                 FancyArrowPatch(
-                    (x0, y0 + _BOX_H / 2),
-                    (x1, y1 - _BOX_H / 2),
+                    path=_edge_path(x0, y0, x1 + _PORT.get(reader.kind, 0.0), y1),
                     arrowstyle="-|>",
                     mutation_scale=5 + 2 * lw,
                     linewidth=lw,
                     linestyle="--" if negative else "-",
                     color=COLORS[reader.kind],
                     alpha=0.7,
-                    connectionstyle=f"arc3,rad={0.12 if bent else 0.0}",
-                    shrinkA=0,
-                    shrinkB=0,
                     zorder=2,
                 )
             )
+    return biggest
+
+
+def _edge_path(x0: float, y0: float, x1: float, y1: float) -> CurvePath:
+    """A cubic curve from the top of the box centred at (x0, y0) to the bottom of the box at
+    (x1, y1), vertical at both ends: it leaves upwards and enters its reader from below, so its
+    arrowhead shows outside the box even when the two boxes are nearly level (a head and its
+    layer's MLP, an MLP and the next layer's heads)."""
+    start, end = y0 + _BOX_H / 2, y1 - _BOX_H / 2
+    middle = (start + end) / 2
+    return CurvePath(
+        [(x0, start), (x0, middle), (x1, middle), (x1, end)],
+        [CurvePath.MOVETO, CurvePath.CURVE4, CurvePath.CURVE4, CurvePath.CURVE4],
+    )

@@ -4,12 +4,19 @@ The page (`page_assets/`: page.html, page.css and page.js, written by hand in pl
 and SVG, no library) draws the component graph by layer, input at the bottom and logits on top,
 heads `a{l}.h{h}` and MLPs `m{l}` as boxes; an edge runs from its writer to its reader's port
 (query left, key middle, value right of a head's box; keys dashed, values dotted), red for a
-positive score and blue for a negative one, its width |score|. A size control walks the circuits
-the page carries (MIB's fractions of the edges by default) beside the faithfulness curve, the
-current circuit marked; clicking a head shows its node score, its attention pattern beside its
-RA on the tokens of a chosen pair, and the edges into its query and key; clicking an edge its
-score (per pair where the scores keep them). Everything the page needs is inlined in one JSON
-block; a Content-Security-Policy forbids any request, so it opens offline from a file.
+positive score and blue for a negative one, its width |score|. On a grouped-query model a key or
+value reader is named by its key/value head (`a12.h0<v>` is key/value head 0 of layer 12, read by
+every query head of its group) and the page says so.
+
+The page carries MIB's two rankings (MIB's fractions of the edges by default): the circuits of the
+largest signed scores, whose faithfulness curve's area is CPR, and those of the largest |score|,
+whose area of |1 - f| is CMD. Both curves are drawn, each labelled by its ranking and its own area;
+a ranking control chooses which circuits the size control walks. First on the page: the smallest
+measured circuit reaching a faithfulness F (an input, default `target`, 0.8). Clicking a head
+shows its node score, its attention pattern beside its RA on the tokens of a chosen pair, and the
+edges into its query and key; clicking an edge its score (per pair where the scores keep them).
+Everything the page needs is inlined in one JSON block; a Content-Security-Policy forbids any
+request, so it opens offline from a file.
 
     >>> from ra_lens import circuits
     >>> from ra_lens.metrics import logit_diff
@@ -18,7 +25,7 @@ block; a Content-Security-Policy forbids any request, so it opens offline from a
     >>> scores = circuits.attribute(model, clean, corrupted, metric, method="eap")
     >>> page = scores_page(scores, model=model, clean=clean, metric=metric)
     >>> page.n_circuits, page.html.startswith("<!DOCTYPE html>"), "://" in page.html
-    (10, True, False)
+    (20, True, False)
     >>> page.save("circuit.html")  # doctest: +SKIP
 
 Size: edges are stored once for all circuits (each circuit as what it adds to and removes from
@@ -60,6 +67,10 @@ MAX_DRAWN = 5000
 OPEN_AT = 1000
 #: Height of the page inside a notebook cell, in pixels.
 NOTEBOOK_HEIGHT = 780
+#: The faithfulness the page's "smallest circuit reaching F" box asks for first.
+TARGET = 0.8
+#: The rankings a page walks: MIB's signed one (CPR's curve) and its |score| one (CMD's curve).
+RANKINGS = ("signed", "abs")
 
 
 @dataclass(frozen=True)
@@ -91,12 +102,14 @@ class CircuitPage:
 @dataclass(frozen=True)
 class _Stop:
     """One circuit of the size control: `fraction` of the graph's edges asked for (None for a
-    circuit given as is), its label and its faithfulness when measured."""
+    circuit given as is), its label, its faithfulness when measured, and the ranking that chose
+    it ("signed", "abs", or "given" for a circuit given as is)."""
 
     circuit: Circuit
     label: str
     fraction: float | None
     faithfulness: float | None
+    ranking: str = "given"
 
 
 def scores_page(
@@ -113,6 +126,7 @@ def scores_page(
     n_pairs: int = 3,
     max_drawn: int = MAX_DRAWN,
     title: str | None = None,
+    target: float = TARGET,
 ) -> CircuitPage:
     """The page of the circuits `scores` picks at each size (`EdgeScores.to_html`).
 
@@ -128,6 +142,8 @@ def scores_page(
             (`ra_lens.reversed_attention` of `metric`) on the first `n_pairs` clean prompts.
         max_drawn: the most edges drawn per circuit (the largest |score|).
         title: the page's title.
+        target: the faithfulness the page first asks its smallest circuit to reach (changeable
+            on the page).
     """
     graph = scores.graph
     units: Units = "ungrouped"
@@ -145,30 +161,36 @@ def scores_page(
     for k in fractions:
         if not 0 < k <= 1:
             raise ValueError(f"sizes: {k} is not a fraction of the graph's edges in (0, 1]")
-    # The |score| ranking (MIB's CMD curve), int(k * N) edges in MIB's units, as the curve.
     top_or_greedy = cast('Literal["top", "greedy"]', selection)  # checked above
-    picked = mib_circuits(scores, fractions, absolute=True, selection=top_or_greedy, units=units)
     stops = []
-    for i, (k, chosen) in enumerate(zip(fractions, picked)):
-        value = None
-        if curve is not None:
-            if curve.abs_n_edges[i] != chosen.count(units):
-                raise ValueError(
-                    f"the curve's circuit at {k:g} has {curve.abs_n_edges[i]} edges, these "
-                    f"scores give {chosen.count(units)}: pass the curve measured on these scores"
-                )
-            value = curve.abs_values[i]
-        stops.append(_Stop(chosen, f"{100 * k:g} % ({chosen.n_edges:,} edges)", k, value))
-    start = max((i for i, s in enumerate(stops) if s.circuit.n_edges <= OPEN_AT), default=0)
+    for ranking in RANKINGS:  # MIB's circuits of both rankings, int(k * N) edges in MIB's units
+        absolute = ranking == "abs"
+        picked = mib_circuits(scores, fractions, absolute=absolute, selection=top_or_greedy, units=units)  # fmt: skip
+        for i, (k, chosen) in enumerate(zip(fractions, picked)):
+            value = None
+            if curve is not None:
+                counts = curve.abs_n_edges if absolute else curve.signed_n_edges
+                if counts[i] != chosen.count(units):
+                    raise ValueError(
+                        f"the curve's circuit at {k:g} ({ranking} ranking) has {counts[i]} edges, "
+                        f"these scores give {chosen.count(units)}: pass the curve measured on "
+                        "these scores"
+                    )
+                value = (curve.abs_values if absolute else curve.signed_values)[i]
+            label = f"{100 * k:g} % ({chosen.n_edges:,} edges)"
+            stops.append(_Stop(chosen, label, k, value, ranking))
+    # opens on the largest |score| circuit with at most OPEN_AT edges (stops[n:] are |score|)
+    n = len(fractions)
+    start = n + max((i for i in range(n) if stops[n + i].circuit.n_edges <= OPEN_AT), default=0)
     if circuit is not None:
         if circuit.graph != graph:
             raise ValueError(f"circuit is for {circuit.graph}, the scores for {graph}")
-        start = sum(s.circuit.n_edges <= circuit.n_edges for s in stops)
+        start = len(stops)
         label = f"the chosen circuit ({circuit.n_edges:,} edges)"
-        stops.insert(start, _Stop(circuit, label, None, faithfulness))
+        stops.append(_Stop(circuit, label, None, faithfulness))
     summary = (
-        f"{scores.method} edge scores ({scores.direction}), circuits by {selection} |score| "
-        f"at {len(fractions)} sizes, pruned to input -> logits paths"
+        f"{scores.method} edge scores ({scores.direction}), circuits by {selection} signed score "
+        f"and by {selection} |score| at {len(fractions)} sizes, pruned to input -> logits paths"
     )
     return _page(
         graph,
@@ -184,6 +206,7 @@ def scores_page(
         max_drawn=max_drawn,
         title=title or f"Circuit: {scores.method} edge scores",
         summary=summary,
+        target=target,
     )
 
 
@@ -215,6 +238,7 @@ def circuit_page(
         max_drawn=max_drawn,
         title=title or f"Circuit: {circuit.n_edges:,} edges",
         summary=f"one circuit of {circuit.graph.n_edges:,} edges' graph",
+        target=TARGET,
     )
 
 
@@ -233,10 +257,13 @@ def _page(
     max_drawn: int,
     title: str,
     summary: str,
+    target: float,
 ) -> CircuitPage:
     """Assemble the page's JSON and inline it, with the script and styles, into the template."""
     if max_drawn < 1:
         raise ValueError(f"max_drawn={max_drawn}: draw at least one edge")
+    if not math.isfinite(target):
+        raise ValueError(f"target={target}: pass a finite faithfulness, e.g. 0.8")
     n_readers = len(graph.readers)
     dense = None if scores is None else scores.detach().to("cpu", torch.float64)
 
@@ -273,6 +300,9 @@ def _page(
                 if stop.fraction is not None
                 else stop.circuit.count(units) / n_total,
                 "n_edges": stop.circuit.n_edges,
+                # its size in the curve's units (what "the smallest circuit" compares)
+                "n_units": stop.circuit.count(units),
+                "ranking": stop.ranking,
                 "n_nodes": len(stop.circuit.nodes),
                 "faithfulness": None if stop.faithfulness is None else _num(stop.faithfulness),
                 "add": sorted(row[f] for f in drawn - previous),
@@ -330,7 +360,9 @@ def _page(
         "node_score_note": note,
         "stops": payload_stops,
         "start": start,
-        "curve": None if curve is None else {"cpr": _num(curve.cpr), "cmd": _num(curve.cmd)},
+        "walks": _walks(stops),
+        "curve": _curve(curve),
+        "target": target,
         "pairs": pairs,
         "heads": head_maps,
     }
@@ -346,6 +378,47 @@ def _page(
     # One pass, so that nothing substituted is itself searched for placeholders.
     page = re.sub(r"\{\{([A-Z]+)\}\}", lambda m: parts[m.group(1)], text)
     return CircuitPage(html=page, n_circuits=len(stops))
+
+
+def _walks(stops: list[_Stop]) -> dict[str, list[int]]:
+    """For each ranking, the stops its size control walks (indices into `stops`): its own
+    circuits and any circuit given as is, by edge count. A page of given circuits only has one
+    walk, "given"."""
+    rankings = [r for r in RANKINGS if any(s.ranking == r for s in stops)] or ["given"]
+    walks = {}
+    for ranking in rankings:
+        chosen = [i for i, s in enumerate(stops) if s.ranking in (ranking, "given")]
+        walks[ranking] = sorted(chosen, key=lambda i: stops[i].circuit.n_edges)
+    return walks
+
+
+def _curve(curve: FaithfulnessCurve | None) -> dict[str, Any] | None:
+    """Both of the curve's rankings, each with its own points and area: the signed ranking with
+    CPR (the area under its faithfulness), the |score| ranking with CMD (the area of |1 - f|)."""
+    if curve is None:
+        return None
+    return {
+        "cpr": _num(curve.cpr),
+        "cmd": _num(curve.cmd),
+        "rankings": {
+            "signed": {
+                "label": "signed score",
+                "area_name": "CPR",
+                "area": _num(curve.cpr),
+                "sizes": list(curve.sizes),
+                "values": [_num(v) for v in curve.signed_values],
+                "n_edges": list(curve.signed_n_edges),
+            },
+            "abs": {
+                "label": "|score|",
+                "area_name": "CMD",
+                "area": _num(curve.cmd),
+                "sizes": list(curve.sizes),
+                "values": [_num(v) for v in curve.abs_values],
+                "n_edges": list(curve.abs_n_edges),
+            },
+        },
+    }
 
 
 def _head_maps(

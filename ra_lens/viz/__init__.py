@@ -23,7 +23,8 @@ In the examples, `model` is a tiny random 2-layer x 4-head model (`ra_lens.toy_m
 
 Colour conventions: signed maps (RA and its other conventions, attribution scores) use a
 diverging map centred at zero with a symmetric range (vmin == -vmax); forward patterns use a
-sequential map on [0, 1]. The causal (upper) triangle is masked and drawn grey.
+sequential green map on [0, 1] (no colour of a pattern reads as a sign of RA). Every colorbar
+says what its colours mean. The causal (upper) triangle is masked and drawn grey.
 """
 
 from ra_lens.viz._base import save_figure, visible_token

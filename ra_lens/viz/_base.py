@@ -1,8 +1,10 @@
 """What every ra_lens figure shares: the colour conventions, new figures and saving, the
 layer x head heat-map panel, colorbars, and reading token labels and maps out of a result.
 
-Signed maps use a diverging map centred at zero with a symmetric range (vmin == -vmax); forward
-patterns use a sequential map on [0, 1]; masked cells (the causal upper triangle) are grey.
+Signed maps use a diverging map centred at zero with a symmetric range (vmin == -vmax), red
+positive and blue negative; forward patterns use a sequential green map on [0, 1], so that no
+colour of a pattern reads as a sign of RA beside it; masked cells (the causal upper triangle) are
+grey. Every colorbar says what its colours mean (`_ra_colour_label`, `_attribution_colour_label`).
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ PathLike = str | Path
 ArrayLike = Tensor | np.ndarray | Sequence[float]
 
 SIGNED_CMAP = "RdBu_r"
-PATTERN_CMAP = "Blues"
+# green: neither end of the diverging map (blue is RA < 0 there)
+PATTERN_CMAP = "Greens"
 NORM_CMAP = "viridis"
 MASK_COLOR = "#d9d9d9"
 # circuitsvis draws positive values blue by default; match RdBu_r (positive = red) instead
@@ -36,6 +39,42 @@ _POSITIVE, _NEGATIVE = "#b2182b", "#2166ac"
 
 _MAP_NAMES = {"qk": "Reversed Attention", "scores": "dL/d scores", "pattern": "dL/dA"}
 _SHORT_NAMES = {"qk": "RA", "scores": "dL/dS", "pattern": "dL/dA"}
+# What each convention differentiates the metric M by (paper-notes section 1: RA = dM/d(QK^T) =
+# (dM/dS) / s, S = QK^T / s + mask the pre-softmax scores, A = softmax(S) the pattern).
+_WITH_RESPECT_TO = {
+    "qk": ("RA = dM/d(QK^T)", "query-key logit"),
+    "scores": ("dM/dS", "pre-softmax score"),
+    "pattern": ("dM/dA", "attention weight"),
+}
+PATTERN_LABEL = "attention weight A (0 to 1)"
+
+
+def _ra_colour_label(convention: str) -> str:
+    """The colorbar label of a signed map in `convention`: what red and blue mean. M is the
+    metric that was differentiated: for a loss (e.g. `metrics.target_nll`) red means the loss
+    rises with the link, so gradient descent weakens it (the paper patches with eta < 0).
+
+    >>> print(_ra_colour_label("qk"))
+    RA = dM/d(QK^T)
+    red > 0: a larger query-key logit raises M
+    blue < 0: it lowers M (M a loss: red = descent weakens the link)
+    """
+    name, what = _WITH_RESPECT_TO.get(convention, (convention, "entry"))
+    return (
+        f"{name}\nred > 0: a larger {what} raises M\n"
+        "blue < 0: it lowers M (M a loss: red = descent weakens the link)"
+    )
+
+
+def _attribution_colour_label(direction: str) -> str:
+    """The colorbar label of attribution estimates M(patched) - M(run) for `direction`.
+
+    >>> print(_attribution_colour_label("denoise"))
+    estimate of M(patched) - M
+    red > 0: moving the node corrupted -> clean raises M
+    """
+    move = "corrupted -> clean" if direction == "denoise" else "clean -> corrupted"
+    return f"estimate of M(patched) - M\nred > 0: moving the node {move} raises M"
 
 
 def visible_token(token: str) -> str:
@@ -117,8 +156,10 @@ def _layer_head_panel(
     *,
     signed: bool | None = None,
     cmap: str | None = None,
+    label: str | None = None,
 ) -> None:
-    """One layer x head heat map: layers down the y axis (first layer at the top), heads on x."""
+    """One layer x head heat map: layers down the y axis (first layer at the top), heads on x;
+    `label` names the colorbar (default: what a sign means, for signed values)."""
     n_layers, n_heads = values.shape
     if signed is None:
         finite = values[np.isfinite(values)]
@@ -145,7 +186,9 @@ def _layer_head_panel(
     ax.set_xlabel("head", fontsize=9)
     ax.set_ylabel("layer", fontsize=9)
     ax.set_title(title, fontsize=10)
-    _colorbar(fig, image, ax)
+    if label is None and signed:
+        label = "red > 0, blue < 0 (centred at 0)"
+    _colorbar(fig, image, ax, label)
 
 
 def _layer_head_figure(n_panels: int, n_layers: int, n_heads: int) -> Figure:

@@ -19,6 +19,7 @@ from ra_lens.viz._base import (
     _POSITIVE,
     ArrayLike,
     PathLike,
+    _attribution_colour_label,
     _labels,
     _layer_head_figure,
     _layer_head_panel,
@@ -57,7 +58,8 @@ def attribution_heatmaps(att: AttentionAttribution, *, save: PathLike | None = N
     axes = fig.subplots(1, len(kinds), squeeze=False)[0]
     for ax, kind in zip(axes, kinds, strict=True):
         title = f"{_KIND_TITLES[kind]}\n{att.method}, {att.direction}"
-        _layer_head_panel(fig, ax, _numpy(att.scores[kind]), att.layers, title, signed=True)
+        _layer_head_panel(fig, ax, _numpy(att.scores[kind]), att.layers, title, signed=True,
+                          label=_attribution_colour_label(att.direction))  # fmt: skip
         if kind == "key":
             ax.set_xlabel("key/value head", fontsize=9)
     return save_figure(fig, save)
@@ -136,6 +138,8 @@ def top_edges_on_tokens(
     ax.set_xlim(-1.0, n)
     ax.set_ylim(-0.9, peak_top + 0.25)
     ax.axis("off")
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False,
+              title=f"red: raises M, blue: lowers it\n(node moved {'corrupted -> clean' if att.direction == 'denoise' else 'clean -> corrupted'})",
+              title_fontsize=7)  # fmt: skip
     ax.set_title(f"top {len(top)} edges R * (A_other - A), {att.direction}", fontsize=10)
     return save_figure(fig, save)

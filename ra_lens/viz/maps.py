@@ -20,6 +20,7 @@ from ra_lens.result import ReversedAttention
 from ra_lens.viz._base import (
     _SHORT_NAMES,
     PATTERN_CMAP,
+    PATTERN_LABEL,
     SIGNED_CMAP,
     PathLike,
     _cmap,
@@ -32,6 +33,7 @@ from ra_lens.viz._base import (
     _map_name,
     _new_figure,
     _numpy,
+    _ra_colour_label,
     _symmetric_limit,
     _token_fontsize,
     save_figure,
@@ -88,9 +90,9 @@ def _draw_pair(
     labels = _labels(ra, prompt)
     ax_fwd, ax_ra = fig.subplots(1, 2)
     image = _token_panel(ax_fwd, pattern, labels, "Forward attention", signed=False)
-    _colorbar(fig, image, ax_fwd)
+    _colorbar(fig, image, ax_fwd, PATTERN_LABEL)
     image = _token_panel(ax_ra, ra_map, labels, _map_name(ra), signed=True)
-    _colorbar(fig, image, ax_ra)
+    _colorbar(fig, image, ax_ra, _ra_colour_label(ra.convention))
     fig.suptitle(_head_title(ra, layer, head, prompt), fontsize=12)
 
 
@@ -123,8 +125,11 @@ def head_norm_heatmaps(ra: ReversedAttention, *, save: PathLike | None = None) -
     ra_norms, fwd_norms = _numpy(ra.head_norms()), _numpy(ra.forward_norms())
     fig = _layer_head_figure(2, *ra_norms.shape)
     ax_ra, ax_fwd = fig.subplots(1, 2)
-    _layer_head_panel(fig, ax_ra, ra_norms, ra.layers, f"{_map_name(ra)} norm", signed=False)
-    _layer_head_panel(fig, ax_fwd, fwd_norms, ra.layers, "Forward attention norm", signed=False)
+    short = _SHORT_NAMES.get(ra.convention, ra.convention)
+    _layer_head_panel(fig, ax_ra, ra_norms, ra.layers, f"{_map_name(ra)} norm", signed=False,
+                      label=f"mean Frobenius norm of {short}\n(larger: the metric depends more on\nthis head's attention)")  # fmt: skip
+    _layer_head_panel(fig, ax_fwd, fwd_norms, ra.layers, "Forward attention norm", signed=False,
+                      label="mean Frobenius norm of A")  # fmt: skip
     return save_figure(fig, save)
 
 

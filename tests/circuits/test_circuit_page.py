@@ -69,29 +69,33 @@ def test_page_is_self_contained(page: CircuitPage) -> None:
 def test_stops_are_the_scores_circuits_at_every_mib_fraction(setup: Any, page: CircuitPage) -> None:
     data = payload(page.html)
     graph, scores = setup.scores.graph, setup.scores
-    mib = [s for s in data["stops"] if s["fraction"] is not None]
-    assert [s["fraction"] for s in mib] == list(circuits.MIB_FRACTIONS)
     sets = drawn_sets(data)
+    for ranking, values in (("signed", setup.curve.signed_values), ("abs", setup.curve.abs_values)):
+        mib = [s for s in data["stops"] if s["ranking"] == ranking]
+        assert [s["fraction"] for s in mib] == list(circuits.MIB_FRACTIONS)
+        assert [s["faithfulness"] for s in mib] == pytest.approx(values, abs=1e-3, rel=1e-3)
     for stop, drawn in zip(data["stops"], sets):
         if stop["fraction"] is None:
             expected = setup.circuit
         else:
             expected = scores.top(
-                int(stop["fraction"] * graph.n_edges_ungrouped), units="ungrouped"
+                int(stop["fraction"] * graph.n_edges_ungrouped),
+                absolute=stop["ranking"] == "abs",
+                units="ungrouped",
             )
         assert stop["n_edges"] == expected.n_edges == len(drawn)
         assert drawn == set(expected.edge_names)
         assert stop["n_nodes"] == len(expected.nodes)
-    assert [s["faithfulness"] for s in mib] == pytest.approx(
-        setup.curve.abs_values, abs=1e-3, rel=1e-3
-    )
-    assert sets[-1] == set(circuits.Circuit.full(graph).edge_names)  # 100 %: every edge
-    # the chosen circuit sits among the others by its edge count, and the page opens on it
+    full = set(circuits.Circuit.full(graph).edge_names)
+    assert sets[data["walks"]["abs"][-1]] == sets[data["walks"]["signed"][-1]] == full  # 100 %
+    # the chosen circuit sits in both walks by its edge count, and the page opens on it
     chosen = data["stops"][data["start"]]
     assert chosen["fraction"] is None and chosen["n_edges"] == setup.circuit.n_edges
     assert chosen["faithfulness"] == pytest.approx(setup.faithfulness, rel=1e-3)
-    counts = [s["n_edges"] for s in data["stops"]]
-    assert counts == sorted(counts)
+    for walk in data["walks"].values():
+        assert data["start"] in walk
+        counts = [data["stops"][i]["n_edges"] for i in walk]
+        assert counts == sorted(counts)
     # every stored score is the edge's score (4 significant digits)
     e = data["edges"]
     for w, r, value in zip(e["w"], e["r"], e["s"]):
@@ -141,9 +145,15 @@ def test_a_large_circuit_draws_its_largest_scores(setup: Any) -> None:
     data = payload(scores_page(scores, sizes=[0.5, 1.0], max_drawn=20).html)
     for stop, drawn in zip(data["stops"], drawn_sets(data)):
         circuit = scores.top(
-            int(stop["fraction"] * scores.graph.n_edges_ungrouped), units="ungrouped"
+            int(stop["fraction"] * scores.graph.n_edges_ungrouped),
+            absolute=stop["ranking"] == "abs",
+            units="ungrouped",
         )
-        assert stop["n_edges"] == circuit.n_edges > 20 and len(drawn) == 20
+        assert stop["n_edges"] == circuit.n_edges
+        if stop["ranking"] == "signed" and circuit.n_edges <= 20:  # few edges help: all drawn
+            assert drawn == set(circuit.edge_names)
+            continue
+        assert circuit.n_edges > 20 and len(drawn) == 20
         keys = {
             name: abs(float(scores.scores[scores.graph.edge_index(name)]))
             for name in circuit.edge_names

@@ -119,7 +119,10 @@ def test_clicking_a_head_shows_its_pattern_and_ra_on_the_chosen_pair(
 ) -> None:
     driver = browser[0]
     graph = setup.scores.graph
-    driver.execute_script("window.raLens.setStop(arguments[0])", 10)  # 100 %: every node is on
+    data = driver.execute_script(
+        "return JSON.parse(document.getElementById('ra-lens-data').textContent)"
+    )
+    driver.execute_script("window.raLens.setStop(arguments[0])", data["walks"]["abs"][-1])  # 100 %
     name = f"a{graph.n_layers - 1}.h1"
     layer, head = graph.n_layers - 1, 1
     pair = 2
@@ -205,3 +208,131 @@ def test_svg_export_is_the_drawn_graph(browser: Any, tmp_path: Path) -> None:
         round(2 * float(svg.get("height"))),
     )
     assert console_errors(driver) == []
+
+
+def test_both_curves_are_drawn_labelled_by_ranking_with_their_own_area(
+    setup: Any, browser: Any
+) -> None:
+    driver, curve = browser[0], setup.curve
+    legend = driver.find_element("css selector", "#curve .curve-legend").text
+    assert f"signed score: CPR {curve.cpr:.3f}" in legend
+    assert f"|score|: CMD {curve.cmd:.3f}" in legend
+    heading = driver.find_element("css selector", "#curve-box h2").text
+    assert "CPR" not in heading and "CMD" not in heading  # no one title over two curves
+    for ranking, values, area in (
+        ("signed", curve.signed_values, curve.cpr),
+        ("abs", curve.abs_values, curve.cmd),
+    ):
+        line = driver.find_element("css selector", f"#curve polyline.curve.{ranking}")
+        assert len(line.get_attribute("points").split()) == len(values)
+        assert float(line.get_attribute("data-area")) == pytest.approx(area, rel=1e-3)
+        titles = driver.execute_script(
+            "return Array.from(document.querySelectorAll(arguments[0]), c => c.textContent)",
+            f"#curve circle.pt.{ranking}",
+        )
+        shown = [float(t.rsplit("faithfulness ", 1)[1]) for t in titles]
+        assert sorted(shown) == pytest.approx(sorted(values), abs=1e-3)
+    assert console_errors(driver) == []
+
+
+def _set(driver: Any, element: str, value: Any, event: str) -> None:
+    driver.execute_script(
+        "const s = document.getElementById(arguments[0]); s.value = arguments[1];"
+        "s.dispatchEvent(new Event(arguments[2]))",
+        element,
+        value,
+        event,
+    )
+
+
+def test_the_ranking_control_chooses_the_circuits_the_size_control_walks(
+    setup: Any, browser: Any
+) -> None:
+    driver = browser[0]
+    scores, graph = setup.scores, setup.scores.graph
+    _set(driver, "ranking", "signed", "change")
+    expected = [
+        scores.top(int(k * graph.n_edges_ungrouped), absolute=False, units="ungrouped").n_edges
+        for k in setup.curve.sizes
+    ]
+    expected.insert(sum(n <= setup.circuit.n_edges for n in expected), setup.circuit.n_edges)
+    assert int(driver.find_element("id", "size").get_attribute("max")) == len(expected) - 1
+    seen = []
+    for i in range(len(expected)):
+        _set(driver, "size", i, "input")
+        seen.append(int(driver.find_element("id", "count-edges").text.replace(",", "")))
+    assert seen == expected
+    assert "walks the signed score ranking" in driver.find_element("id", "curve").text
+    _set(driver, "ranking", "abs", "change")
+    assert driver.execute_script("return window.raLens.current().walk") == "abs"
+    assert console_errors(driver) == []
+
+
+def test_the_smallest_circuit_box(setup: Any, browser: Any) -> None:
+    driver, curve = browser[0], setup.curve
+    points = list(zip(curve.signed_n_edges, curve.signed_values))
+    points += list(zip(curve.abs_n_edges, curve.abs_values))
+    points.append((setup.circuit.count("ungrouped"), setup.faithfulness))
+    assert driver.find_element("id", "target").get_attribute("value") == "0.8"
+    data = driver.execute_script(
+        "return JSON.parse(document.getElementById('ra-lens-data').textContent)"
+    )
+    for target in (0.8, 1.0, max(v for _, v in points)):
+        _set(driver, "target", target, "input")
+        fewest = min(n for n, v in points if v >= target)
+        label = driver.find_element("id", "smallest-label").text
+        matches = [
+            i for i, s in enumerate(data["stops"])
+            if s["label"] == label and s["n_units"] == fewest
+        ]  # fmt: skip
+        assert matches, (label, fewest)
+        driver.find_element("id", "open-smallest").click()
+        opened = driver.execute_script("return window.raLens.current().stop")
+        assert data["stops"][opened]["n_units"] == fewest
+        assert (
+            int(driver.find_element("id", "count-edges").text.replace(",", ""))
+            == (data["stops"][opened]["n_edges"])
+        )
+    _set(driver, "target", max(v for _, v in points) + 0.5, "input")
+    text = driver.find_element("id", "smallest").text
+    assert text.startswith("none of the") and "highest measured faithfulness" in text
+    assert not driver.find_element("id", "open-smallest").is_displayed()
+    note = driver.find_element("id", "grouped-note")
+    if setup.scores.graph.n_kv_heads < setup.scores.graph.n_heads:
+        assert note.is_displayed() and "named by key/value head" in note.text
+    else:
+        assert not note.is_displayed()
+    assert console_errors(driver) == []
+
+
+def test_grouped_readers_are_explained(tmp_path: Path) -> None:
+    from ra_lens import circuits
+
+    g = circuits.Graph(n_layers=2, n_heads=4, n_kv_heads=2, d_model=8)
+    values = torch.linspace(-1, 1, g.real.numel()).view_as(g.real) * g.real
+    scores = circuits.EdgeScores(g, values, method="eap", direction="denoise")
+    path = tmp_path / "grouped.html"
+    scores.to_html(path)
+    with headless_chromium() as driver:
+        open_page(driver, path)
+        note = driver.find_element("id", "grouped-note")
+        assert note.is_displayed()
+        assert "a1.h0<v> is the value of key/value head 0 of layer 1" in note.text
+        assert "read by query heads 0-1" in note.text
+        # no curve: the box says so instead of naming a circuit
+        assert "no faithfulness is measured" in driver.find_element("id", "smallest").text
+        edge = g.readers.index("a1.h1<v>")
+        e = driver.execute_script(
+            "const D = JSON.parse(document.getElementById('ra-lens-data').textContent);"
+            "return D.edges.r.indexOf(arguments[0])",
+            edge,
+        )
+        driver.execute_script(
+            "document.querySelector(`#graph-svg path.edge[data-e='${arguments[0]}']`)"
+            ".dispatchEvent(new MouseEvent('click', {bubbles: true}))",
+            e,
+        )
+        assert "value of key/value head 1 of layer 1, shared by query heads 2-3" in (
+            driver.find_element("css selector", "#details .kv-note").text
+        )
+        assert console_errors(driver) == []

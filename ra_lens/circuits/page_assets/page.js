@@ -65,7 +65,16 @@
   const FIRST_STOP = new Array(N_STORED).fill(-1); // the first stop that draws each edge
   DRAWN.forEach((edges, i) => edges.forEach((e) => { if (FIRST_STOP[e] < 0) FIRST_STOP[e] = i; }));
 
-  const state = { stop: D.start, node: null, edge: null, pair: 0, zoom: 1, hidden: new Set() };
+  // The size control walks one ranking's circuits (D.walks: ranking -> stop indices by size):
+  // MIB's signed ranking (CPR's curve) or its |score| ranking (CMD's curve).
+  const WALKS = D.walks;
+  const RANKING = {
+    signed: { name: "signed score", option: "signed score (CPR's curve)", colour: "#d62728", dash: "" },
+    abs: { name: "|score|", option: "|score| (CMD's curve)", colour: "#1f77b4", dash: "5 3" },
+    given: { name: "as given", option: "the circuit as given", colour: "#f0a000", dash: "" },
+  };
+  const firstWalk = WALKS[D.stops[D.start].ranking] ? D.stops[D.start].ranking : WALKS.abs ? "abs" : Object.keys(WALKS)[0];
+  const state = { stop: D.start, walk: firstWalk, node: null, edge: null, pair: 0, zoom: 1, hidden: new Set() };
 
   const $ = (id) => document.getElementById(id);
   const esc = (t) => String(t).replace(/[&<>"']/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" })[c]);
@@ -156,9 +165,24 @@
   // leave room for the vertical scroll bar, which appears once the graph is drawn
   const fitZoom = () => Math.min(1.5, Math.max(0.3, ($("graph-wrap").clientWidth - 20) / WIDTH));
 
-  // --- the faithfulness curve --------------------------------------------------------------
+  // A key/value reader of a grouped-query model is named by its key/value head, not a query head.
+  function kvNote(r) {
+    const m = /^a(\d+)\.h(\d+)<([kv])>$/.exec(G.readers[r]);
+    if (!m || GROUP === 1) return "";
+    const h = +m[2];
+    return `${m[3] === "k" ? "key" : "value"} of key/value head ${h} of layer ${m[1]}, shared by query heads ${h * GROUP}-${(h + 1) * GROUP - 1}`;
+  }
+
+  // --- the faithfulness curves: both rankings, each with its own area -------------------------
+  const areaText = (ranking) => {
+    const c = D.curve && D.curve.rankings ? D.curve.rankings[ranking] : null;
+    if (!c) return RANKING[ranking].name;
+    return `${c.label}: ${c.area_name} ${c.area === null ? "n/a" : c.area.toFixed(3)}`;
+  };
+  const swatch = (ranking, dot) => `<svg width="26" height="10"><line x1="0" y1="5" x2="26" y2="5" stroke="${RANKING[ranking].colour}" stroke-width="1.8" stroke-dasharray="${RANKING[ranking].dash}"/>${dot ? `<circle cx="13" cy="5" r="3.5" fill="${RANKING[ranking].colour}"/>` : ""}</svg>`;
+
   function drawCurve() {
-    const pts = D.stops.map((s, i) => ({ i, x: s.x, y: s.faithfulness })).filter((p) => p.x > 0 && p.y !== null);
+    const pts = D.stops.map((s, i) => ({ i, x: s.x, y: s.faithfulness, ranking: s.ranking })).filter((p) => p.x > 0 && p.y !== null);
     if (!pts.length) {
       $("curve-box").querySelector("h2").textContent = "Faithfulness";
       $("curve").innerHTML = '<p class="muted">No faithfulness measured for these circuits (pass curve= to EdgeScores.to_html).</p>';
@@ -178,17 +202,56 @@
     }
     out.push(`<line x1="${l}" x2="${W - r}" y1="${Hh - b}" y2="${Hh - b}" stroke="#444"/><line x1="${l}" x2="${l}" y1="${t}" y2="${Hh - b}" stroke="#444"/>`);
     out.push(`<text x="${(l + W - r) / 2}" y="${Hh - 4}" text-anchor="middle">edges kept (share of ${G.n_edges_total.toLocaleString("en")} ${G.units} edges, log scale)</text>`);
-    const line = pts.filter((p) => D.stops[p.i].fraction !== null);
-    out.push(`<polyline fill="none" stroke="#1f77b4" stroke-width="1.5" points="${line.map((p) => `${X(p.x).toFixed(1)},${Y(p.y).toFixed(1)}`).join(" ")}"/>`);
-    for (const p of pts) {
-      const cur = p.i === state.stop, extra = D.stops[p.i].fraction === null;
-      out.push(`<circle class="pt${cur ? " current" : ""}" data-i="${p.i}" cx="${X(p.x).toFixed(1)}" cy="${Y(p.y).toFixed(1)}" r="${cur ? 6 : 3.5}" fill="${extra ? "#f0a000" : "#1f77b4"}" stroke="${cur ? "#000" : "none"}" stroke-width="2"><title>${esc(D.stops[p.i].label)}: faithfulness ${fmt(p.y)}</title></circle>`);
+    const legend = [];
+    for (const ranking of ["signed", "abs"]) {
+      const line = pts.filter((p) => p.ranking === ranking);
+      if (!line.length) continue;
+      const area = D.curve && D.curve.rankings ? D.curve.rankings[ranking].area : null;
+      out.push(`<polyline class="curve ${ranking}" data-area="${area}" fill="none" stroke="${RANKING[ranking].colour}" stroke-width="1.5" stroke-dasharray="${RANKING[ranking].dash}" points="${line.map((p) => `${X(p.x).toFixed(1)},${Y(p.y).toFixed(1)}`).join(" ")}"/>`);
+      legend.push(`<span class="${ranking}">${swatch(ranking, false)} ${esc(areaText(ranking))}</span>`);
+    }
+    // the current circuit's point last, so that it is drawn on top
+    for (const p of pts.slice().sort((a, b) => (a.i === state.stop) - (b.i === state.stop))) {
+      const cur = p.i === state.stop;
+      const name = RANKING[p.ranking].name;
+      out.push(`<circle class="pt ${p.ranking}${cur ? " current" : ""}" data-i="${p.i}" cx="${X(p.x).toFixed(1)}" cy="${Y(p.y).toFixed(1)}" r="${cur ? 6 : 3.5}" fill="${RANKING[p.ranking].colour}" stroke="${cur ? "#000" : "none"}" stroke-width="2"><title>${esc(D.stops[p.i].label)}, ${esc(name)}: faithfulness ${fmt(p.y)}</title></circle>`);
     }
     out.push("</svg>");
-    const c = D.curve;
-    $("curve-box").querySelector("h2").textContent = c ? `Faithfulness (CPR ${c.cpr.toFixed(3)}, CMD ${c.cmd.toFixed(3)})` : "Faithfulness";
+    if (pts.some((p) => p.ranking === "given")) legend.push(`<span>${swatch("given", true)} the chosen circuit</span>`);
+    $("curve-box").querySelector("h2").textContent = "Faithfulness";
     const stop = D.stops[state.stop];
-    $("curve").innerHTML = out.join("") + `<p class="muted">This circuit: ${stop.faithfulness === null ? "faithfulness not measured" : `faithfulness ${fmt(stop.faithfulness)}`}. Click a point to open its circuit.</p>`;
+    const walking = WALKS.given ? "" : ` The size control walks the ${RANKING[state.walk].name} ranking.`;
+    $("curve").innerHTML = `<p class="curve-legend">${legend.join("")}</p>` + out.join("") + `<p class="muted">This circuit (${esc(RANKING[stop.ranking].name)}): ${stop.faithfulness === null ? "faithfulness not measured" : `faithfulness ${fmt(stop.faithfulness)}`}. Click a point to open its circuit.${walking} CPR is the area under the signed ranking's curve (higher is better), CMD the area of |1 - faithfulness| of the |score| ranking's (lower is better), both over the share of edges kept.</p>`;
+  }
+
+  // --- the smallest measured circuit reaching a faithfulness --------------------------------
+  function smallest(target) {
+    const measured = D.stops.map((s, i) => ({ i, s })).filter(({ s }) => s.faithfulness !== null);
+    const reached = measured.filter(({ s }) => s.faithfulness >= target);
+    reached.sort((a, b) => a.s.n_units - b.s.n_units || b.s.faithfulness - a.s.faithfulness);
+    return { measured, found: reached.length ? reached[0].i : null };
+  }
+
+  function showSmallest() {
+    const target = parseFloat($("target").value);
+    const button = $("open-smallest");
+    button.hidden = true;
+    if (!Number.isFinite(target)) {
+      $("smallest").textContent = "enter a number, e.g. 0.8";
+      return;
+    }
+    const { measured, found } = smallest(target);
+    if (!measured.length) {
+      $("smallest").textContent = "no faithfulness is measured on this page (pass curve= to EdgeScores.to_html).";
+    } else if (found === null) {
+      const best = measured.reduce((a, b) => (b.s.faithfulness > a.s.faithfulness ? b : a));
+      $("smallest").textContent = `none of the ${measured.length} measured circuits reaches ${target}; the highest measured faithfulness is ${fmt(best.s.faithfulness)} (${best.s.label}, ${RANKING[best.s.ranking].name}).`;
+    } else {
+      const s = D.stops[found];
+      $("smallest").innerHTML = `<b id="smallest-label">${esc(s.label)}</b>, ${esc(RANKING[s.ranking].name)} ranking, faithfulness <b>${fmt(s.faithfulness)}</b> <span class="muted">(${s.n_units.toLocaleString("en")} of ${G.n_edges_total.toLocaleString("en")} ${esc(G.units)} edges; measured at the curve's sizes only, so a circuit between two of them may reach it with fewer edges)</span>`;
+      button.hidden = false;
+      button.dataset.i = found;
+    }
   }
 
   // --- details: a node or an edge ------------------------------------------------------------
@@ -225,6 +288,8 @@
   function showEdge(e) {
     const s = E.s ? E.s[e] : null;
     const html = [`<h3>${esc(edgeName(e))}</h3>`, `<p>score <b class="${signClass(s)}" id="edge-score">${fmt(s)}</b> <span class="muted">(${esc(D.method)}, ${esc(D.direction)}; into a ${READERS[E.r[e]].kind === "mlp" || READERS[E.r[e]].kind === "logits" ? READERS[E.r[e]].kind : READERS[E.r[e]].kind + " input"})</span></p>`];
+    const kv = kvNote(E.r[e]);
+    if (kv) html.push(`<p class="kv-note">Its reader is the ${esc(kv)}.</p>`);
     html.push(`<p class="muted">Drawn from the circuit "${esc(D.stops[FIRST_STOP[e]].label)}" on.</p>`);
     if (D.per_pair) {
       const rows = D.per_pair.map((row, p) => `<tr><td>${esc(D.pairs[p] ? D.pairs[p].label : `pair ${p + 1}`)}</td><td class="num ${signClass(row[e])}">${fmt(row[e])}</td></tr>`);
@@ -294,9 +359,15 @@
     drawGraph();
     showEdge(e);
   }
-  function setStop(i) {
+  // Open stop i, on `walk` or on the walk that holds it (the current one when both do).
+  function setStop(i, walk) {
+    if (walk && WALKS[walk] && WALKS[walk].includes(i)) state.walk = walk;
+    else if (!WALKS[state.walk].includes(i)) state.walk = Object.keys(WALKS).find((w) => WALKS[w].includes(i));
     state.stop = i;
-    $("size").value = i;
+    $("ranking").value = state.walk;
+    $("size").max = WALKS[state.walk].length - 1;
+    $("size").disabled = WALKS[state.walk].length === 1;
+    $("size").value = WALKS[state.walk].indexOf(i);
     drawGraph();
     drawCurve();
     if (state.node !== null) showNode(state.node);
@@ -354,9 +425,24 @@
 
   // --- wiring ------------------------------------------------------------------------------
   $("summary").textContent = D.summary;
-  $("size").max = D.stops.length - 1;
-  $("size").disabled = D.stops.length < 2;
-  $("size").addEventListener("input", (ev) => setStop(+ev.target.value));
+  $("ranking").innerHTML = Object.keys(WALKS).map((w) => `<option value="${w}">${esc(RANKING[w].option)}</option>`).join("");
+  $("ranking").disabled = Object.keys(WALKS).length === 1;
+  $("ranking").addEventListener("change", (ev) => {
+    // the new ranking's circuit nearest in size to the current one
+    const walk = ev.target.value, x = D.stops[state.stop].n_units;
+    const near = WALKS[walk].reduce((a, b) => (Math.abs(D.stops[b].n_units - x) < Math.abs(D.stops[a].n_units - x) ? b : a));
+    setStop(WALKS[walk].includes(state.stop) ? state.stop : near, walk);
+  });
+  $("size").addEventListener("input", (ev) => setStop(WALKS[state.walk][+ev.target.value]));
+  $("target").value = D.target;
+  $("target").addEventListener("input", showSmallest);
+  $("open-smallest").addEventListener("click", (ev) => setStop(+ev.target.dataset.i));
+  if (GROUP > 1) {
+    const note = $("grouped-note");
+    note.hidden = false;
+    note.textContent = `Grouped-query model: ${G.n_heads} query heads share ${G.n_kv_heads} key/value heads per layer, so key and value readers are named by key/value head: a${L - 1}.h0<v> is the value of key/value head 0 of layer ${L - 1}, read by query heads 0-${GROUP - 1} (its edges are drawn to each of them).`;
+    note.title = "MIB and EAP-IG count such an edge once per query head of the group (ungrouped edges)";
+  }
   $("node-names").innerHTML = NAMES.map((n) => `<option value="${n}">`).join("");
   $("search").addEventListener("change", (ev) => find(ev.target.value));
   $("search").addEventListener("keydown", (ev) => { if (ev.key === "Enter") find(ev.target.value); });
@@ -388,7 +474,10 @@
   });
   $("graph").addEventListener("mouseover", (ev) => {
     const node = ev.target.closest(".node"), edge = ev.target.closest(".edge");
-    if (edge) status(`${edgeName(+edge.dataset.e)}   score ${fmt(E.s ? E.s[+edge.dataset.e] : null)}`);
+    if (edge) {
+      const e = +edge.dataset.e, kv = kvNote(E.r[e]);
+      status(`${edgeName(e)}   score ${fmt(E.s ? E.s[e] : null)}${kv ? `   (reader: the ${kv})` : ""}`);
+    }
     else if (node) {
       const i = +node.dataset.n;
       status(`${NAMES[i]}${i < NW && D.node_scores ? `   node score ${fmt(D.node_scores[i])}` : ""}`);
@@ -405,7 +494,8 @@
   });
 
   state.zoom = fitZoom();
-  setStop(D.start);
+  setStop(D.start, state.walk);
+  showSmallest();
   // For tests and the benchmark: when the first drawing reached the screen, and the page's API.
   requestAnimationFrame(() => setTimeout(() => { window.raLensFirstPaint = performance.now(); }, 0));
   window.raLens = {
@@ -415,5 +505,7 @@
     pngBlob,
     drawn: () => DRAWN[state.stop].length,
     stops: D.stops.length,
+    current: () => ({ stop: state.stop, walk: state.walk }),
+    smallest: (target) => smallest(target).found,
   };
 })();

@@ -64,8 +64,8 @@ KEEPS = ("norms", "maps")
 
 def nnsight_available() -> str | None:
     """None where nnsight can be imported, else the reason it cannot (for a "skipped" entry)."""
-    try:
-        import nnsight  # noqa: F401
+    try:  # a name from the package itself: under pytest, tests/nnsight/ also imports as "nnsight"
+        from nnsight import TransformersModel  # noqa: F401
     except ImportError as error:
         return f"nnsight is not installed here ({error}); it needs transformers >= 5 (.venv)"
     return None

@@ -17,9 +17,10 @@ Sections (each also under "seconds" with its own run time):
 - `split_vs_unsplit`: the bridge booted on a HuggingFace model split by accelerate's device_map
   over cuda:0 and the CPU (--smoke: the CPU and disk offload) gives the unsplit model's RA.
 
-A section that cannot run here says {"skipped": "<reason>"}; one that fails says
-{"error": "<what>"} and the others still run (exit status 1). The method of each figure is the
-one of the benchmark it reuses (benchmarks/README.md).
+The JSON goes to stdout (and to --json FILE), progress to stderr. A section that cannot run here
+says {"skipped": "<reason>"}; one that fails says {"error": "<what>"} and the others still run
+(exit status 1). The method of each figure is that of the benchmark it reuses
+(benchmarks/README.md).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import argparse
 import contextlib
 import json
 import platform
+import sys
 import tempfile
 import traceback
 from collections.abc import Callable, Iterator
@@ -334,10 +336,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smoke", action="store_true", help="CPU, tiny Llama, tiny sizes (the test)")
     p.add_argument("--device", default=None, help="default: cuda (--smoke: cpu)")
     p.add_argument("--json", type=Path, default=None, help="also write the JSON here")
-    p.add_argument("--quiet", action="store_true", help="only the JSON on stdout")
+    p.add_argument("--quiet", action="store_true", help="no progress on stderr")
     args = p.parse_args(argv)
-    log: Log = (lambda s: None) if args.quiet else (lambda s: print(s, flush=True))
-    report = run(args, log)
+    log: Log = (lambda s: None) if args.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
+    # stdout carries the JSON alone: progress and what the reused benchmarks print go to stderr
+    with contextlib.redirect_stdout(sys.stderr):
+        report = run(args, log)
     text = json.dumps(report, indent=1, default=float)
     print(text)
     if args.json:

@@ -5,6 +5,7 @@
 #   make test-fast  the edit-test loop: tiny offline models, no real model, notebooks or script runs
 #   make demo    the paper's Figure-1 example on the embedded SmolLM2-135M-Instruct, into demo_out/
 #   make bench   every benchmarks/bench_*.py at its default plan, JSON into bench_out/
+#   make gpu-check  the GPU run sheet (benchmarks/gpu_check.py; a CUDA machine, under 8 minutes)
 #   make figures the figures of the README and the site into docs/figures/ (docs/make_figures.py)
 #   make docs    the documentation site into site/ (mkdocs build --strict, offline; in make test)
 #   make check-wheel  build the sdist and wheel, install the wheel into a fresh venv outside the
@@ -92,6 +93,13 @@ bench: setup
 	$(PY) benchmarks/bench_long_context.py --compare 1024 --json bench_out/long_context_1024.json
 	$(PY) benchmarks/bench_circuits.py --json bench_out/bench_circuits.json
 	$(PY) benchmarks/bench_circuit_page.py --json bench_out/bench_circuit_page.json
+	$(PY) benchmarks/bench_nnsight.py --json bench_out/bench_nnsight.json
+
+# The GPU run sheet: one JSON of the figures a CPU cannot give (benchmarks/README.md). Needs CUDA;
+# `$(PY) benchmarks/gpu_check.py --smoke` runs every section on the CPU with a tiny model.
+.PHONY: gpu-check
+gpu-check: setup
+	$(PY) benchmarks/gpu_check.py --json bench_out/gpu_check.json
 
 figures: setup
 	$(PY) docs/make_figures.py

@@ -39,12 +39,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from tqdm.auto import tqdm
-
 from ra_lens._typing import Validated
 from ra_lens.circuits.circuit import UNITS, Circuit, EdgeScores, Units
 from ra_lens.circuits.faithfulness import BASELINE
 from ra_lens.circuits.graph import Graph
+from ra_lens.progress import tqdm
 from ra_lens.ranking import trapezoid_auc
 from ra_lens.types import HookedModel, MetricFn, Tokens
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 
 from ra_lens.cli._shared import _emit_json, _floats, _model, _say
 from ra_lens.cli.pairs import PAIR_KEYS, _circuit_pairs, _read_pairs
@@ -28,7 +27,8 @@ def _run_circuit(args: argparse.Namespace) -> int:
         model = _model(args)
     pairs = _circuit_pairs(args, model, file_pairs)
     clean, corrupted, metric = ioi.paired_batch(model, pairs)
-    progress = sys.stderr.isatty()
+    # on a terminal tqdm's bars, piped or in a log plain lines (ra_lens.progress): never silent
+    progress = True
 
     with timed(seconds, "attribute"):
         scores = circuits.attribute(

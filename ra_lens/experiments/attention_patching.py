@@ -10,8 +10,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tqdm.auto import tqdm
-
 from ra_lens import pairs, tasks
 from ra_lens._typing import Validated
 from ra_lens.capture import HookedModel
@@ -20,6 +18,7 @@ from ra_lens.experiments.timing import timed
 from ra_lens.files import write_file
 from ra_lens.metrics import target_nll
 from ra_lens.patching import attention_patch_hooks, forward_patch_hooks
+from ra_lens.progress import tqdm
 from ra_lens.result import ReversedAttention
 from ra_lens.tasks import Accuracy, Prompt, Task, evaluate, task_prompts
 

@@ -116,6 +116,24 @@ class FaithfulnessCurve:
         """MIB's CMD: the trapezoid area of |1 - f| over k, f from the |score| ranking."""
         return trapezoid_auc(self.sizes, [abs(1.0 - v) for v in self.abs_values])
 
+    def smallest(
+        self, faithfulness: float, ranking: Literal["abs", "signed"] = "abs"
+    ) -> int | None:
+        """The fewest edges (asked, int(k * n_total), in `units`) among this curve's points whose
+        faithfulness reaches `faithfulness`, by the |score| ("abs") or signed ranking; None when
+        no point reaches it. `circuits.smallest_circuit` narrows it between the points.
+
+        >>> FaithfulnessCurve(sizes=[0.1, 0.5, 1.0], n_total=82, signed_values=[0.5, 1.5, 1.0],
+        ...     signed_n_edges=[8, 41, 82], abs_values=[0.2, 0.6, 1.0],
+        ...     abs_n_edges=[8, 41, 82]).smallest(0.8)
+        82
+        """
+        values = self.abs_values if ranking == "abs" else self.signed_values
+        for k, value in zip(self.sizes, values):
+            if value >= faithfulness:
+                return int(k * self.n_total)
+        return None
+
     def to_dict(self) -> dict[str, Any]:
         """The curves and their areas as plain JSON-ready values."""
         return {**asdict(self), "cpr": self.cpr, "cmd": self.cmd}

@@ -43,6 +43,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number > 0 such as 0.8, got {text!r}")
+    return value
+
+
 #: What `--mib DIR` writes into DIR (`circuits.export_mib`): a trailing "/" is a whole folder.
 MIB_FILES = ("importances.json", "circuits/")
 

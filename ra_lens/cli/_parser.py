@@ -55,7 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="attention patching on an ICL task: accuracy against patching scale",
         description="Average RA over training prompts of an ICL task, add scale x mean RA to the "
         "attention of held-out prompts, and report top-1/3 accuracy per scale against the "
-        "forward-pattern baseline.",
+        "forward-pattern baseline. The headline scale is chosen on validation prompts (training "
+        "prompts not averaged, or half of the held-out ones) and reported on the test prompts.",
     )
     _task_args(patch)
     patch.add_argument("--shots", type=int, default=0, help="demonstrations per prompt (0)")

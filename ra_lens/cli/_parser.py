@@ -11,7 +11,14 @@ from ra_lens.cli import circuit as circuit_command
 from ra_lens.cli import maps as maps_command
 from ra_lens.cli._shared import _positive_float, _positive_int
 from ra_lens.cli.pairs import CIRCUIT_TASKS
-from ra_lens.cli.patch_rank import _run_patch, _run_rank, patch_out_files, rank_out_files
+from ra_lens.cli.patch_rank import (
+    RANK_LEGEND,
+    RANK_TIME,
+    _run_patch,
+    _run_rank,
+    patch_out_files,
+    rank_out_files,
+)
 
 MODEL_HELP = (
     "model: 'smollm2-135m' (default, embedded, offline), 'gemma3-270m' (embedded, offline; "
@@ -77,6 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="rank heads by RA against causal mediation, activation and attribution patching",
         description="Rank attention heads for an ICL task by RA norm and by the baselines, then "
         "keep the top p% of heads (ablating the rest) and measure accuracy.",
+        epilog=f"{RANK_LEGEND}\n\n{RANK_TIME}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     rank.add_argument(
         "--task",

@@ -47,3 +47,28 @@ def test_rank_table_has_a_legend_and_help_says_the_time(capsys, tmp_path, monkey
     help_text = capsys.readouterr().out
     assert "rev@1 = the same top-1 area keeping the heads it puts LAST" in help_text
     assert "time: SmolLM2-135M on a CPU" in help_text
+
+
+@pytest.mark.parametrize("command", ["patch", "rank"])
+def test_json_to_stdout_stays_pure_json(capsys, tmp_path, monkeypatch, command):
+    """--json -: the tables, the legend and the chosen scale go to stderr, stdout is the JSON."""
+    import json
+
+    from helpers import TOY_PAIRS, arch_or_hooked
+
+    from ra_lens.cli import main
+    from ra_lens.tasks import _task
+
+    (tmp_path / "toy.json").write_text(json.dumps({"name": "toy", "pairs": TOY_PAIRS}))
+    monkeypatch.setattr(_task, "_data_dir", lambda: tmp_path)
+    extra = (["--rankings", "ra", "--fractions", "0,1", "--n-test", "4"] if command == "rank"
+             else ["--scales", "0,-4"])  # fmt: skip
+    argv = [command, "--task", "toy", "--shots", "1", "--n-prompts", "4", *extra, "--json", "-"]
+    assert main([*argv, "--model", f"tiny-{arch_or_hooked('llama')}"]) == 0
+    out, err = capsys.readouterr()
+    report = json.loads(out)
+    assert report["task"] == "toy" and "toy, 1-shot" in err
+    if command == "patch":
+        assert "chosen_ra_top3" in report and "chosen on" in err
+    else:
+        assert "columns:" in err

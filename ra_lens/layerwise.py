@@ -23,9 +23,9 @@ from typing import Any, cast
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor, nn
-from tqdm.auto import tqdm
 
 from ra_lens.capture import HookedModel, output_softcap
+from ra_lens.progress import tqdm
 
 LossFn = Callable[[Tensor], tuple[Tensor, Tensor]]
 

@@ -15,6 +15,7 @@ from ra_lens.circuits.files import MIB_SUBMISSION_FRACTIONS, export_mib
 from ra_lens.circuits.graph import Graph
 from ra_lens.circuits.page import CircuitPage
 from ra_lens.circuits.refine import Refinement, refine
+from ra_lens.circuits.smallest import SmallestCircuit, smallest_circuit
 from ra_lens.circuits.stability import pair_scores, stable
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "Graph",
     "NodeScores",
     "Refinement",
+    "SmallestCircuit",
     "attribute",
     "ensemble",
     "export_mib",
@@ -37,5 +39,6 @@ __all__ = [
     "mib_circuits",
     "pair_scores",
     "refine",
+    "smallest_circuit",
     "stable",
 ]

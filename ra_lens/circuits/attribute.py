@@ -42,7 +42,6 @@ import einops
 import torch
 from jaxtyping import Float
 from torch import Tensor
-from tqdm.auto import tqdm
 
 from ra_lens import capture, pairs
 from ra_lens._typing import Validated
@@ -50,6 +49,7 @@ from ra_lens.capture import PATTERN, HookedModel
 from ra_lens.circuits import _edges
 from ra_lens.circuits.circuit import EdgeScores
 from ra_lens.circuits.graph import Graph
+from ra_lens.progress import tqdm
 from ra_lens.types import MetricFn, Tokens
 
 Method = Literal["eap", "eap-ig", "exact", "exact-ig"]

@@ -39,12 +39,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, cast
 
-from tqdm.auto import tqdm
-
 from ra_lens._typing import Validated
 from ra_lens.circuits.circuit import UNITS, Circuit, EdgeScores, Units
 from ra_lens.circuits.faithfulness import BASELINE
 from ra_lens.circuits.graph import Graph
+from ra_lens.progress import tqdm
 from ra_lens.ranking import trapezoid_auc
 from ra_lens.types import HookedModel, MetricFn, Tokens
 
@@ -118,6 +117,24 @@ class FaithfulnessCurve:
     def cmd(self) -> float:
         """MIB's CMD: the trapezoid area of |1 - f| over k, f from the |score| ranking."""
         return trapezoid_auc(self.sizes, [abs(1.0 - v) for v in self.abs_values])
+
+    def smallest(
+        self, faithfulness: float, ranking: Literal["abs", "signed"] = "abs"
+    ) -> int | None:
+        """The fewest edges (asked, int(k * n_total), in `units`) among this curve's points whose
+        faithfulness reaches `faithfulness`, by the |score| ("abs") or signed ranking; None when
+        no point reaches it. `circuits.smallest_circuit` narrows it between the points.
+
+        >>> FaithfulnessCurve(sizes=[0.1, 0.5, 1.0], n_total=82, signed_values=[0.5, 1.5, 1.0],
+        ...     signed_n_edges=[8, 41, 82], abs_values=[0.2, 0.6, 1.0],
+        ...     abs_n_edges=[8, 41, 82]).smallest(0.8)
+        82
+        """
+        values = self.abs_values if ranking == "abs" else self.signed_values
+        for k, value in zip(self.sizes, values):
+            if value >= faithfulness:
+                return int(k * self.n_total)
+        return None
 
     def to_dict(self) -> dict[str, Any]:
         """The curves and their areas as plain JSON-ready values."""

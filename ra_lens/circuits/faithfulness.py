@@ -28,7 +28,6 @@ from typing import Literal
 import torch
 from jaxtyping import Bool, Float
 from torch import Tensor
-from tqdm.auto import tqdm
 
 from ra_lens import capture, pairs
 from ra_lens._typing import Validated
@@ -36,6 +35,7 @@ from ra_lens.capture import HookedModel
 from ra_lens.circuits import _edges
 from ra_lens.circuits.circuit import Circuit
 from ra_lens.circuits.graph import Graph
+from ra_lens.progress import tqdm
 from ra_lens.types import MetricFn, Tokens
 
 Ablation = Literal["patching", "mean", "zero"]

@@ -9,9 +9,16 @@ from typing import Any
 from ra_lens.cli import attribute as attribute_command
 from ra_lens.cli import circuit as circuit_command
 from ra_lens.cli import maps as maps_command
-from ra_lens.cli._shared import _positive_int
+from ra_lens.cli._shared import _positive_float, _positive_int
 from ra_lens.cli.pairs import CIRCUIT_TASKS
-from ra_lens.cli.patch_rank import _run_patch, _run_rank, patch_out_files, rank_out_files
+from ra_lens.cli.patch_rank import (
+    RANK_LEGEND,
+    RANK_TIME,
+    _run_patch,
+    _run_rank,
+    patch_out_files,
+    rank_out_files,
+)
 
 MODEL_HELP = (
     "model: 'smollm2-135m' (default, embedded, offline), 'gemma3-270m' (embedded, offline; "
@@ -55,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="attention patching on an ICL task: accuracy against patching scale",
         description="Average RA over training prompts of an ICL task, add scale x mean RA to the "
         "attention of held-out prompts, and report top-1/3 accuracy per scale against the "
-        "forward-pattern baseline.",
+        "forward-pattern baseline. The headline scale is chosen on validation prompts (training "
+        "prompts not averaged, or half of the held-out ones) and reported on the test prompts.",
     )
     _task_args(patch)
     patch.add_argument("--shots", type=int, default=0, help="demonstrations per prompt (0)")
@@ -76,6 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="rank heads by RA against causal mediation, activation and attribution patching",
         description="Rank attention heads for an ICL task by RA norm and by the baselines, then "
         "keep the top p% of heads (ablating the rest) and measure accuracy.",
+        epilog=f"{RANK_LEGEND}\n\n{RANK_TIME}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     rank.add_argument(
         "--task",
@@ -188,12 +198,24 @@ def _add_circuit_command(sub: Any) -> None:
     )
     circuit.add_argument("--selection", default="top", choices=["top", "greedy"])
     circuit.add_argument("--ablation", default="patching", choices=["patching", "mean", "zero"])
-    circuit.add_argument(
+    size = circuit.add_mutually_exclusive_group()
+    size.add_argument(
+        "--faithfulness",
+        type=_positive_float,
+        default=None,
+        metavar="F",
+        help="the circuit drawn and saved is the smallest (by |score|) whose faithfulness reaches "
+        "F: the first size of the curve reaching it, narrowed by bisection (default 0.8 unless "
+        "--edges is given; if no size reaches F, the most faithful circuit measured, said so)",
+    )
+    size.add_argument(
         "--edges",
         type=_positive_int,
-        default=40,
+        default=None,
         metavar="N",
-        help="edges asked for in the circuit that is drawn and saved (40; fewer after pruning)",
+        help="instead of --faithfulness: the N edges with the largest |score|, counted as MIB "
+        "counts them (ungrouped: a grouped key/value edge once per query head), fewer after "
+        "pruning edges off every input-to-logits path",
     )
     circuit.add_argument(
         "--batch-size",
@@ -216,7 +238,7 @@ def _add_circuit_command(sub: Any) -> None:
         default=None,
         metavar="PATH",
         help="write one self-contained offline HTML page: the circuits of the curve and the "
-        "--edges circuit, each head's attention pattern and RA on the first pairs",
+        "circuit saved, each head's attention pattern and RA on the first pairs",
     )
     _common(circuit)
     circuit.set_defaults(run=circuit_command._run_circuit, out_files=circuit_command.OUT_FILES)

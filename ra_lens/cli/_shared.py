@@ -8,7 +8,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 from ra_lens.files import check_writable, check_writable_folder, is_stream, write_file
 from ra_lens.types import HookedModel
@@ -47,33 +47,108 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _check_outputs(args: argparse.Namespace) -> None:
-    """Fail before the computation (which can take many minutes), not after it, when --out or
-    --json cannot be written, or when --json names a file --out writes (the report would
-    replace it: `args.out_files`, the names a command writes under --out, or a function of the
-    arguments giving them where they depend on the arguments)."""
-    out: Path | None = getattr(args, "out", None)
-    if out is not None:
-        if out.exists() and not out.is_dir():
-            raise ValueError(f"--out {out} is a file: give a folder (it is created if missing)")
-        check_writable_folder(out, "--out")
-    target = getattr(args, "json", None)
-    if target is None or target == "-":
-        return
-    check_writable(target, "--json")
-    if out is not None and not is_stream(target):
-        written = os.path.realpath(target)
-        if written == os.path.realpath(out):
-            raise ValueError(
-                f"--json {target} is the --out folder: give a file name such as {out}/report.json"
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number > 0 such as 0.8, got {text!r}")
+    return value
+
+
+#: What `--mib DIR` writes into DIR (`circuits.export_mib`): a trailing "/" is a whole folder.
+MIB_FILES = ("importances.json", "circuits/")
+
+
+#: How a message names what an option writes, and a name to suggest instead of a clash.
+_WHAT = {"--json": ("the report", "report.json"), "--html": ("the page", "circuit.html"),
+         "--out": ("the --out folder", "plots"), "--mib": ("the --mib folder", "mib")}  # fmt: skip
+
+
+class _Place(NamedTuple):
+    """A path one option of a command reads or writes."""
+
+    flag: str  # the option: "--json"
+    path: Path  # as given
+    tree: bool  # a folder written as a whole (MIB's circuits/): everything under it is taken
+    owner: tuple[str, Path, str] | None  # (folder option, its folder, the name) for a name in it
+
+
+def _places(args: argparse.Namespace) -> list[_Place]:
+    """Every place the command of `args` writes or reads: the files of --json and --html, the
+    input --pairs, each folder option (--out, --mib) and each name it writes into its folder.
+    Streams (``-``, /dev/stdout, FIFOs) are left out: written in place, they replace nothing."""
+    places = []
+    for flag in ("--json", "--html", "--pairs"):
+        value = getattr(args, flag[2:], None)
+        if value is not None and value != "-" and not is_stream(value):
+            places.append(_Place(flag, Path(value), False, None))
+    names = getattr(args, "out_files", ())
+    folders = {"--out": names(args) if callable(names) else names, "--mib": MIB_FILES}
+    for flag, inside in folders.items():
+        folder = getattr(args, flag[2:], None)
+        if folder is not None:
+            places.append(_Place(flag, folder, False, None))
+            for n in inside:
+                places.append(_Place(flag, folder / n, n.endswith("/"), (flag, folder, n)))
+    return places
+
+
+def _check_overlaps(args: argparse.Namespace) -> None:
+    """Refuse two options of one command naming the same file (one would replace the other's
+    output, or the --pairs being read), or a path inside a folder another option writes whole.
+    --out and --mib may share a folder: the names they write there are checked one by one."""
+    places = _places(args)
+    real = [Path(os.path.realpath(p.path)) for p in places]
+    for i, a in enumerate(places):
+        for j in range(i + 1, len(places)):
+            b = places[j]
+            folders = a.owner is None and b.owner is None and {a.flag, b.flag} == {"--out", "--mib"}
+            if a.flag == b.flag or folders:
+                continue
+            inside = (a.tree and real[i] in real[j].parents) or (
+                b.tree and real[j] in real[i].parents
             )
-        names = getattr(args, "out_files", ())
-        for name in names(args) if callable(names) else names:
-            if written == os.path.realpath(out / name):
-                raise ValueError(
-                    f"--json {target} is the {name} that --out {out} writes: give the report "
-                    f"another name, such as {out}/report.json"
-                )
+            if real[i] == real[j] or inside:
+                raise ValueError(_clash_message(a, b))
+
+
+def _clash_message(a: _Place, b: _Place) -> str:
+    """One line naming both options (`a` is never a name inside a folder: `_places`'s order)."""
+    what, suggest = _WHAT.get(a.flag, ("it", "another name"))
+    if b.owner is not None:
+        flag, folder, name = b.owner
+        where = f"in the {name} folder" if b.tree else f"the {name}"
+        return (
+            f"{a.flag} {a.path} is {where} that {flag} {folder} writes: give {what} another "
+            f"name, such as {folder}/{suggest}"
+        )
+    if b.flag in ("--out", "--mib"):
+        return (
+            f"{a.flag} {a.path} is the {b.flag} folder: give a file name such as {b.path}/{suggest}"
+        )
+    return f"{a.flag} {a.path} and {b.flag} {b.path} name the same file: give them different names"
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    """Fail before the computation (which can take hours on a real model), not after it: an
+    output that cannot be written (--out or --mib a file, --json or --html a folder, a parent
+    that is not writable), or two options naming the same file (`_check_overlaps`). Every
+    message names the option. `args.out_files` are the names a command writes under --out, or a
+    function of the arguments giving them where they depend on the arguments."""
+    for flag in ("--out", "--mib"):
+        folder: Path | None = getattr(args, flag[2:], None)
+        if folder is None:
+            continue
+        if folder.exists() and not folder.is_dir():
+            raise ValueError(f"{flag} {folder} is a file: give a folder (it is created if missing)")
+        check_writable_folder(folder, flag)
+    for flag in ("--json", "--html"):
+        target = getattr(args, flag[2:], None)
+        if target is not None and target != "-":
+            check_writable(target, flag)
+    _check_overlaps(args)
 
 
 def _emit_json(target: str | None, payload: dict[str, Any]) -> None:

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 
 from ra_lens.cli._shared import _emit_json, _floats, _model, _say
 from ra_lens.cli.pairs import PAIR_KEYS, _circuit_pairs, _read_pairs
 
 #: What `ra-lens circuit --out DIR` writes into DIR.
 OUT_FILES = ("faithfulness_curve.png", "circuit.png", "circuit.json")
+#: The faithfulness the saved circuit reaches when neither --faithfulness nor --edges is given.
+DEFAULT_FAITHFULNESS = 0.8
 
 
 def _run_circuit(args: argparse.Namespace) -> int:
@@ -28,7 +29,8 @@ def _run_circuit(args: argparse.Namespace) -> int:
         model = _model(args)
     pairs = _circuit_pairs(args, model, file_pairs)
     clean, corrupted, metric = ioi.paired_batch(model, pairs)
-    progress = sys.stderr.isatty()
+    # on a terminal tqdm's bars, piped or in a log plain lines (ra_lens.progress): never silent
+    progress = True
 
     with timed(seconds, "attribute"):
         scores = circuits.attribute(
@@ -57,8 +59,24 @@ def _run_circuit(args: argparse.Namespace) -> int:
             batch_size=args.batch_size,
             progress=progress,
         )
-    n_edges = min(args.edges, scores.graph.n_edges)
-    circuit = scores.top(n_edges) if args.selection == "top" else scores.greedy(n_edges)
+    found, n_asked = None, None
+    if args.edges is not None:  # counted as MIB counts (ungrouped), as the curve and --mib
+        n_asked = min(args.edges, scores.graph.n_edges_ungrouped)
+        pick = scores.top if args.selection == "top" else scores.greedy
+        circuit = pick(n_asked, units="ungrouped")
+    else:
+        with timed(seconds, "smallest_circuit"):
+            found = circuits.smallest_circuit(
+                model,
+                scores,
+                clean,
+                corrupted,
+                metric,
+                curve,
+                DEFAULT_FAITHFULNESS if args.faithfulness is None else args.faithfulness,
+                batch_size=args.batch_size,
+            )
+        circuit = found.circuit
     kept = circuits.faithfulness(
         model,
         circuit,
@@ -82,12 +100,16 @@ def _run_circuit(args: argparse.Namespace) -> int:
         f"{seconds['attribute']:.1f} s\n",
     )
     _say(args, curve.table())
-    _say(
-        args,
-        f"\ncircuit ({args.selection} {n_edges}, pruned): {circuit.n_edges} edges, "
-        f"{len(circuit.nodes)} nodes, faithfulness {kept.value:.4f}",
-    )
-
+    if found is None:
+        _say(
+            args,
+            f"\ncircuit: the {n_asked} edges with the largest |score| ({args.selection}), counted "
+            f"as MIB counts (ungrouped); {circuit.n_edges_ungrouped} after pruning "
+            f"({circuit.n_edges} in this graph), {len(circuit.nodes)} nodes, faithfulness "
+            f"{kept.value:.4f}",
+        )
+    else:
+        _say(args, f"\ncircuit: {found.summary()}; {len(circuit.nodes)} nodes")
     files = []
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
@@ -135,8 +157,13 @@ def _run_circuit(args: argparse.Namespace) -> int:
             "n_edges_ungrouped": scores.graph.n_edges_ungrouped,
             "curve": curve.to_dict(),
             "circuit": {
-                "edges_asked": n_edges,
+                "chosen_by": "edges" if found is None else "faithfulness",
+                "edges_asked": n_asked,
+                "target_faithfulness": None if found is None else found.target,
+                "reached": None if found is None else found.reached,
+                "search": None if found is None else found.measured,
                 "n_edges": circuit.n_edges,
+                "n_edges_ungrouped": circuit.n_edges_ungrouped,
                 "nodes": circuit.nodes,
                 "faithfulness": kept.value,
                 # nan (a pair whose clean and corrupted metrics are equal) is not JSON: null

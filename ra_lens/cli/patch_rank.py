@@ -8,6 +8,22 @@ from typing import Any
 
 from ra_lens.cli._shared import _emit_json, _floats, _model, _say
 
+#: What the columns of `ra-lens rank`'s table mean: printed under it and in `ra-lens rank --help`.
+RANK_LEGEND = """\
+columns: AUC@1 / AUC@3 = area under top-1 / top-3 accuracy against the fraction of heads kept,
+  keeping the heads the ranking puts first and ablating the rest (higher: the ranking finds the
+  heads the task needs); rev@1 = the same top-1 area keeping the heads it puts LAST (lower:
+  better); RA - it [95 % CI] = RA's AUC@1 minus this ranking's, with a paired bootstrap
+  interval over the test prompts (> 0: RA better); seconds = time to compute the ranking;
+  rho(RA) [95 % CI] = Spearman correlation of its head scores with RA's; top10 = share of its
+  10 first heads that RA's 10 first heads share."""
+
+#: How long `ra-lens rank` takes, for its --help.
+RANK_TIME = """\
+time: SmolLM2-135M on a CPU with the defaults (all rankings, 25 prompts, every test prompt):
+  over 15 minutes per task (measured once, not on every machine); --rankings ra,... and
+  --n-test shorten it; a tiny-* model takes seconds."""
+
 
 def _run_patch(args: argparse.Namespace) -> int:
     from ra_lens.experiments import DEFAULT_SCALES, attention_patching
@@ -55,6 +71,7 @@ def _run_rank(args: argparse.Namespace) -> int:
         )
         results.append(result)
         _say(args, result.table())
+        _say(args, RANK_LEGEND)
         if args.out is not None:
             out = args.out if len(args.task) == 1 else args.out / task  # as rank_out_files
             for path in result.plots(out):

@@ -35,7 +35,6 @@ from typing import Any
 import torch
 from jaxtyping import Float
 from torch import Tensor
-from tqdm.auto import tqdm
 
 from ra_lens import capture
 from ra_lens.attribution import AttentionAttribution, attention_attribution
@@ -44,6 +43,7 @@ from ra_lens.core import reversed_attention
 from ra_lens.experiments import timing
 from ra_lens.files import check_writable, load_json, write_file
 from ra_lens.pairs import metric_rows, metric_values
+from ra_lens.progress import tqdm
 from ra_lens.ranking.statistics import pearson, spearman, top_recall
 from ra_lens.tasks import ioi
 from ra_lens.types import MetricFn

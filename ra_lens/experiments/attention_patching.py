@@ -10,8 +10,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tqdm.auto import tqdm
-
 from ra_lens import pairs, tasks
 from ra_lens._typing import Validated
 from ra_lens.capture import HookedModel
@@ -20,6 +18,7 @@ from ra_lens.experiments.timing import timed
 from ra_lens.files import write_file
 from ra_lens.metrics import target_nll
 from ra_lens.patching import attention_patch_hooks, forward_patch_hooks
+from ra_lens.progress import tqdm
 from ra_lens.result import ReversedAttention
 from ra_lens.tasks import Accuracy, Prompt, Task, evaluate, task_prompts
 
@@ -58,9 +57,28 @@ class PatchingResult:
     n_test: int
     seconds: dict[str, float] = field(default_factory=dict)
     ra_maps: ReversedAttention | None = field(default=None, repr=False)
+    #: Accuracy per scale on the validation prompts (training prompts not averaged, or half of
+    #: the held-out ones: `validation_from`), where the scale is chosen; empty when not measured.
+    ra_validation: list[Accuracy] = field(default_factory=list)
+    forward_validation: list[Accuracy] = field(default_factory=list)
+    n_validation: int = 0
+    validation_from: str = ""
+
+    def chosen(self, k: int = 3, method: str = "ra") -> tuple[float, float, float]:
+        """(scale, validation top-k, test top-k): the scale with the best top-k accuracy on the
+        validation prompts (ties: the smaller |scale|) and its accuracy on the test prompts, an
+        honest estimate, unlike `best`, which picks the scale on the test prompts themselves."""
+        validation = getattr(self, f"{method}_validation")
+        if not validation:
+            raise ValueError("no validation accuracies in this result: run attention_patching")
+        accs = [a.top(k) for a in validation]
+        i = max(range(len(accs)), key=lambda j: (accs[j], -abs(self.scales[j])))
+        return self.scales[i], accs[i], getattr(self, method)[i].top(k)
 
     def best(self, k: int = 3, method: str = "ra") -> tuple[float, float]:
-        """(scale, top-k accuracy) of the best scale for a method ("ra" or "forward")."""
+        """(scale, top-k accuracy) of the best scale on the TEST prompts for a method ("ra" or
+        "forward"): an optimistic reference (the scale is chosen on the prompts it is scored on);
+        `chosen` picks it on the validation prompts."""
         accs = [a.top(k) for a in getattr(self, method)]
         i = max(range(len(accs)), key=lambda j: (accs[j], -abs(self.scales[j])))
         return self.scales[i], accs[i]
@@ -82,7 +100,25 @@ class PatchingResult:
             "best_forward_top3": dict(zip(("scale", "top3"), self.best(3, "forward"))),
             "n_prompts": self.n_prompts,
             "n_test": self.n_test,
+            **self._validation_dict(curves),
             "seconds": self.seconds,
+        }
+
+    def _validation_dict(
+        self, curves: Callable[[list[Accuracy]], dict[str, list[float]]]
+    ) -> dict[str, Any]:
+        if not self.ra_validation:
+            return {}
+        keys = ("scale", "validation_top3", "test_top3")
+        return {
+            "validation": {
+                "ra": curves(self.ra_validation),
+                "forward": curves(self.forward_validation),
+            },  # fmt: skip
+            "n_validation": self.n_validation,
+            "validation_from": self.validation_from,
+            "chosen_ra_top3": dict(zip(keys, self.chosen(3, "ra"))),
+            "chosen_forward_top3": dict(zip(keys, self.chosen(3, "forward"))),
         }
 
     def save_json(self, path: str | Path) -> None:
@@ -99,7 +135,18 @@ class PatchingResult:
         for s, r, f in zip(self.scales, self.ra, self.forward):
             lines.append(f"{s:>8g} | {r.top1:>8.0%} {r.top3:>8.0%} | {f.top1:>9.0%} {f.top3:>9.0%}")
         scale, acc = self.best(3)
-        lines.append(f"best RA scale {scale:g}: top-3 {acc:.0%} (unpatched {u.top3:.0%})")
+        if self.ra_validation:
+            for method, label in (("ra", "RA"), ("forward", "forward")):
+                chosen, val, test = self.chosen(3, method)
+                lines.append(
+                    f"{label} scale chosen on {self.n_validation} validation prompts "
+                    f"({self.validation_from}): {chosen:g}, validation top-3 {val:.0%}; test "
+                    f"top-3 {test:.0%} (unpatched {u.top3:.0%})"
+                )
+            lines.append(f"(best RA scale on the test prompts themselves, optimistic: {scale:g}, "
+                         f"top-3 {acc:.0%})")  # fmt: skip
+        else:
+            lines.append(f"best RA scale {scale:g}: top-3 {acc:.0%} (unpatched {u.top3:.0%})")
         return "\n".join(lines)
 
     def plot(self, save: str | Path | None = None) -> Figure:
@@ -163,10 +210,16 @@ def attention_patching(
         shots: demonstrations per prompt (0 = zero-shot).
         n_prompts: training prompts whose maps are averaged (all of one token length).
         scales: patching scales; negative = the gradient-descent direction.
-        n_test: cap on test prompts (default: the whole test split).
+        n_test: cap on held-out prompts (default: the whole test split).
+
+    The scale is chosen on validation prompts, not on the test prompts it is scored on: the
+    training prompts not averaged (as many as the test prompts, at least `MIN_VALIDATION`), or,
+    where too few are left, the first half of the held-out prompts, the second half testing.
 
     Returns:
-        PatchingResult with top-1/2/3 accuracy per scale for RA and the forward baseline.
+        PatchingResult with top-1/2/3 accuracy per scale for RA and the forward baseline, on the
+        test and the validation prompts; `.chosen(3)` the scale chosen on validation and its
+        test accuracy.
 
     Raises:
         ValueError: shots < 0, n_prompts < 2, n_test < 1, no scales or a non-finite one.
@@ -177,12 +230,14 @@ def attention_patching(
     ...                    ("s", "the"), ("t", "cap"), ("F", "Par"), ("I", "Mar"), ("of", "b")])
     >>> result = attention_patching(model, toy, shots=1, n_prompts=4, scales=[0.0, -4.0],
     ...                             progress=False)
-    >>> result.n_prompts, result.n_test, result.scales
-    (4, 2, [0.0, -4.0])
+    >>> result.n_prompts, result.n_test, result.scales  # 2 held-out: 1 validates, 1 tests
+    (4, 1, [0.0, -4.0])
+    >>> result.n_validation, result.validation_from
+    (1, 'held-out')
     >>> torch.equal(result.ra[0].ranks, result.unpatched.ranks)  # scale 0 adds nothing
     True
     >>> print(result.table())  # doctest: +ELLIPSIS
-    toy, 1-shot: RA averaged over 4 training prompts, 2 test prompts; unpatched top-1 ...
+    toy, 1-shot: RA averaged over 4 training prompts, 1 test prompts; unpatched top-1 ...
 
     On the real model (minutes on a CPU; `DEFAULT_SCALES` has 26 scales):
 
@@ -192,9 +247,13 @@ def attention_patching(
     seconds: dict[str, float] = {}
     name = task if isinstance(task, str) else task.name
     train, test = task_prompts(model, task, shots, seed=seed)
-    train, test = train[:n_prompts], test if n_test is None else test[:n_test]
+    train, unused = train[:n_prompts], train[n_prompts:]
+    test = test if n_test is None else test[:n_test]
     if len(train) < 2:
         raise ValueError(f"only {len(train)} equal-length training prompts for {name!r}")
+    validation, source = _validation_split(unused, test)
+    if source == "held-out":
+        validation, test = test[: len(test) // 2], test[len(test) // 2 :]
     with timed(seconds, "reversed_attention"):
         ra = mean_reversed_attention(model, train)
     hooks_for: dict[str, Callable[..., Any]] = {
@@ -203,13 +262,15 @@ def attention_patching(
     }
     with timed(seconds, "evaluate"):
         unpatched = evaluate(model, test, batch_size=32, by_length=True)
-        results: dict[str, list[Accuracy]] = {"ra": [], "forward": []}
+        results: dict[str, list[Accuracy]] = {}
         for scale in tqdm(list(scales), desc=f"{name} scales", disable=not progress):
             for method, make in hooks_for.items():
                 hooks = make(float(scale))
-                results[method].append(
-                    evaluate(model, test, fwd_hooks=hooks, batch_size=32, by_length=True)
-                )
+                for split, prompts in (("", test), ("_validation", validation)):
+                    accuracy = evaluate(
+                        model, prompts, fwd_hooks=hooks, batch_size=32, by_length=True
+                    )
+                    results.setdefault(method + split, []).append(accuracy)
     return PatchingResult(
         task=name,
         shots=shots,
@@ -221,7 +282,31 @@ def attention_patching(
         n_test=len(test),
         seconds=seconds,
         ra_maps=ra,
+        ra_validation=results["ra_validation"],
+        forward_validation=results["forward_validation"],
+        n_validation=len(validation),
+        validation_from=source,
     )
+
+
+#: Fewest training prompts left over (not averaged) that make the validation split; with fewer,
+#: half of the held-out prompts validate and the other half test.
+MIN_VALIDATION = 8
+
+
+def _validation_split(unused: Sequence[Prompt], test: Sequence[Prompt]) -> tuple[list[Prompt], str]:
+    """Where the patching scale is chosen: the training prompts not averaged into the RA (as
+    many as the test prompts), or, with fewer than `MIN_VALIDATION` of those, the first half of
+    the held-out prompts ("held-out": the caller keeps the second half as the test split)."""
+    if len(unused) >= MIN_VALIDATION:
+        return list(unused[: max(len(test), MIN_VALIDATION)]), "unused training prompts"
+    if len(test) < 2:
+        raise ValueError(
+            f"{len(unused)} training prompts left for validation and {len(test)} held-out: "
+            "lower n_prompts or raise n_test, so that the scale is chosen on other prompts "
+            "than those it is scored on"
+        )
+    return [], "held-out"
 
 
 def _is_count(value: Any, least: int) -> bool:

@@ -38,7 +38,6 @@ from typing import TYPE_CHECKING, Any, Literal, cast
 import torch
 from jaxtyping import Float
 from torch import Tensor
-from tqdm.auto import tqdm
 
 from ra_lens import capture, circuits
 from ra_lens.circuits.curve import MIB_FRACTIONS
@@ -50,6 +49,7 @@ from ra_lens.experiments.circuit_study_report import fraction_columns as fractio
 from ra_lens.experiments.circuit_study_report import goals, markdown, summarise
 from ra_lens.experiments.circuit_study_report import paired_difference as paired_difference
 from ra_lens.files import check_writable, load_json, write_file
+from ra_lens.progress import tqdm
 from ra_lens.ranking.statistics import pearson
 from ra_lens.tasks import format_prompt, ioi, load
 from ra_lens.tasks.ioi import PromptPair

@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 from torch import Tensor
-from tqdm.auto import tqdm
 
 from ra_lens import capture, tasks
 from ra_lens import ranking as rk
@@ -32,6 +31,7 @@ from ra_lens.capture import HookedModel
 from ra_lens.experiments.timing import timed
 from ra_lens.files import write_file
 from ra_lens.patching import HeadMeans, last_token_means
+from ra_lens.progress import tqdm
 from ra_lens.ranking import AblationCurve, Interval
 from ra_lens.ranking.engine import check_count
 from ra_lens.tasks import Accuracy, Prompt, Task, shuffled_label_prompts, task_prompts

@@ -20,8 +20,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, cast
 
-from tqdm.auto import tqdm
-
 from ra_lens import ranking as rk
 from ra_lens import tasks
 from ra_lens._typing import Validated
@@ -34,6 +32,7 @@ from ra_lens.experiments.head_ranking import (
 )
 from ra_lens.experiments.timing import timed
 from ra_lens.files import load_json, write_file
+from ra_lens.progress import tqdm
 from ra_lens.ranking.engine import check_count
 from ra_lens.tasks import Task
 

@@ -31,12 +31,12 @@ from typing import Any, cast
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor
-from tqdm.auto import tqdm
 
 from ra_lens import capture, pairs
 from ra_lens._typing import Validated
 from ra_lens.capture import Batch, HookedModel
 from ra_lens.math import upcast
+from ra_lens.progress import tqdm
 from ra_lens.types import Scores, Targets, Tokens
 
 #: The progress bar counts prompts, in fractions while a part is under way: shown in percent.

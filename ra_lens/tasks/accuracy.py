@@ -9,10 +9,10 @@ from typing import Any
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor
-from tqdm.auto import tqdm
 
 from ra_lens._typing import Validated
 from ra_lens.capture import HookedModel, eval_mode, to_batch
+from ra_lens.progress import tqdm
 from ra_lens.tasks.prompts import Prompt, answer_token, prompt_lengths
 
 FwdHook = tuple[str | Callable[[str], bool], Callable[..., Any]]

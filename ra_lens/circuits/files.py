@@ -281,6 +281,9 @@ def export_mib(
       (absolute=False: the signed ranking, as MIB's CPR) or of |score|, pruned. Each keeps at
       most int(k * N) edges in the file's ungrouped count (`Circuit.n_edges_ungrouped`).
 
+    circuits=False deletes the nine circuit files an earlier export left in `folder/circuits`
+    (ra-lens's names only; the folder too when it is then empty): they described other scores.
+
     MIB's leaderboard takes, per `{task}_{model}` folder (e.g. `ioi_gpt2`), EITHER one file of
     scores OR the nine circuits: upload `importances.json` alone, or the files of `circuits/`
     alone. The file names of the nine circuits are ra-lens's (MIB fixes their number and
@@ -311,7 +314,9 @@ def export_mib(
     )
     paths = [out / "importances.json"]
     write_json(everything, paths[0])
-    if circuits:
+    if not circuits:
+        _remove_stale_circuits(out)
+    else:
         (out / "circuits").mkdir(exist_ok=True)
         chosen = mib_circuits(
             scores,
@@ -324,3 +329,16 @@ def export_mib(
             paths.append(out / "circuits" / f"circuit_{k:g}.json")
             write_json(circuit, paths[-1])
     return paths
+
+
+def _remove_stale_circuits(out: Path) -> None:
+    """Delete the circuit files an earlier `export_mib(..., circuits=True)` wrote into `out`
+    (only ra-lens's own names), so they never sit beside importances.json of other scores; the
+    `circuits` folder goes too when nothing else is left in it."""
+    folder = out / "circuits"
+    if not folder.is_dir():
+        return
+    for k in MIB_SUBMISSION_FRACTIONS:
+        (folder / f"circuit_{k:g}.json").unlink(missing_ok=True)
+    if not any(folder.iterdir()):
+        folder.rmdir()

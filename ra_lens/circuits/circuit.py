@@ -111,6 +111,7 @@ class EdgeScores:
         if self.direction not in ("denoise", "noise"):
             raise ValueError(f"direction={self.direction!r}: expected 'denoise' or 'noise'")
         _check_finite(self.graph, self.scores, "scores")
+        _check_extras(self.graph, self.per_pair, self.node_scores)
         if self.ungrouped_scores is not None:
             _check_copies(self.graph, self.ungrouped_scores, self.scores)
 
@@ -454,10 +455,7 @@ class Circuit:
             raise ValueError(f"scores has shape {tuple(self.scores.shape)}, expected {shape}")
         if self.scores is not None:
             _check_finite(self.graph, self.scores, "scores")
-        if self.node_scores is not None and tuple(self.node_scores.shape) != shape[:1]:
-            raise ValueError(
-                f"node_scores has shape {tuple(self.node_scores.shape)}, expected {shape[:1]}"
-            )
+        _check_extras(self.graph, None, self.node_scores)
         if self.ungrouped_scores is not None:
             if self.scores is None:
                 raise ValueError("ungrouped_scores need the grouped scores they add up to")
@@ -738,6 +736,34 @@ def _check_finite(graph: Graph, scores: Tensor, name: str) -> None:
             f"{where}: edge scores must be finite numbers (a metric or model that overflowed, "
             "e.g. in float16, gives NaN)"
         )
+
+
+def _check_extras(graph: Graph, per_pair: Tensor | None, node_scores: Tensor | None) -> None:
+    """`per_pair` [pair>=1, writer, reader] and `node_scores` [writer], where present, have the
+    graph's shape and finite values, NaN allowed in node_scores (no score); else `stable`,
+    `ensemble` or a page would fail far from here."""
+    w, r = len(graph.writers), len(graph.readers)
+    for name, value, shape in (("per_pair", per_pair, (w, r)), ("node_scores", node_scores, (w,))):
+        if value is None:
+            continue
+        got = tuple(value.shape)
+        if (
+            len(got) != len(shape) + (name == "per_pair")
+            or got[-len(shape) :] != shape
+            or not got[0]
+        ):
+            wanted = "[pair, writer, reader], pair >= 1" if name == "per_pair" else "[writer]"
+            raise ValueError(f"{name} has shape {got}, expected {wanted} with {w} writers, {r} readers")  # fmt: skip
+        values = value.detach().cpu()
+        # NaN marks a node without a score (EAP-IG files may leave a node's score out)
+        bad = values.isinf() if name == "node_scores" else ~torch.isfinite(values)
+        if bad.any():
+            index = torch.nonzero(bad)[0].tolist()
+            raise ValueError(
+                f"{name} has {int(bad.sum())} non-finite entries, e.g. {float(value[tuple(index)])}"
+                f" at index {index}: scores must be finite numbers (a metric or model that "
+                "overflowed, e.g. in float16, gives NaN)"
+            )
 
 
 def _check_copies(graph: Graph, ungrouped: Tensor, scores: Tensor) -> None:

@@ -536,7 +536,7 @@ def test_export_mib_reads_back(tmp_path: Path) -> None:
     each within its budget counted in the file itself, as MIB counts (in_graph edges)."""
     g = Graph(n_layers=2, n_heads=4, n_kv_heads=2, d_model=8)
     scores = random_scores(g, 5)
-    paths = export_mib(scores, tmp_path / "ioi_smollm2")
+    paths = export_mib(scores, tmp_path / "ioi_smollm2", circuits=True)
     assert [p.relative_to(tmp_path / "ioi_smollm2").as_posix() for p in paths] == [
         "importances.json"
     ] + [f"circuits/circuit_{k:g}.json" for k in MIB_SUBMISSION_FRACTIONS]

@@ -36,3 +36,11 @@ def test_scores_only_export_removes_an_earlier_exports_circuits(tmp_path: Path) 
     (folder / "circuits" / "notes.txt").write_text("mine")
     export_mib(_scores(1), folder, circuits=False)
     assert [p.name for p in (folder / "circuits").iterdir()] == ["notes.txt"]
+
+
+def test_default_export_is_the_scores_file_alone(tmp_path: Path) -> None:
+    """MIB takes one file of scores or nine circuits: the default writes the scores only."""
+    assert export_mib(_scores(0), tmp_path / "a") == [tmp_path / "a" / "importances.json"]
+    assert [p.name for p in (tmp_path / "a").iterdir()] == ["importances.json"]
+    paths = export_mib(_scores(0), tmp_path / "b", circuits=True, progress=True)
+    assert len(paths) == 1 + len(MIB_SUBMISSION_FRACTIONS)

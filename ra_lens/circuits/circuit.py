@@ -169,7 +169,7 @@ class EdgeScores:
         keys = keys.abs() if absolute else keys
         return keys.masked_fill(~g.real[:, g.ungrouped_target], float("-inf"))
 
-    def _check_count(self, n: Validated[int], units: Validated[Units] = "grouped") -> None:
+    def _check_count(self, n: Validated[int], units: Validated[Units] = "ungrouped") -> None:
         if units not in UNITS:
             raise ValueError(f"units={units!r}: expected 'grouped' or 'ungrouped'")
         if not isinstance(n, int) or isinstance(n, bool):
@@ -183,7 +183,7 @@ class EdgeScores:
         n: Validated[int],
         *,
         absolute: bool = True,
-        units: Validated[Units] = "grouped",
+        units: Validated[Units] = "ungrouped",
         own_copies: bool = False,
     ) -> Circuit:
         """The `n` edges with the largest |score| (with absolute=False: the largest `helps`, the
@@ -191,7 +191,8 @@ class EdgeScores:
         pruned to those on a path from input to logits (so at most n edges; ties go to the edge
         earlier in graph order).
 
-        units="ungrouped": n counts edges of EAP-IG's ungrouped graph, as MIB does; each
+        units="ungrouped" (default, as every curve and MIB count): n counts edges of EAP-IG's
+        ungrouped graph; units="grouped" counts this graph's edges (a key/value edge once). Each
         key/value edge enters the ranking once per query head of its group with an equal share of
         its score (own_copies=True: each copy's own score, `ungrouped_helps`), and is kept when all
         its copies are among the n best. Equal shares are the default because the circuit patches
@@ -234,7 +235,7 @@ class EdgeScores:
         n: Validated[int],
         *,
         absolute: bool = True,
-        units: Validated[Units] = "grouped",
+        units: Validated[Units] = "ungrouped",
         own_copies: bool = False,
     ) -> Circuit:
         """Grow a circuit from the logits, as EAP-IG's greedy: start with the edges into
@@ -495,8 +496,8 @@ class Circuit:
         edge once per query head of its group, as it is written to files."""
         return int((self.edges.long() * self.graph.copies[None, :]).sum())
 
-    def count(self, units: Validated[Units] = "grouped") -> int:
-        """`n_edges` (units="grouped") or `n_edges_ungrouped`."""
+    def count(self, units: Validated[Units] = "ungrouped") -> int:
+        """`n_edges_ungrouped` (default, MIB's unit) or `n_edges` (units="grouped")."""
         if units not in UNITS:
             raise ValueError(f"units={units!r}: expected 'grouped' or 'ungrouped'")
         return self.n_edges if units == "grouped" else self.n_edges_ungrouped

@@ -111,6 +111,7 @@ class EdgeScores:
         if self.direction not in ("denoise", "noise"):
             raise ValueError(f"direction={self.direction!r}: expected 'denoise' or 'noise'")
         _check_finite(self.graph, self.scores, "scores")
+        _check_extras(self.graph, self.per_pair, self.node_scores)
         if self.ungrouped_scores is not None:
             _check_copies(self.graph, self.ungrouped_scores, self.scores)
 
@@ -168,7 +169,7 @@ class EdgeScores:
         keys = keys.abs() if absolute else keys
         return keys.masked_fill(~g.real[:, g.ungrouped_target], float("-inf"))
 
-    def _check_count(self, n: Validated[int], units: Validated[Units] = "grouped") -> None:
+    def _check_count(self, n: Validated[int], units: Validated[Units] = "ungrouped") -> None:
         if units not in UNITS:
             raise ValueError(f"units={units!r}: expected 'grouped' or 'ungrouped'")
         if not isinstance(n, int) or isinstance(n, bool):
@@ -182,7 +183,7 @@ class EdgeScores:
         n: Validated[int],
         *,
         absolute: bool = True,
-        units: Validated[Units] = "grouped",
+        units: Validated[Units] = "ungrouped",
         own_copies: bool = False,
     ) -> Circuit:
         """The `n` edges with the largest |score| (with absolute=False: the largest `helps`, the
@@ -190,7 +191,8 @@ class EdgeScores:
         pruned to those on a path from input to logits (so at most n edges; ties go to the edge
         earlier in graph order).
 
-        units="ungrouped": n counts edges of EAP-IG's ungrouped graph, as MIB does; each
+        units="ungrouped" (default, as every curve and MIB count): n counts edges of EAP-IG's
+        ungrouped graph; units="grouped" counts this graph's edges (a key/value edge once). Each
         key/value edge enters the ranking once per query head of its group with an equal share of
         its score (own_copies=True: each copy's own score, `ungrouped_helps`), and is kept when all
         its copies are among the n best. Equal shares are the default because the circuit patches
@@ -233,7 +235,7 @@ class EdgeScores:
         n: Validated[int],
         *,
         absolute: bool = True,
-        units: Validated[Units] = "grouped",
+        units: Validated[Units] = "ungrouped",
         own_copies: bool = False,
     ) -> Circuit:
         """Grow a circuit from the logits, as EAP-IG's greedy: start with the edges into
@@ -454,10 +456,7 @@ class Circuit:
             raise ValueError(f"scores has shape {tuple(self.scores.shape)}, expected {shape}")
         if self.scores is not None:
             _check_finite(self.graph, self.scores, "scores")
-        if self.node_scores is not None and tuple(self.node_scores.shape) != shape[:1]:
-            raise ValueError(
-                f"node_scores has shape {tuple(self.node_scores.shape)}, expected {shape[:1]}"
-            )
+        _check_extras(self.graph, None, self.node_scores)
         if self.ungrouped_scores is not None:
             if self.scores is None:
                 raise ValueError("ungrouped_scores need the grouped scores they add up to")
@@ -497,8 +496,8 @@ class Circuit:
         edge once per query head of its group, as it is written to files."""
         return int((self.edges.long() * self.graph.copies[None, :]).sum())
 
-    def count(self, units: Validated[Units] = "grouped") -> int:
-        """`n_edges` (units="grouped") or `n_edges_ungrouped`."""
+    def count(self, units: Validated[Units] = "ungrouped") -> int:
+        """`n_edges_ungrouped` (default, MIB's unit) or `n_edges` (units="grouped")."""
         if units not in UNITS:
             raise ValueError(f"units={units!r}: expected 'grouped' or 'ungrouped'")
         return self.n_edges if units == "grouped" else self.n_edges_ungrouped
@@ -738,6 +737,34 @@ def _check_finite(graph: Graph, scores: Tensor, name: str) -> None:
             f"{where}: edge scores must be finite numbers (a metric or model that overflowed, "
             "e.g. in float16, gives NaN)"
         )
+
+
+def _check_extras(graph: Graph, per_pair: Tensor | None, node_scores: Tensor | None) -> None:
+    """`per_pair` [pair>=1, writer, reader] and `node_scores` [writer], where present, have the
+    graph's shape and finite values, NaN allowed in node_scores (no score); else `stable`,
+    `ensemble` or a page would fail far from here."""
+    w, r = len(graph.writers), len(graph.readers)
+    for name, value, shape in (("per_pair", per_pair, (w, r)), ("node_scores", node_scores, (w,))):
+        if value is None:
+            continue
+        got = tuple(value.shape)
+        if (
+            len(got) != len(shape) + (name == "per_pair")
+            or got[-len(shape) :] != shape
+            or not got[0]
+        ):
+            wanted = "[pair, writer, reader], pair >= 1" if name == "per_pair" else "[writer]"
+            raise ValueError(f"{name} has shape {got}, expected {wanted} with {w} writers, {r} readers")  # fmt: skip
+        values = value.detach().cpu()
+        # NaN marks a node without a score (EAP-IG files may leave a node's score out)
+        bad = values.isinf() if name == "node_scores" else ~torch.isfinite(values)
+        if bad.any():
+            index = torch.nonzero(bad)[0].tolist()
+            raise ValueError(
+                f"{name} has {int(bad.sum())} non-finite entries, e.g. {float(value[tuple(index)])}"
+                f" at index {index}: scores must be finite numbers (a metric or model that "
+                "overflowed, e.g. in float16, gives NaN)"
+            )
 
 
 def _check_copies(graph: Graph, ungrouped: Tensor, scores: Tensor) -> None:

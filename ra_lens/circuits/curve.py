@@ -107,6 +107,14 @@ class FaithfulnessCurve:
             )
         if self.units not in UNITS:
             raise ValueError(f"units={self.units!r}: expected one of {UNITS}")
+        # a NaN would be saved as bare NaN (which load refuses) and break the page's script
+        for name in ("sizes", "signed_values", "abs_values"):
+            for i, v in enumerate(getattr(self, name)):
+                if not isinstance(v, (int, float)) or not math.isfinite(v):
+                    raise ValueError(
+                        f"{name}[{i}] is {v!r}: a faithfulness curve holds finite numbers (a "
+                        "NaN usually comes from a custom evaluate or a metric that overflowed)"
+                    )
 
     @property
     def cpr(self) -> float:
@@ -312,6 +320,12 @@ def faithfulness_curve(
                 if key not in done:
                     result = evaluate(model, circuit, clean, corrupted, metric, ablation=ablation)
                     done[key] = float(getattr(result, "value", result))
+                    if not math.isfinite(done[key]):
+                        raise ValueError(
+                            f"evaluate ({evaluate!r}) returned {done[key]} for the circuit "
+                            f"of {circuit.count(units)} {units} edges: faithfulness must be a "
+                            "finite number; check the evaluator or the metric"
+                        )
         seconds.append(span["size"])
 
     def value(circuit: Circuit) -> float:

@@ -62,7 +62,9 @@ def ensemble(
         method "ensemble(m1:d1*w1 + m2:d2*w2, normalise)", `scores` [writer reader] float64 on
         the CPU, 0 off the graph; every other tensor field (`per_pair` [pair writer reader],
         `node_scores` [writer], ...) combined the same way where all inputs carry it with one
-        shape (else None; always None under "rank"); `seconds` the sum of the inputs' when all
+        shape (else None; always None under "rank"); `ungrouped_scores` (grouped-query
+        models) combined where any input has them, an input without them counting equal
+        shares; `seconds` the sum of the inputs' when all
         have one (what the ensemble cost).
 
     Raises:
@@ -113,6 +115,9 @@ def ensemble(
     values: dict[str, Tensor | None] = {}
     for spec in fields(kind):
         field_values = [getattr(item, spec.name) for item in items]
+        if spec.name == "ungrouped_scores" and any(isinstance(v, Tensor) for v in field_values):
+            # an input without its own copies contributes equal shares (what export gives it)
+            field_values = [_copies(item) for item in items]
         if not all(isinstance(v, Tensor) for v in field_values):
             continue
         shapes = {tuple(v.shape) for v in field_values}
@@ -131,6 +136,16 @@ def ensemble(
     main = values.pop("scores")
     assert main is not None  # every EdgeScores has scores of the graph's shape
     return kind(graph, main, method, "denoise", seconds=total_seconds, **values)
+
+
+def _copies(item: EdgeScores) -> Float[Tensor, "writer ureader"]:
+    """The input's scores over EAP-IG's ungrouped readers in its own sign: its
+    `ungrouped_scores`, or an equal share of each grouped key/value edge."""
+    g = item.graph
+    if item.ungrouped_scores is not None:
+        return item.ungrouped_scores
+    shares = item.scores.detach().to("cpu", torch.float64) / g.copies[None, :]
+    return shares[:, g.ungrouped_target] * g.real[:, g.ungrouped_target]
 
 
 def _shares(weights: Sequence[float] | None, n: int) -> list[float]:

@@ -77,6 +77,37 @@ class Faithfulness:
     ablation: str = "patching"
     baseline: str = BASELINE
 
+    def __repr__(self) -> str:
+        # one line: the per-pair tensors are in the fields and in `table()`
+        return (
+            f"Faithfulness(value={self.value:.4f}, {self.n_edges} edges, "
+            f"{len(self.per_pair)} pairs, ablation={self.ablation!r})"
+        )
+
+    def table(self) -> str:
+        """A Markdown table: one row per pair (the metric of the circuit, clean, corrupted and
+        empty-circuit runs, and the pair's faithfulness), then the mean row."""
+        empty = self.empty_per_pair
+        rows = [
+            repr(self),
+            "",
+            "| pair | circuit | clean | corrupted | empty | faithfulness |",
+            "|---:|---:|---:|---:|---:|---:|",
+        ]
+        for i in range(len(self.per_pair)):
+            e = float("nan") if empty is None else float(empty[i])
+            rows.append(
+                f"| {i} | {float(self.circuit_per_pair[i]):.4g} | "
+                f"{float(self.clean_per_pair[i]):.4g} | {float(self.corrupted_per_pair[i]):.4g} "
+                f"| {e:.4g} | {float(self.per_pair[i]):.4f} |"
+            )
+        rows.append(
+            f"| mean | {self.circuit_metric:.4g} | {self.clean_metric:.4g} | "
+            f"{self.corrupted_metric:.4g} | {self.empty_metric:.4g} | {self.value:.4f} |"
+        )
+        rows.append(f"\nfaithfulness normalised by the {self.baseline}")
+        return "\n".join(rows)
+
 
 def faithfulness(
     model: Validated[HookedModel],

@@ -50,6 +50,7 @@ from typing import Any, Literal, cast
 import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
+from tqdm.auto import tqdm
 
 from ra_lens._typing import Validated
 from ra_lens.circuits.circuit import Circuit, EdgeScores
@@ -260,9 +261,10 @@ def export_mib(
     scores: EdgeScores,
     folder: str | Path,
     *,
-    circuits: bool = True,
+    circuits: bool = False,
     absolute: bool = False,
     selection: Literal["top", "greedy"] = "top",
+    progress: bool = False,
 ) -> list[Path]:
     """Write a MIB circuit-track folder for one task and model (hannamw/MIB-circuit-track).
 
@@ -281,6 +283,11 @@ def export_mib(
       (absolute=False: the signed ranking, as MIB's CPR) or of |score|, pruned. Each keeps at
       most int(k * N) edges in the file's ungrouped count (`Circuit.n_edges_ungrouped`).
 
+    By default only importances.json (MIB takes the scores OR the circuits, and the nine
+    circuits are large: 90 MB on SmolLM2); `circuits=True` adds them, `progress=True` shows a
+    bar while they are written. circuits=False deletes the nine circuit files an earlier export left in `folder/circuits`
+    (ra-lens's names only; the folder too when it is then empty): they described other scores.
+
     MIB's leaderboard takes, per `{task}_{model}` folder (e.g. `ioi_gpt2`), EITHER one file of
     scores OR the nine circuits: upload `importances.json` alone, or the files of `circuits/`
     alone. The file names of the nine circuits are ra-lens's (MIB fixes their number and
@@ -292,7 +299,7 @@ def export_mib(
     >>> import tempfile
     >>> g = Graph(n_layers=1, n_heads=2, n_kv_heads=1, d_model=8)
     >>> s = EdgeScores(g, torch.rand(len(g.writers), len(g.readers)) * g.real, "eap", "denoise")
-    >>> [p.name for p in export_mib(s, tempfile.mkdtemp())][:3]
+    >>> [p.name for p in export_mib(s, tempfile.mkdtemp(), circuits=True)][:3]
     ['importances.json', 'circuit_0.001.json', 'circuit_0.002.json']
     """
     from ra_lens.circuits.curve import mib_circuits
@@ -311,7 +318,9 @@ def export_mib(
     )
     paths = [out / "importances.json"]
     write_json(everything, paths[0])
-    if circuits:
+    if not circuits:
+        _remove_stale_circuits(out)
+    else:
         (out / "circuits").mkdir(exist_ok=True)
         chosen = mib_circuits(
             scores,
@@ -320,7 +329,21 @@ def export_mib(
             selection=selection,
             units="ungrouped",
         )
-        for k, circuit in zip(MIB_SUBMISSION_FRACTIONS, chosen):
+        bar = tqdm(chosen, desc="MIB circuits", disable=not progress)
+        for k, circuit in zip(MIB_SUBMISSION_FRACTIONS, bar):
             paths.append(out / "circuits" / f"circuit_{k:g}.json")
             write_json(circuit, paths[-1])
     return paths
+
+
+def _remove_stale_circuits(out: Path) -> None:
+    """Delete the circuit files an earlier `export_mib(..., circuits=True)` wrote into `out`
+    (only ra-lens's own names), so they never sit beside importances.json of other scores; the
+    `circuits` folder goes too when nothing else is left in it."""
+    folder = out / "circuits"
+    if not folder.is_dir():
+        return
+    for k in MIB_SUBMISSION_FRACTIONS:
+        (folder / f"circuit_{k:g}.json").unlink(missing_ok=True)
+    if not any(folder.iterdir()):
+        folder.rmdir()

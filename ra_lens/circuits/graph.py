@@ -8,6 +8,9 @@ and `logits`. An edge `writer->reader` exists when the writer comes before the r
 grouped-query model (n_kv_heads < n_heads) the key and value readers are per key/value head:
 `a3.h1<k>` is key/value head 1 there, read by query heads 1*r .. 1*r + r - 1 (r = n_heads /
 n_kv_heads); files written for EAP-IG's ungrouped model repeat it on each query head of its group.
+So on Gemma-3-270M (4 query heads, 1 key/value head) "a11.h1->a12.h0<v>" is the value input of
+KEY/VALUE head 0, shared by query heads 0..3, not query head 0's alone; the number after `.h` of
+a `<k>`/`<v>` reader is a query head only in the ungrouped names (`ungrouped_readers`).
 
 Edge counts come in two units. `n_edges` counts this graph's edges (a grouped key/value edge
 once); `n_edges_ungrouped` counts EAP-IG's ungrouped graph, where a key/value edge exists once per
@@ -246,7 +249,8 @@ class Graph:
         return Reader(match.group(3), int(match.group(1)), int(match.group(2)))  # type: ignore[arg-type]
 
     def edge_name(self, writer: int, reader: int) -> str:
-        """`writer->reader` for indices into `writers` and `readers`."""
+        """`writer->reader` for indices into `writers` and `readers`. A `<k>`/`<v>` reader is
+        named by its key/value head on a grouped-query model (module docstring)."""
         return f"{self.writers[writer]}->{self.readers[reader]}"
 
     def edge_index(self, name: str) -> tuple[int, int]:

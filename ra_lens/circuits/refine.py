@@ -105,8 +105,9 @@ def refine(
         Refinement (`.scores`, `.objective`, `.evaluations`, `.steps`).
 
     Raises:
-        ValueError: fractions outside (0, 1], candidates < 0, boost <= 1, a budget too small
-            for the starting point (fewer evaluations than fractions).
+        ValueError: fractions outside (0, 1] or so small that int(k * N) is 0 edges,
+            candidates < 0, boost <= 1, a budget too small for the starting point (fewer
+            evaluations than fractions), an evaluator returning a non-finite value (at once).
     """
     if not isinstance(scores, EdgeScores):
         raise TypeError(f"scores is a {type(scores).__name__}: pass EdgeScores")
@@ -127,6 +128,13 @@ def refine(
     helps = scores.helps * g.real
     owner = g.reader_owners.to(torch.float64)  # [reader, writer]
     counts = [int(k * g.n_edges_ungrouped) for k in sizes]
+    if 0 in counts:
+        k = sizes[counts.index(0)]
+        raise ValueError(
+            f"fractions={list(fractions)!r}: {k:g} of this graph's {g.n_edges_ungrouped} "
+            "(ungrouped) edges is int(k * N) = 0 edges, an empty circuit whatever the scores; "
+            f"pass fractions >= {1 / g.n_edges_ungrouped:.3g}"
+        )
     spent = 0
 
     def rescored(multipliers: Tensor) -> EdgeScores:
@@ -147,7 +155,15 @@ def refine(
             result = evaluate(current.top(n, absolute=absolute, units="ungrouped"))
             spent += 1
             # typeshed's getattr overloads take an Any default for None (so: Any | None)
-            values.append(float(getattr(result, "value", result)))  # type: ignore[arg-type]
+            value = float(getattr(result, "value", result))  # type: ignore[arg-type]
+            if not math.isfinite(value):
+                # one NaN would make every later comparison False and the budget be spent
+                raise ValueError(
+                    f"evaluate ({evaluate!r}) returned {value} for the circuit of {n} edges: "
+                    "refine needs a finite faithfulness; check the evaluator (a custom metric "
+                    "or an overflow in float16 gives NaN)"
+                )
+            values.append(value)
         if absolute:
             return -sum(abs(1.0 - v) for v in values) / len(values)
         return sum(values) / len(values)

@@ -52,13 +52,14 @@ def pair_scores(
     [pair writer reader] holds each pair's scores and `scores` their mean (what one `attribute`
     call over all pairs returns); `seconds` the process CPU time spent. Arguments as
     `attribute`'s (level "edge"); metric must be an `ra_lens.metrics` metric with per-pair
-    targets (it is cut pair by pair)."""
+    targets (it is cut pair by pair). On a grouped-query model `ungrouped_scores` [writer
+    ureader] is the mean of each pair's, as `attribute` over all pairs returns it."""
     from ra_lens.circuits.attribute import attribute
 
     start = time.process_time()
     clean_b, corrupted_b = pairs.paired(model, clean, corrupted)
     n = clean_b.tokens.shape[0]
-    parts = []
+    parts, copies = [], []
     for i in range(n):
         rows = slice(i, i + 1)
         one = attribute(
@@ -76,6 +77,8 @@ def pair_scores(
         )
         assert isinstance(one, EdgeScores)
         parts.append(one.scores.detach().to("cpu", torch.float64))
+        if one.ungrouped_scores is not None:  # grouped-query: each query head's own copy
+            copies.append(one.ungrouped_scores.detach().to("cpu", torch.float64))
     per_pair = torch.stack(parts)
     graph = one.graph
     return EdgeScores(
@@ -85,6 +88,8 @@ def pair_scores(
         direction,
         per_pair=per_pair,
         seconds=time.process_time() - start,
+        # the mean of each pair's copies, as one attribute call over all pairs gives them
+        ungrouped_scores=torch.stack(copies).mean(0) if copies else None,
     )
 
 
@@ -107,7 +112,9 @@ def stable(
     Returns:
         EdgeScores in MIB's sign (direction "denoise"), method "stable-<statistic>(<method>:
         <direction>)", `scores` Float[Tensor, "writer reader"] float64, 0 off the graph,
-        `per_pair` the inputs' in MIB's sign, `seconds` the input's.
+        `per_pair` the inputs' in MIB's sign, `seconds` the input's; `ungrouped_scores` (where
+        the input has them, grouped-query models) each query head's copy in MIB's sign times its
+        edge's weight, so the copies add up to the edge's stable score.
 
     Raises:
         ValueError: scores without per_pair, n_boot < 1, an unknown statistic.
@@ -138,6 +145,14 @@ def stable(
         weight = torch.where(var > 0, t_sq / (1.0 + t_sq), torch.ones_like(mean))
     out = torch.zeros(g.real.shape, dtype=torch.float64)
     out[g.real] = mean * weight
+    copies = None
+    if scores.ungrouped_scores is not None:
+        # each copy keeps its part of the edge's mean, weighted like the edge (the statistic
+        # is the grouped edge's: its sign is what the resamples agree on)
+        weights = torch.zeros(g.real.shape, dtype=torch.float64)
+        weights[g.real] = weight
+        copies = sign * scores.ungrouped_scores.detach().to("cpu", torch.float64)
+        copies = copies * weights[:, g.ungrouped_target]
     return EdgeScores(
         g,
         out,
@@ -145,6 +160,7 @@ def stable(
         "denoise",
         per_pair=per_pair,
         seconds=scores.seconds,
+        ungrouped_scores=copies,
     )
 
 

@@ -123,7 +123,7 @@ def _run_circuit(args: argparse.Namespace) -> int:
         )
         circuit.to_json(files[2])
     if args.mib is not None:
-        files += circuits.export_mib(scores, args.mib, selection=args.selection)
+        files += circuits.export_mib(scores, args.mib, circuits=True, selection=args.selection)
     if args.html is not None:
         scores.to_html(
             args.html,

@@ -133,10 +133,10 @@ def test_top_ties_go_to_graph_order() -> None:
     ones = EdgeScores(g, g.real.double(), method="test", direction="noise")
     # the first 6 edges: input's into a0.h0<q>, a0.h1<q>, <k>, <v>, m0 and logits; the heads and
     # m0 have no edge out among them
-    assert ones.top(6).edge_names == ["input->logits"]
+    assert ones.top(6, units="grouped").edge_names == ["input->logits"]
     # then a0.h0->m0 (m0 writes nothing: pruned) and a0.h0->logits, which brings in a0.h0's
     # inputs, the key/value ones shared with a0.h1
-    assert ones.top(8).edge_names == [
+    assert ones.top(8, units="grouped").edge_names == [
         "input->a0.h0<q>",
         "input->a0.h0<k>",
         "input->a0.h0<v>",
@@ -195,7 +195,7 @@ def test_greedy_counts_each_shared_key_value_edge_once() -> None:
     )
     # both heads join; their shared key input becomes a candidate once (not once per head), so
     # the 4th pick is the first 0-score candidate in graph order; input->m0 is never a candidate
-    assert scores.greedy(4).edge_names == [
+    assert scores.greedy(4, units="grouped").edge_names == [
         "input->a0.h0<q>",
         "input->a0.h0<k>",
         "a0.h0->logits",
@@ -536,7 +536,7 @@ def test_export_mib_reads_back(tmp_path: Path) -> None:
     each within its budget counted in the file itself, as MIB counts (in_graph edges)."""
     g = Graph(n_layers=2, n_heads=4, n_kv_heads=2, d_model=8)
     scores = random_scores(g, 5)
-    paths = export_mib(scores, tmp_path / "ioi_smollm2")
+    paths = export_mib(scores, tmp_path / "ioi_smollm2", circuits=True)
     assert [p.relative_to(tmp_path / "ioi_smollm2").as_posix() for p in paths] == [
         "importances.json"
     ] + [f"circuits/circuit_{k:g}.json" for k in MIB_SUBMISSION_FRACTIONS]
@@ -618,7 +618,7 @@ def test_faithfulness_curve_measures_both_rankings_each_distinct_circuit_once() 
         model, scores, "a b", "a c", len, sizes=[0.5], units="grouped", evaluate=signed_sum
     )
     assert grouped.n_total == g.n_edges and grouped.abs_n_edges == [
-        scores.top(int(0.5 * g.n_edges)).n_edges
+        scores.top(int(0.5 * g.n_edges), units="grouped").n_edges
     ]
     greedy = faithfulness_curve(
         model, scores, "a b", "a c", len, sizes=[0.5], selection="greedy", evaluate=signed_sum

@@ -339,7 +339,7 @@ def test_export_and_json_round_trip_carry_each_copy(tmp_path):
     scores = _hand_made()
     g = scores.graph
     noise = EdgeScores(g, -scores.scores, "eap", "noise", ungrouped_scores=-scores.ungrouped_scores)
-    paths = export_mib(noise, tmp_path / "mib")
+    paths = export_mib(noise, tmp_path / "mib", circuits=True)
     edges = json.loads(paths[0].read_text())["edges"]
     assert edges["input->a0.h0<k>"]["score"] == 5.0  # MIB's sign: the helps of each copy
     assert edges["input->a0.h1<k>"]["score"] == 0.5

@@ -122,3 +122,29 @@ def test_bad_input_is_refused(setup):
         refine(scores, evaluator, candidates=-1)
     with pytest.raises(TypeError, match="EdgeScores"):
         refine(scores.scores, evaluator)  # type: ignore[arg-type]
+
+
+def _hand_scores() -> EdgeScores:
+    g = Graph(n_layers=1, n_heads=2, n_kv_heads=1, d_model=8)
+    values = torch.arange(1.0, 1.0 + g.real.numel(), dtype=torch.float64).view_as(g.real)
+    return EdgeScores(g, values * g.real, "eap", "denoise")
+
+
+def test_an_evaluator_returning_nan_is_refused_at_its_first_answer():
+    scores = _hand_scores()
+    evaluate = Counting(lambda circuit: float("nan"))
+    with pytest.raises(ValueError, match=r"evaluate \(.*Counting.*\) returned nan"):
+        refine(scores, evaluate, budget=32)
+    assert evaluate.calls == 1
+
+
+def test_fractions_of_zero_edges_are_refused_naming_the_smallest():
+    scores = _hand_scores()
+    n = scores.graph.n_edges_ungrouped
+    evaluate = Counting(lambda circuit: circuit.n_edges_ungrouped / n)
+    with pytest.raises(ValueError, match=rf"int\(k \* N\) = 0 edges.*>= {1 / n:.3g}"):
+        refine(scores, evaluate, fractions=(1e-4, 0.5))
+    assert evaluate.calls == 0
+    # the smallest fraction giving one edge is measured on a one-edge circuit
+    refine(scores, evaluate, fractions=(1 / n,), budget=1)
+    assert evaluate.calls == 1

@@ -3,6 +3,8 @@ checked against one attribute call and a brute-force bootstrap."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from helpers import has_bridge
@@ -85,3 +87,48 @@ def test_bad_input_is_refused():
         stable(with_pairs, statistic="t")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="EdgeScores"):
         stable(with_pairs.scores)  # type: ignore[arg-type]
+
+
+def _gqa_model():
+    if has_bridge():
+        return tiny_model("llama", dtype=torch.float64, spread=True)
+    from ra_lens.toy_models import hooked_matrix_model
+
+    return hooked_matrix_model("llama", dtype=torch.float64)
+
+
+def test_pair_stable_and_ensemble_carry_each_query_heads_copy(tmp_path):
+    """On a grouped-query model pair_scores gives the copies attribute gives (not equal shares),
+    stable and ensemble keep them, and export_mib writes attribute's importances."""
+    from ra_lens.circuits import ensemble
+    from ra_lens.circuits.files import export_mib
+
+    model = _gqa_model()
+    metric = logit_diff([294, 50], [52, 60])
+    whole = attribute(model, CLEAN[:2], CORRUPTED[:2], metric, method="eap")
+    per = pair_scores(model, CLEAN[:2], CORRUPTED[:2], metric, method="eap")
+    assert whole.graph.group > 1 and whole.ungrouped_scores is not None
+    scale = float(whole.scores.abs().max())
+    assert per.ungrouped_scores is not None
+    torch.testing.assert_close(per.ungrouped_scores, whole.ungrouped_scores.double(), rtol=0, atol=1e-9 * scale)  # fmt: skip
+    read = {}
+    for name, scores in (("whole", whole), ("per", per)):
+        export_mib(scores, tmp_path / name, circuits=False)
+        edges = json.loads((tmp_path / name / "importances.json").read_text())["edges"]
+        read[name] = {k: v["score"] for k, v in edges.items()}
+    assert read["whole"].keys() == read["per"].keys()
+    gap = max(abs(read["whole"][k] - read["per"][k]) for k in read["whole"])
+    assert gap < 1e-9 * scale
+    # stable: each copy keeps its part of the edge, weighted like the edge
+    result = stable(per, n_boot=20)
+    assert result.ungrouped_scores is not None
+    g = result.graph
+    weight = torch.zeros_like(result.scores)
+    nonzero = g.real & (per.scores != 0)
+    weight[nonzero] = result.scores[nonzero] / per.scores[nonzero]
+    expected = per.ungrouped_scores * weight[:, g.ungrouped_target]
+    torch.testing.assert_close(result.ungrouped_scores, expected, rtol=1e-9, atol=1e-12 * scale)
+    # ensemble of an input with copies and one without: the copies combine linearly
+    both = ensemble([per, EdgeScores(g, per.scores, "eap", "denoise")], normalise="none")
+    shares = (per.scores / g.copies[None, :])[:, g.ungrouped_target] * g.real[:, g.ungrouped_target]
+    torch.testing.assert_close(both.ungrouped_scores, (per.ungrouped_scores + shares) / 2, rtol=0, atol=1e-12 * scale)  # fmt: skip

@@ -93,18 +93,6 @@ def test_smallest_circuit_reaching_a_faithfulness(setup: Any, data: dict[str, An
         scores_page(setup.scores, target=math.nan)
 
 
-def test_a_curve_with_a_missing_value_keeps_its_other_points(setup: Any) -> None:
-    c = setup.curve
-    broken = circuits.FaithfulnessCurve(
-        sizes=c.sizes, n_total=c.n_total, signed_values=[math.nan] + c.signed_values[1:],
-        signed_n_edges=c.signed_n_edges, abs_values=c.abs_values, abs_n_edges=c.abs_n_edges,
-    )  # fmt: skip
-    data = payload(scores_page(setup.scores, curve=broken).html)
-    signed = data["curve"]["rankings"]["signed"]
-    assert signed["area"] is None and signed["values"][0] is None  # JSON null, not NaN
-    assert data["curve"]["rankings"]["abs"]["area"] == pytest.approx(c.cmd, rel=1e-3)
-
-
 def test_a_page_of_one_circuit_has_one_walk(setup: Any) -> None:
     data = payload(circuit_page(setup.circuit, faithfulness=0.5).html)
     assert data["walks"] == {"given": [0]} and data["curve"] is None

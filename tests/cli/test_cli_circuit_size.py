@@ -42,7 +42,7 @@ def _run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys, *extra: str):
 def test_edges_counts_mib_ungrouped_edges(tmp_path, monkeypatch, capsys) -> None:
     model, scores, saved, report, out, _ = _run(tmp_path, monkeypatch, capsys, "--edges", "30")
     expected = scores.top(30, units="ungrouped")
-    assert scores.top(30).n_edges_ungrouped > 30  # the grouped count would overshoot
+    assert scores.top(30, units="grouped").n_edges_ungrouped > 30  # grouped would overshoot
     assert saved.edge_names == expected.edge_names and saved.n_edges_ungrouped <= 30
     assert report["circuit"]["n_edges_ungrouped"] == saved.n_edges_ungrouped
     assert report["circuit"]["chosen_by"] == "edges" and report["circuit"]["edges_asked"] == 30

@@ -13,6 +13,7 @@ that `import ra_lens` does not pull in matplotlib).
 """
 
 from ra_lens import metrics, tasks
+from ra_lens._version import __version__ as __version__
 from ra_lens.attribution import AttentionAttribution, attention_attribution
 from ra_lens.capture import Batch, to_batch
 from ra_lens.core import reversed_attention
@@ -39,4 +40,3 @@ __all__ = [
     "tasks",
     "to_batch",
 ]
-__version__ = "0.2.0"

@@ -1,7 +1,9 @@
-"""The model contract: everything ra-lens knows about a model lives here and in `ra_lens.contract`.
+"""The model contract: everything ra-lens knows about a model lives here, in `ra_lens.contract`
+and in `ra_lens.state`.
 
-State, tokenisation and recording here; hook names and attention geometry in `ra_lens.contract`,
-re-exported below. The rest of the package speaks TransformerLens hook names only (those
+Tokenisation, the scoped state of a call (`preserved_state`, `eval_mode`) and raw input hooks
+here; hook names and attention geometry in `ra_lens.contract`, the state pieces in
+`ra_lens.state` and liveness in `ra_lens.liveness`, all re-exported below. The rest of the package speaks TransformerLens hook names only (those
 constants), so any HookedRootModule works (TL 2.x/3.x HookedTransformer, TL 3.x/4.x
 TransformerBridge): `HookedModel` says what is used. Nothing here leaves state behind:
 `preserved_state` restores train/eval mode, requires_grad flags and parameter .grad; every hook is
@@ -13,8 +15,6 @@ In the examples, `model` is a tiny random 2-layer x 4-head model (`ra_lens.toy_m
 from __future__ import annotations
 
 import contextlib
-import threading
-import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -71,40 +71,18 @@ from ra_lens.liveness import (  # noqa: E402, F401
     require_live_patterns,
 )
 
-#: Which thread holds each model inside an ra-lens call, and how deeply (`exclusive`), held
-#: weakly. Process-wide on purpose: a claim made in one thread must be seen by every other.
-CLAIMS: weakref.WeakKeyDictionary[HookedModel, tuple[int, int]] = weakref.WeakKeyDictionary()
-#: Guards `CLAIMS` (a check and a claim are one step).
-CLAIMS_LOCK = threading.Lock()
-
-
-@contextlib.contextmanager
-def exclusive(model: HookedModel) -> Iterator[None]:
-    """Claim the model for this thread; a second thread gets a clear error instead of hooks
-    firing in the wrong call. Re-entrant within one thread (ra-lens functions call each other).
-
-    Raises:
-        RuntimeError: another thread is inside an ra-lens call on this model.
-    """
-    me = threading.get_ident()
-    with CLAIMS_LOCK:
-        owner, depth = CLAIMS.get(model, (None, 0))
-        if owner is not None and owner != me:
-            raise RuntimeError(
-                "this model is already in use by an ra-lens call in another thread: ra-lens adds "
-                "hooks to the model, so it allows one call at a time per model. Run the calls "
-                "one after another, or give each thread its own copy (copy.deepcopy(model))"
-            )
-        CLAIMS[model] = (me, depth + 1)
-    try:
-        yield
-    finally:
-        with CLAIMS_LOCK:
-            owner, depth = CLAIMS[model]
-            if depth == 1:
-                del CLAIMS[model]
-            else:
-                CLAIMS[model] = (owner, depth - 1)
+# The state a call takes and gives back lives in ra_lens.state; its names stay importable from here.
+from ra_lens.state import (  # noqa: E402, F401
+    CLAIMS,
+    CLAIMS_LOCK,
+    exclusive,
+    gradient_leaf_hook,
+    model_modules,
+    modules_in_eval,
+    recorded,
+    require_autograd,
+    restored,
+)
 
 
 @contextlib.contextmanager
@@ -127,31 +105,8 @@ def preserved_state(model: HookedModel) -> Iterator[None]:
     True
     """
     require_autograd()
-    with exclusive(model), _restored(model), live_attention(model):
+    with exclusive(model), restored(model), live_attention(model):
         yield
-
-
-def require_autograd() -> None:
-    """Refuse to run inside torch.inference_mode(), where no graph can be built."""
-    if torch.is_inference_mode_enabled():
-        raise RuntimeError(
-            "ra-lens needs autograd, and this call runs inside torch.inference_mode(): call it "
-            "outside that block (torch.no_grad() around it is fine: ra-lens re-enables grad)"
-        )
-
-
-@contextlib.contextmanager
-def _restored(model: HookedModel) -> Iterator[None]:
-    params = list(model.parameters())
-    flags = [p.requires_grad for p in params]
-    grads = [p.grad for p in params]
-    try:
-        with _eval_mode(model):
-            yield
-    finally:
-        for p, flag, grad in zip(params, flags, grads):
-            p.requires_grad_(flag)
-            p.grad = grad
 
 
 @contextlib.contextmanager
@@ -168,48 +123,8 @@ def eval_mode(model: HookedModel) -> Iterator[None]:
     >>> model.training
     True
     """
-    with exclusive(model), _eval_mode(model), live_attention(model):
+    with exclusive(model), modules_in_eval(model), live_attention(model):
         yield
-
-
-@contextlib.contextmanager
-def _eval_mode(model: HookedModel) -> Iterator[None]:
-    modules = model_modules(model)
-    modes = [m.training for m in modules]
-    # TL 4's GPT-2 attention bridge caches its last pattern; ours would keep our graph alive.
-    cached = {m: m._pattern for m in modules if hasattr(m, "_pattern")}
-    # Module.train() walks every submodule through the bridge's slow __setattr__ (about 0.25 s
-    # on SmolLM2, most of an RA ranking's time on a GPU): touch only the modules that change.
-    for module, mode in zip(modules, modes):
-        if mode:
-            module.training = False
-    try:
-        yield
-    finally:
-        for module, pattern in cached.items():
-            module._pattern = pattern
-        for module, mode in zip(modules, modes):
-            if module.training != mode:
-                module.training = mode
-
-
-def model_modules(model: HookedModel) -> list[torch.nn.Module]:
-    """Every module that takes part in the model's forward pass, each once.
-
-    A TransformerBridge registers its adapters as submodules but holds the HuggingFace model in
-    `original_model` without registering it: the HF root and modules only it calls (GPT-2's
-    embedding dropout `transformer.drop`) are missing from `model.modules()`, so `model.eval()`
-    leaves them in train mode.
-
-    >>> len(model_modules(model)) >= len(list(model.modules()))
-    True
-    """
-    found: dict[int, torch.nn.Module] = {id(m): m for m in model.modules()}
-    hf = getattr(model, "original_model", None)
-    if isinstance(hf, torch.nn.Module):
-        for module in hf.modules():
-            found.setdefault(id(module), module)
-    return list(found.values())
 
 
 @contextlib.contextmanager
@@ -260,38 +175,6 @@ def raw_input_hooks(
     finally:
         for handle in handles:
             handle.remove()
-
-
-@contextlib.contextmanager
-def recorded(
-    model: HookedModel, names: Iterable[str], *, grad: bool = False
-) -> Iterator[dict[str, Tensor]]:
-    """Record the forward value of each named hook point into the yielded dict; with grad=True,
-    the gradient that reaches it in a backward pass run inside the block instead.
-
-    Values are detached copies (some adapters hand hooks a view that their attention code
-    reuses). The first value is kept: a hook point that fires twice does not overwrite it. Names
-    the model lacks are skipped (check the dict). Hooks are removed on exit.
-
-    >>> with recorded(model, [PATTERN.format(0), "no.such.hook"]) as acts:
-    ...     _ = model(model.to_tokens("Q: hot"))  # 7 tokens
-    >>> {name: tuple(value.shape) for name, value in acts.items()}
-    {'blocks.0.attn.hook_pattern': (1, 4, 7, 7)}
-    """
-    store: dict[str, Tensor] = {}
-
-    def keep(name: str) -> Callable[[Tensor, Any], None]:
-        def hook(value: Tensor, hook: Any) -> None:
-            if name not in store:
-                store[name] = value.detach().clone()
-
-        return hook
-
-    points = model.hook_dict  # built afresh on every access by a bridge
-    present = [name for name in dict.fromkeys(names) if name in points]
-    hooks = [(name, keep(name)) for name in present]
-    with model.hooks(**{"bwd_hooks" if grad else "fwd_hooks": hooks}):
-        yield store
 
 
 def rotary_function(
@@ -374,28 +257,6 @@ def fill_rotated(model: HookedModel, acts: dict[str, Tensor], layers: Iterable[i
                 acts[rotated.format(layer)] = rotate(acts[plain.format(layer)])
 
 
-def gradient_leaf_hook(store: dict[str, Tensor]) -> Callable[[Tensor, Any], Tensor]:
-    """Forward hook that turns an activation into a fresh leaf that requires grad.
-
-    This is how a frozen model (requires_grad False everywhere) still gets a graph, and why no
-    parameter gradient is ever computed: the backward pass stops at this leaf.
-
-    >>> store = {}
-    >>> with model.hooks(fwd_hooks=[(RESID_PRE.format(1), gradient_leaf_hook(store))]):
-    ...     logits = model(model.to_tokens("Q: hot"))
-    >>> (grad,) = torch.autograd.grad(logits[0, -1, 5], store["leaf"])
-    >>> grad.shape  # dL/d resid_pre of layer 1: [batch pos d_model]
-    torch.Size([1, 7, 32])
-    """
-
-    def hook(activation: Tensor, hook: Any) -> Tensor:
-        leaf = activation.detach().requires_grad_(True)
-        store["leaf"] = leaf
-        return leaf
-
-    return hook
-
-
 def _device(model: HookedModel) -> torch.device:
     return next(model.parameters()).device
 
@@ -444,6 +305,27 @@ class Batch:
         lengths = self.lengths[rows]
         width = int(lengths.max()) if trim else self.tokens.shape[1]
         return Batch(self.tokens[rows, :width], lengths)
+
+    def row_positions(self, rows_at: Tensor | None) -> Int[Tensor, " batch"]:
+        """Each prompt's row position for keep="rows" (default: its last real token), checked
+        against its real length."""
+        if rows_at is None:
+            return self.lengths - 1
+        given = torch.as_tensor(rows_at)
+        if given.dtype == torch.bool or given.is_floating_point() or given.is_complex():
+            raise TypeError(
+                f"rows_at must hold integer positions, got {given.dtype} {given.tolist()}: pass e.g. "
+                "torch.tensor([5, 7]) (nothing is rounded silently)"
+            )
+        positions = given.to(torch.long).reshape(-1).to(self.lengths.device)
+        if positions.shape[0] != self.lengths.shape[0] or bool(
+            ((positions < 0) | (positions >= self.lengths)).any()
+        ):
+            raise ValueError(
+                f"rows_at {positions.tolist()} must give one position per prompt inside its real "
+                f"length {self.lengths.tolist()}"
+            )
+        return positions
 
 
 def to_batch(

@@ -9,7 +9,6 @@ the gradient at `hook_z` and the values at `hook_v` instead: R = G V^T.
 from __future__ import annotations
 
 import contextlib
-import inspect
 from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from typing import Any, Literal
@@ -31,6 +30,7 @@ from ra_lens.math import (
     softcap_slope,
     upcast,
 )
+from ra_lens.metrics import call_metric
 from ra_lens.result import ReversedAttention, stack_layers
 from ra_lens.types import MetricFn
 
@@ -192,24 +192,6 @@ def metric_loss(metric: MetricFn, logits: Tensor, batch: Batch) -> tuple[Tensor,
     return values, _to_loss(values, batch)
 
 
-def call_metric(metric: MetricFn, logits: Tensor, batch: Batch) -> Tensor:
-    """The metric's value on `logits`: with `lengths=batch.lengths` where the metric accepts
-    them (every `ra_lens.metrics` does); a metric without them is refused on a padded batch,
-    where it cannot know where each prompt ends. Shared by RA and circuits."""
-    try:
-        accepts_lengths = "lengths" in inspect.signature(metric).parameters
-    except (TypeError, ValueError):
-        accepts_lengths = False
-    if accepts_lengths:
-        return metric(logits, lengths=batch.lengths)
-    if batch.padded:
-        raise ValueError(
-            "prompts of different lengths were right-padded, and the metric cannot know where each "
-            "one ends: use a metric from ra_lens.metrics or give the metric a `lengths` parameter"
-        )
-    return metric(logits)
-
-
 def _to_loss(values: Any, batch: Batch) -> Tensor:
     if not isinstance(values, Tensor):
         raise TypeError(f"the metric returned {type(values).__name__}: it must return a tensor")
@@ -253,7 +235,7 @@ class _Collector:
         self.capped_scores: dict[int, Tensor] = {}
         self.convention, self.keep = convention, keep
         # keep="rows": the query position of each prompt's row (its loss position).
-        self.row_positions = _row_positions(rows_at, batch) if keep == "rows" else None
+        self.row_positions = batch.row_positions(rows_at) if keep == "rows" else None
         self.rows: dict[int, Tensor] = {}
         self.patterns: dict[int, Tensor] = {}
         self.values: dict[int, Tensor] = {}
@@ -386,24 +368,3 @@ class _Collector:
             row_positions=None if self.row_positions is None else self.row_positions.cpu(),
             str_tokens=str_tokens,
         )
-
-
-def _row_positions(rows_at: Tensor | None, batch: Batch) -> Tensor:
-    """Each prompt's row position for keep="rows", checked against its real length."""
-    if rows_at is None:
-        return batch.lengths - 1
-    given = torch.as_tensor(rows_at)
-    if given.dtype == torch.bool or given.is_floating_point() or given.is_complex():
-        raise TypeError(
-            f"rows_at must hold integer positions, got {given.dtype} {given.tolist()}: pass e.g. "
-            "torch.tensor([5, 7]) (nothing is rounded silently)"
-        )
-    positions = given.to(torch.long).reshape(-1).to(batch.lengths.device)
-    if positions.shape[0] != batch.lengths.shape[0] or bool(
-        ((positions < 0) | (positions >= batch.lengths)).any()
-    ):
-        raise ValueError(
-            f"rows_at {positions.tolist()} must give one position per prompt inside its real "
-            f"length {batch.lengths.tolist()}"
-        )
-    return positions

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
+from ra_lens import state
 from ra_lens.contract import PATTERN, RESID_PRE, HookedModel, check_model
 
 #: What the probe found, per model: for each layer, whether hook_pattern is in the autograd graph
@@ -251,17 +252,15 @@ class _PatternThrough(TorchFunctionMode):
 
 def _probe(model: HookedModel) -> list[bool]:
     """One tiny forward+backward: which layers' hook_pattern receive a gradient."""
-    from ra_lens import capture
-
-    capture.require_autograd()
+    state.require_autograd()
     names = [PATTERN.format(layer) for layer in range(check_model(model).n_layers)]
     store: dict[str, Tensor] = {}
     device = next(model.parameters()).device
     tokens = torch.zeros(1, 3, dtype=torch.long, device=device)
-    with capture.exclusive(model), capture._restored(model), torch.enable_grad():
+    with state.exclusive(model), state.restored(model), torch.enable_grad():
         with (
-            model.hooks(fwd_hooks=[(RESID_PRE.format(0), capture.gradient_leaf_hook(store))]),
-            capture.recorded(model, names, grad=True) as grads,
+            model.hooks(fwd_hooks=[(RESID_PRE.format(0), state.gradient_leaf_hook(store))]),
+            state.recorded(model, names, grad=True) as grads,
         ):
             logits = model(tokens)
             torch.autograd.grad(logits.float().sum(), [store["leaf"]], allow_unused=True)

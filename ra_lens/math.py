@@ -9,14 +9,17 @@ R = dL/dA the gradient at `hook_pattern`, and
 Under an attention soft-cap c (Gemma-2: S = c tanh(Z / (s c)) + M), dS/dZ = (1 - (S/c)^2) / s, so
 dL/dZ = dL/dS (1 - (S/c)^2) / s (`softcap_slope`).
 
-Every function works on any leading batch axes, with the last two axes (query, key).
+Every function works on any leading batch axes, with the last two axes (query, key). Also the one
+area under a curve (`trapezoid_auc`), for ablation and faithfulness curves and their plots.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Literal
 
 import einops
+import numpy as np
 import torch
 from jaxtyping import Float
 from torch import Tensor
@@ -180,3 +183,22 @@ def rotate_half(
     part, rest = x[..., :r], x[..., r:]
     half = torch.cat([-part[..., r // 2 :], part[..., : r // 2]], dim=-1)
     return torch.cat([part * cos + half * sin, rest], dim=-1)
+
+
+def trapezoid_auc(
+    x: Tensor | np.ndarray | Sequence[float], y: Tensor | np.ndarray | Sequence[float]
+) -> float:
+    """Area under y(x) by the trapezoid rule, after sorting by x (stably), in float64.
+
+    >>> trapezoid_auc([0, 0.5, 1], [0, 1, 1])
+    0.75
+    >>> trapezoid_auc([1, 0], [1, 1])  # sorted first
+    1.0
+    """
+    xs = torch.as_tensor(x, dtype=torch.float64).detach().cpu().reshape(-1)
+    ys = torch.as_tensor(y, dtype=torch.float64).detach().cpu().reshape(-1)
+    if xs.shape != ys.shape:
+        raise ValueError(f"{xs.numel()} x values for {ys.numel()} y values")
+    order = torch.argsort(xs, stable=True)
+    xs, ys = xs[order], ys[order]
+    return float(((xs[1:] - xs[:-1]) * (ys[1:] + ys[:-1]) / 2).sum())

@@ -12,6 +12,7 @@ counted from the end (-1, the default) means each prompt's own last token.
 from __future__ import annotations
 
 import copy
+import inspect
 from collections.abc import Sequence
 
 import torch
@@ -21,6 +22,7 @@ from torch import Tensor
 from ra_lens._typing import Validated
 from ra_lens.capture import Batch, HookedModel, to_batch
 from ra_lens.math import upcast
+from ra_lens.types import MetricFn
 
 #: Target token ids: one for every prompt, or one per prompt (ints, 0-d tensors or a tensor).
 TokenIds = int | Tensor | Sequence[int | Tensor]
@@ -305,3 +307,28 @@ def completion(
     full = to_batch(model, [p + c for p, c in zip(prompts, completions)])
     prompt_lengths = to_batch(model, prompts).lengths
     return full, CompletionNLL(full.tokens, prompt_lengths)
+
+
+def metric_lengths(metric: MetricFn, batch: Batch) -> Tensor | None:
+    """`batch.lengths` where the metric accepts a `lengths` argument (every metric here does),
+    else None; a metric without one is refused on a padded batch, where it cannot know where each
+    prompt ends. The one rule, for the TransformerLens and nnsight routes alike."""
+    try:
+        accepts = "lengths" in inspect.signature(metric).parameters
+    except (TypeError, ValueError):
+        accepts = False
+    if accepts:
+        return batch.lengths
+    if batch.padded:
+        raise ValueError(
+            "prompts of different lengths were right-padded, and the metric cannot know where each "
+            "one ends: use a metric from ra_lens.metrics or give the metric a `lengths` parameter"
+        )
+    return None
+
+
+def call_metric(metric: MetricFn, logits: Tensor, batch: Batch) -> Tensor:
+    """The metric's value on `logits`, with `lengths=` where it accepts them (`metric_lengths`).
+    How RA, the pair layer and circuits call every metric."""
+    lengths = metric_lengths(metric, batch)
+    return metric(logits) if lengths is None else metric(logits, lengths=lengths)

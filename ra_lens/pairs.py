@@ -7,7 +7,7 @@ circuits and the experiments.
 - `Batch.rows` (in `ra_lens.capture`): the prompts of one slice, at full width or trimmed;
 - `metric_rows`: the metric of one slice of prompts (`Metric[rows]` of `ra_lens.metrics`, or a
   clear refusal for a plain callable that cannot be split);
-- `metric_values`: one checked, finite metric value per prompt (through `core.call_metric`).
+- `metric_values`: one checked, finite metric value per prompt (through `metrics.call_metric`).
 
 In the examples, `model` is a tiny random 2-layer x 4-head model (`ra_lens.toy_models.tiny_model`).
 """
@@ -20,8 +20,7 @@ from torch import Tensor
 
 from ra_lens import capture
 from ra_lens.capture import Batch, HookedModel
-from ra_lens.core import call_metric
-from ra_lens.metrics import Metric
+from ra_lens.metrics import Metric, call_metric
 from ra_lens.types import MetricFn, Tokens
 
 

@@ -43,8 +43,8 @@ from ra_lens._typing import Validated
 from ra_lens.circuits.circuit import UNITS, Circuit, EdgeScores, Units
 from ra_lens.circuits.faithfulness import BASELINE
 from ra_lens.circuits.graph import Graph
+from ra_lens.math import trapezoid_auc
 from ra_lens.progress import tqdm
-from ra_lens.ranking import trapezoid_auc
 from ra_lens.types import HookedModel, MetricFn, Tokens
 
 if TYPE_CHECKING:

@@ -53,8 +53,8 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-import ra_lens
 from ra_lens import capture
+from ra_lens._version import __version__
 from ra_lens.circuits.circuit import Circuit, EdgeScores, Units
 from ra_lens.circuits.curve import MIB_FRACTIONS, FaithfulnessCurve, mib_circuits
 from ra_lens.circuits.graph import Graph
@@ -369,7 +369,7 @@ def _page(
     text = _template("page.html")
     parts = {
         "TITLE": html.escape(title),
-        "VERSION": ra_lens.__version__,
+        "VERSION": __version__,
         "CSS": _template("page.css"),
         # "<" escaped inside the JSON (still the same JSON) so no text can close the script tag
         "DATA": json.dumps(data, separators=(",", ":"), allow_nan=False).replace("<", "\\u003c"),

@@ -21,7 +21,6 @@ from ra_lens.cli._parser import MODEL_HELP as MODEL_HELP
 from ra_lens.cli._parser import build_parser as build_parser
 from ra_lens.cli._shared import _check_outputs
 from ra_lens.cli._shared import _emit_json as _emit_json
-from ra_lens.cli._shared import _load as _load  # commands load through here: tests replace it
 from ra_lens.cli.pairs import CIRCUIT_TASKS as CIRCUIT_TASKS
 from ra_lens.cli.pairs import PAIR_KEYS as PAIR_KEYS
 

@@ -30,11 +30,9 @@ def _load(name: str, backend: str = "auto") -> HookedModel:
 
 
 def _model(args: argparse.Namespace) -> HookedModel:
-    """The model of --model and --backend, loaded by `ra_lens.cli._load`, looked up there on every
+    """The model of --model and --backend, loaded by this module's `_load`, looked up on every
     call: tests hand a command a model they already have by replacing that attribute."""
-    from ra_lens import cli
-
-    return cli._load(args.model, args.backend)
+    return _load(args.model, args.backend)
 
 
 def _positive_int(text: str) -> int:

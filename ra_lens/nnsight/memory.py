@@ -91,17 +91,17 @@ def measure(tokens: int) -> dict[str, float]:
     import nnsight
     import torch
 
-    import ra_lens
     from ra_lens import models
+    from ra_lens.core import reversed_attention
     from ra_lens.metrics import target_nll
 
     hf, tok = models._load_hf(models.smollm2_hf_dir(), torch.float32)
     model = nnsight.TransformersModel(hf, tokenizer=tok)
     ids = torch.randint(100, 40000, (1, tokens), generator=torch.Generator().manual_seed(0))
-    ra_lens.reversed_attention(model, ids[:, :8], target_nll([5]), keep="norms")
+    reversed_attention(model, ids[:, :8], target_nll([5]), keep="norms")
     with open("/proc/self/statm") as handle:
         before = int(handle.read().split()[1]) * resource.getpagesize()
-    ra_lens.reversed_attention(model, ids, target_nll([5]), keep="norms")
+    reversed_attention(model, ids, target_nll([5]), keep="norms")
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     formula = peak_bytes(SMOLLM2_135M, tokens, 4)
     return {

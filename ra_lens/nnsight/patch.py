@@ -6,15 +6,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import torch
 from torch import Tensor
 
 from ra_lens.nnsight import adapter
-
-if TYPE_CHECKING:
-    from ra_lens.tasks.accuracy import Accuracy
 
 _PATTERN = re.compile(r"^blocks\.(\d+)\.attn\.hook_pattern$")
 
@@ -65,41 +62,3 @@ def _run(
             softmax.output = pattern
         logits: Tensor = model.output.logits.save()
     return logits
-
-
-def evaluate(
-    model: Any,
-    prompts: Sequence[Any],
-    *,
-    fwd_hooks: Sequence[tuple[str | Callable[[str], bool], Any]] = (),
-    batch_size: int = 16,
-    ks: Sequence[int] = (1, 2, 3),
-    by_length: bool | None = None,
-) -> Accuracy:
-    """`ra_lens.tasks.evaluate` on an nnsight model (which calls this): the same batching
-    (prompts of one token length per batch under end-aligned hooks), tokens and ranks."""
-    from ra_lens.nnsight.route import to_batch, to_tokens
-    from ra_lens.tasks.accuracy import Accuracy, answer_ranks
-
-    prompts = list(prompts)
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    if not prompts:
-        raise ValueError("no prompts to evaluate")
-    token_of = {
-        a: int(to_tokens(model, a, prepend_bos=False)[0]) for a in {p.answer for p in prompts}
-    }
-    answers = torch.tensor([token_of[p.answer] for p in prompts], dtype=torch.long)
-    if by_length is None:
-        by_length = any(getattr(fn, "aligned_to_end", False) for _, fn in fwd_hooks)
-    lengths = [len(to_tokens(model, p.text)) for p in prompts]
-    keys = sorted(set(lengths)) if by_length else [None]
-    groups = [[i for i, n in enumerate(lengths) if key in (None, n)] for key in keys]
-    ranks = torch.empty(len(prompts), dtype=torch.long)
-    for group in groups:
-        for start in range(0, len(group), batch_size):
-            idx = group[start : start + batch_size]
-            batch = to_batch(model, [prompts[i].text for i in idx])
-            logits = run_with_pattern_hooks(model, batch.tokens, fwd_hooks)
-            ranks[idx] = answer_ranks(logits, batch.lengths, answers[idx]).cpu()
-    return Accuracy.from_ranks(ranks, ks)

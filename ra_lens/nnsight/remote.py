@@ -71,8 +71,9 @@ def shipped_by_value() -> Iterator[None]:
     import cloudpickle
     import cloudpickle.cloudpickle as registry
 
-    import ra_lens
-
+    # The package this module belongs to, already imported (an import here would run the
+    # package's __init__ from inside one of its modules: a circle in the import graph).
+    ra_lens = sys.modules[__name__.partition(".")[0]]
     before = "ra_lens" in registry._PICKLE_BY_VALUE_MODULES
     cloudpickle.register_pickle_by_value(ra_lens)
     swapped = _unwrap_type_checks()

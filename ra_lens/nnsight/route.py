@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import inspect
 from collections.abc import Sequence
 from typing import Any
 
@@ -11,8 +10,8 @@ import torch
 from torch import Tensor
 
 from ra_lens.capture import Batch
-from ra_lens.core import _row_positions
 from ra_lens.math import CONVENTIONS
+from ra_lens.metrics import metric_lengths
 from ra_lens.nnsight import adapter
 from ra_lens.nnsight._trace import ra_in_trace
 from ra_lens.result import ReversedAttention
@@ -80,8 +79,8 @@ def reversed_attention(
     scales, caps = [f[0] for f in facts], [f[1] for f in facts]
     needs_scores = convention == "qk" and any(c is not None for c in caps)
     score_path = adapter.softmax_path(model) if needs_scores else None
-    lengths = _metric_lengths(metric, batch)
-    positions = _row_positions(rows_at, batch) if keep == "rows" else None
+    lengths = metric_lengths(metric, batch)
+    positions = batch.row_positions(rows_at) if keep == "rows" else None
     # NDIF's model is not here (the local one holds no weights): the inputs travel from the CPU.
     device = torch.device("cpu") if remote is True else adapter._device(model)
     shipping = contextlib.nullcontext() if remote is False else remote_run.shipped_by_value()
@@ -191,22 +190,6 @@ def _tokenizer(model: Any) -> Any:
             "nnsight.TransformersModel(hf_model, tokenizer=tokenizer)"
         )
     return tokenizer
-
-
-def _metric_lengths(metric: Any, batch: Batch) -> Tensor | None:
-    """batch.lengths where the metric accepts them (as `core.call_metric` decides)."""
-    try:
-        accepts = "lengths" in inspect.signature(metric).parameters
-    except (TypeError, ValueError):
-        accepts = False
-    if accepts:
-        return batch.lengths
-    if batch.padded:
-        raise ValueError(
-            "prompts of different lengths were right-padded, and the metric cannot know where each "
-            "one ends: use a metric from ra_lens.metrics or give the metric a `lengths` parameter"
-        )
-    return None
 
 
 def _str_tokens(model: Any, batch: Batch) -> list[list[str]] | None:

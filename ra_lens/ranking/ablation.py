@@ -20,9 +20,10 @@ from torch import Tensor
 from ra_lens import capture
 from ra_lens._typing import Validated
 from ra_lens.capture import HookedModel
+from ra_lens.math import trapezoid_auc
 from ra_lens.patching import HeadMeans, ablation_hooks, head_ablation_hooks
 from ra_lens.ranking.engine import check_scores, head_order
-from ra_lens.ranking.statistics import Interval, bootstrap_mean, trapezoid_auc
+from ra_lens.ranking.statistics import Interval, bootstrap_mean
 from ra_lens.types import Scores
 
 if TYPE_CHECKING:

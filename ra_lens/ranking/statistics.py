@@ -7,10 +7,8 @@ Every function here is pure (tensors in, numbers out), seeded where it resamples
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor
@@ -241,22 +239,3 @@ def spearman_interval(
         stats[i] = _spearman_flat(sa.flatten(), sb.flatten())
     n = max(a.shape[0] if a.ndim == 3 else 0, b.shape[0] if b.ndim == 3 else 0)
     return percentile_interval(estimate, stats, level, n, n_boot, seed)
-
-
-def trapezoid_auc(
-    x: Tensor | np.ndarray | Sequence[float], y: Tensor | np.ndarray | Sequence[float]
-) -> float:
-    """Area under y(x) by the trapezoid rule, after sorting by x (stably), in float64.
-
-    >>> trapezoid_auc([0, 0.5, 1], [0, 1, 1])
-    0.75
-    >>> trapezoid_auc([1, 0], [1, 1])  # sorted first
-    1.0
-    """
-    xs = torch.as_tensor(x, dtype=torch.float64).detach().cpu().reshape(-1)
-    ys = torch.as_tensor(y, dtype=torch.float64).detach().cpu().reshape(-1)
-    if xs.shape != ys.shape:
-        raise ValueError(f"{xs.numel()} x values for {ys.numel()} y values")
-    order = torch.argsort(xs, stable=True)
-    xs, ys = xs[order], ys[order]
-    return float(((xs[1:] - xs[:-1]) * (ys[1:] + ys[:-1]) / 2).sum())

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,7 +14,7 @@ from torch import Tensor
 from ra_lens._typing import Validated
 from ra_lens.capture import HookedModel, eval_mode, to_batch
 from ra_lens.progress import tqdm
-from ra_lens.tasks.prompts import Prompt, answer_token, prompt_lengths
+from ra_lens.tasks.prompts import Prompt
 
 FwdHook = tuple[str | Callable[[str], bool], Callable[..., Any]]
 
@@ -124,34 +125,66 @@ def evaluate(
         >>> acc.n, acc.ranks.shape, torch.equal(acc.ranks, evaluate(model, prompts, batch_size=1).ranks)
         (4, torch.Size([4]), True)
     """
-    from ra_lens.nnsight.adapter import is_nnsight_model
-
-    if is_nnsight_model(model):  # the same accuracy, the hooks applied inside an nnsight trace
-        from ra_lens.nnsight.patch import evaluate as through_nnsight
-
-        return through_nnsight(
-            model, prompts, fwd_hooks=fwd_hooks, batch_size=batch_size, ks=ks, by_length=by_length
-        )
     prompts = list(prompts)
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if not prompts:
         raise ValueError("no prompts to evaluate")
-    token_of = {a: answer_token(model, a) for a in dict.fromkeys(p.answer for p in prompts)}
+    ids, logits_of, scope = _route(model, fwd_hooks)
+    token_of = {a: int(ids(a, False)[0]) for a in dict.fromkeys(p.answer for p in prompts)}
     answers = [token_of[p.answer] for p in prompts]
     if by_length is None:
         by_length = any(getattr(fn, "aligned_to_end", False) for _, fn in fwd_hooks)
     if by_length:
-        lengths = prompt_lengths(model, prompts)
+        lengths = [len(ids(p.text, True)) for p in prompts]
         groups = [[i for i, n in enumerate(lengths) if n == m] for m in sorted(set(lengths))]
     else:
         groups = [list(range(len(prompts)))]
     batches = [g[i : i + batch_size] for g in groups for i in range(0, len(g), batch_size)]
     ranks = torch.empty(len(prompts), dtype=torch.long)
-    with eval_mode(model), torch.no_grad(), model.hooks(fwd_hooks=list(fwd_hooks)):
+    with scope:
         for idx in tqdm(batches, desc="evaluate", disable=len(batches) < 4, leave=False):
-            batch = to_batch(model, [prompts[i].text for i in idx])
-            logits = model(batch.tokens)
+            logits, real_lengths = logits_of([prompts[i].text for i in idx])
             target = torch.tensor([answers[i] for i in idx], dtype=torch.long)
-            ranks[idx] = answer_ranks(logits, batch.lengths, target).cpu()
+            ranks[idx] = answer_ranks(logits, real_lengths, target).cpu()
     return Accuracy.from_ranks(ranks, ks)
+
+
+def _route(
+    model: Any, fwd_hooks: Sequence[FwdHook]
+) -> tuple[
+    Callable[[str, bool], Tensor],
+    Callable[[list[str]], tuple[Tensor, Tensor]],
+    contextlib.AbstractContextManager[Any],
+]:
+    """How `evaluate` reads a model: (a text's ids Int[Tensor, "pos"], with or without BOS;
+    texts -> (logits Float[Tensor, "batch pos vocab"], real lengths Int[Tensor, "batch"]) with the
+    hooks applied; the scope the batches run in). TransformerLens and nnsight (where the hooks
+    run inside its trace) tokenise alike: BOS first, right padding."""
+    from ra_lens.nnsight.adapter import is_nnsight_model
+
+    if is_nnsight_model(model):
+        from ra_lens.nnsight.patch import run_with_pattern_hooks
+        from ra_lens.nnsight.route import to_batch as nnsight_batch
+        from ra_lens.nnsight.route import to_tokens
+
+        def nnsight_logits(texts: list[str]) -> tuple[Tensor, Tensor]:
+            batch = nnsight_batch(model, texts)
+            return run_with_pattern_hooks(model, batch.tokens, fwd_hooks), batch.lengths
+
+        return (
+            lambda text, bos: to_tokens(model, text, prepend_bos=bos),
+            nnsight_logits,
+            contextlib.nullcontext(),
+        )
+
+    def logits(texts: list[str]) -> tuple[Tensor, Tensor]:
+        batch = to_batch(model, texts)
+        return model(batch.tokens), batch.lengths
+
+    @contextlib.contextmanager
+    def scope() -> Iterator[None]:  # entered only by `evaluate`'s `with`
+        with eval_mode(model), torch.no_grad(), model.hooks(fwd_hooks=list(fwd_hooks)):
+            yield
+
+    return lambda text, bos: model.to_tokens(text, prepend_bos=bos)[0], logits, scope()

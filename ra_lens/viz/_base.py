@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from matplotlib.axes import Axes
@@ -21,8 +21,11 @@ from matplotlib.figure import Figure, SubFigure
 from matplotlib.ticker import ScalarFormatter
 from torch import Tensor
 
-from ra_lens.attribution import AttentionAttribution
-from ra_lens.result import ReversedAttention
+# Results import their views; views name results for type hints only.
+if TYPE_CHECKING:
+    from ra_lens.attribution import AttentionAttribution
+    from ra_lens.result import ReversedAttention
+
 
 __all__ = ["save_figure", "visible_token"]
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import numpy as np
 from matplotlib.figure import Figure
 
-from ra_lens.attribution import AttentionAttribution
 from ra_lens.viz._base import (
     _NEGATIVE,
     _POSITIVE,
@@ -29,6 +29,11 @@ from ra_lens.viz._base import (
     _token_fontsize,
     save_figure,
 )
+
+# Results import their views; views name results for type hints only.
+if TYPE_CHECKING:
+    from ra_lens.attribution import AttentionAttribution
+
 
 __all__ = ["attribution_heatmaps", "estimate_scatter", "top_edges_on_tokens"]
 

@@ -13,7 +13,7 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter
 
-from ra_lens.ranking import trapezoid_auc
+from ra_lens.math import trapezoid_auc
 from ra_lens.viz._base import ArrayLike, PathLike, _legend, _new_figure, _numpy, save_figure
 
 if TYPE_CHECKING:

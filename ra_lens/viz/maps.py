@@ -8,7 +8,7 @@ Every function builds a fresh `matplotlib.figure.Figure` (never through pyplot) 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from jaxtyping import Float
@@ -16,7 +16,6 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure, SubFigure
 from torch import Tensor
 
-from ra_lens.result import ReversedAttention
 from ra_lens.viz._base import (
     _SHORT_NAMES,
     PATTERN_CMAP,
@@ -38,6 +37,11 @@ from ra_lens.viz._base import (
     _token_fontsize,
     save_figure,
 )
+
+# Results import their views; views name results for type hints only.
+if TYPE_CHECKING:
+    from ra_lens.result import ReversedAttention
+
 
 __all__ = ["head_norm_heatmaps", "head_pair", "ranking_maps", "top_heads_grid"]
 

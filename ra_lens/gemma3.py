@@ -184,7 +184,7 @@ def fix_norms(hf_model: Any, gguf: Path) -> str:
         with torch.no_grad():
             for name, param in params.items():
                 param.copy_(stored[name] - 1.0)
-        embedded._say(f"{gguf.name}: the GGUF loader kept Gemma's 1 + w in the norms; fixed")
+        embedded.say(f"{gguf.name}: the GGUF loader kept Gemma's 1 + w in the norms; fixed")
         return "shifted here"
     worst = max(params, key=lambda n: float((params[n].detach() + 1 - stored[n]).abs().max()))
     raise RuntimeError(

@@ -139,7 +139,7 @@ def _check_device(device: Any) -> str:
     return str(device)
 
 
-def _tl_version() -> str:
+def tl_version() -> str:
     try:
         return importlib.metadata.version("transformer-lens")
     except importlib.metadata.PackageNotFoundError:
@@ -152,7 +152,7 @@ def bridge_available() -> bool:
     The one place that asks; tests, examples and the tiny models decide between the bridge and
     HookedTransformer (TransformerLens 2) with it.
 
-    >>> bridge_available() == (int(_tl_version().split(".")[0]) >= 3)
+    >>> bridge_available() == (int(tl_version().split(".")[0]) >= 3)
     True
     """
     try:
@@ -162,7 +162,7 @@ def bridge_available() -> bool:
     return True
 
 
-def _has_hooked() -> bool:
+def hooked_available() -> bool:
     try:
         from transformer_lens import HookedTransformer  # noqa: F401
     except ImportError:  # TransformerLens 4 removed it (its __getattr__ raises ImportError)
@@ -174,10 +174,10 @@ def _resolve_backend(backend: str) -> str:
     """ "bridge" or "hooked": the requested backend, checked against the installed TransformerLens."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}: use one of {list(BACKENDS)}")
-    version = _tl_version()
+    version = tl_version()
     if backend in ("auto", "bridge") and bridge_available():
         return "bridge"
-    if backend in ("auto", "hooked") and _has_hooked():
+    if backend in ("auto", "hooked") and hooked_available():
         return "hooked"
     if backend == "bridge":
         raise BackendUnavailableError(
@@ -232,7 +232,7 @@ def hub_offline() -> Iterator[None]:
             os.environ["HF_HUB_OFFLINE"] = old_env
 
 
-def _load_hf(folder: Path, dtype: torch.dtype) -> tuple[Any, Any]:
+def load_hf(folder: Path, dtype: torch.dtype) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(
@@ -309,7 +309,7 @@ def _hooked_from_hf(
     local_base = getattr(hf_config, "rope_local_base_freq", None)
     if cfg.rotary_base_local is not None and cfg.rotary_base_local != local_base:
         raise RuntimeError(
-            f"TransformerLens {_tl_version()} gives {entry.title}'s sliding layers the rotary base "
+            f"TransformerLens {tl_version()} gives {entry.title}'s sliding layers the rotary base "
             f"{cfg.rotary_base_local}, its config {local_base}: use transformer-lens==2.18.0"
         )
     cfg.model_name = entry.hub_name.split("/")[-1]
@@ -354,7 +354,7 @@ def _load_embedded(
 ) -> HookedModel:
     """An embedded model (SmolLM2 or Gemma-3-270M) from its verified cache, on either backend."""
     folder = smollm2_hf_dir() if entry is SMOLLM2 else gemma3_hf_dir()
-    hf_model, tokenizer = _load_hf(folder, dtype)
+    hf_model, tokenizer = load_hf(folder, dtype)
     if entry is GEMMA3_270M:
         check_tokenizer(tokenizer)  # a copy converted by transformers 4.x would split words
     if backend == "hooked":
@@ -443,7 +443,7 @@ def _check_name(name: str, backend: str) -> None:
             return
         raise ValueError(
             f"unknown model name {name!r}: ra-lens short names are {sorted(SHORT_NAMES)}; "
-            f"HookedTransformer.from_pretrained (TransformerLens {_tl_version()}) loads only "
+            f"HookedTransformer.from_pretrained (TransformerLens {tl_version()}) loads only "
             f"TransformerLens's official models such as 'gpt2' (other hub models need "
             f"backend='bridge', TransformerLens >= 3). {_embedded_hint(name)}"
         )

@@ -362,14 +362,14 @@ class ReversedAttention:
         fields = {"layers", "convention", "scales", "routes", "str_tokens"}
         if not isinstance(meta, dict) or set(meta) != fields:
             keys = sorted(meta) if isinstance(meta, dict) else type(meta).__name__
-            raise _damaged(path, f"its metadata has keys {keys}, expected {sorted(fields)}")
+            raise damaged(path, f"its metadata has keys {keys}, expected {sorted(fields)}")
         unknown = sorted(set(tensors) - set(_TENSORS))
         if unknown or "norms" not in tensors:
-            raise _damaged(path, f"unexpected tensors {unknown} or no 'norms'")
+            raise damaged(path, f"unexpected tensors {unknown} or no 'norms'")
         try:
             _check_parts(meta, tensors)
         except (TypeError, ValueError) as error:
-            raise _damaged(path, str(error)) from None
+            raise damaged(path, str(error)) from None
         # the tensors are the tensor fields by name (checked above)
         return cls(**meta, **cast("dict[str, Any]", tensors))
 
@@ -457,10 +457,10 @@ def read_safetensors(path: str | Path, header: str, writer: str) -> tuple[Any, d
     except FileNotFoundError:
         raise
     except (SafetensorError, OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise _damaged(path, f"{type(error).__name__}: {error}") from None
+        raise damaged(path, f"{type(error).__name__}: {error}") from None
 
 
-def _damaged(path: str | Path, reason: str) -> ValueError:
+def damaged(path: str | Path, reason: str) -> ValueError:
     return ValueError(
         f"{path} is not a readable ra-lens result file ({reason}): it is damaged, truncated or "
         "was edited; compute the result again and save it"

@@ -18,9 +18,6 @@ from ra_lens import embedded
 from ra_lens._typing import StrPath
 from ra_lens.embedded import cache_dir
 
-# Names of the machinery from before it moved to `ra_lens.embedded`, kept for callers (tests).
-from ra_lens.embedded import _CACHE_FORMAT, _cache_problem, _sha256  # noqa: F401  isort: skip
-
 __all__ = [
     "PACKAGE_SPEC",
     "PIP_INSTALL_COMMAND",
@@ -103,13 +100,13 @@ def _find_gguf(cache: Path, workdir: Path) -> Path:
     return embedded.find_gguf(SMOLLM2, cache, workdir)
 
 
-def _cached_wheel(cache: Path) -> Path | None:
-    return embedded._cached_wheel(_WHEEL, cache)
+def cached_wheel(cache: Path) -> Path | None:
+    return embedded.cached_wheel(_WHEEL, cache)
 
 
 def _download_wheel(cache: Path) -> Path:
-    return embedded._download_wheels(SMOLLM2, cache, [_WHEEL])[0]
+    return embedded.download_wheels(SMOLLM2, cache, [_WHEEL])[0]
 
 
-def _write_manifest(folder: Path, source: str, hashed: str = "at conversion") -> None:
-    embedded._write_manifest(SMOLLM2, folder, source, hashed)
+def write_manifest(folder: Path, source: str, hashed: str = "at conversion") -> None:
+    embedded.write_manifest(SMOLLM2, folder, source, hashed)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Literal, cast
 import torch
 
 from ra_lens._typing import Validated
-from ra_lens.models import BackendUnavailableError, _has_hooked, _tl_version, bridge_available
+from ra_lens.models import BackendUnavailableError, bridge_available, hooked_available, tl_version
 from ra_lens.types import HookedModel
 
 if TYPE_CHECKING:
@@ -239,9 +239,9 @@ def hooked_matrix_model(
     Raises:
         BackendUnavailableError: TransformerLens has no HookedTransformer (TL >= 4).
     """
-    if not _has_hooked():
+    if not hooked_available():
         raise BackendUnavailableError(
-            f"hooked_matrix_model needs TransformerLens 2.x/3.x (installed: {_tl_version()})"
+            f"hooked_matrix_model needs TransformerLens 2.x/3.x (installed: {tl_version()})"
         )
     import transformer_lens.loading_from_pretrained as loading
     from transformer_lens import HookedTransformer
@@ -384,7 +384,7 @@ def available_architectures() -> list[str]:
     (True, True)
     """
     bridge = bridge_available()
-    return [a for a in ARCHITECTURES if (bridge if a != "hooked" else _has_hooked())]
+    return [a for a in ARCHITECTURES if (bridge if a != "hooked" else hooked_available())]
 
 
 def _check_arch(arch: object) -> None:
@@ -400,6 +400,6 @@ def _check_arch(arch: object) -> None:
         else "a TransformerBridge, which needs TransformerLens >= 3"
     )
     raise BackendUnavailableError(
-        f"tiny model {arch!r} is {kind} (installed: {_tl_version()}); here use one of "
+        f"tiny model {arch!r} is {kind} (installed: {tl_version()}); here use one of "
         f"{available_architectures()}"
     )

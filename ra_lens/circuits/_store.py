@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 from torch import Tensor
 
 from ra_lens.circuits.graph import Graph
-from ra_lens.result import _damaged, read_safetensors, write_safetensors
+from ra_lens.result import damaged, read_safetensors, write_safetensors
 
 T = TypeVar("T")
 
@@ -54,7 +54,7 @@ def load(cls: type[T], path: str | Path) -> T:
     meta, tensors = read_safetensors(path, HEADER, writer)
     if not isinstance(meta, dict) or meta.get("class") != cls.__name__:
         found = meta.get("class") if isinstance(meta, dict) else type(meta).__name__
-        raise _damaged(path, f"it holds a {found}, not a {cls.__name__} ({writer} writes those)")
+        raise damaged(path, f"it holds a {found}, not a {cls.__name__} ({writer} writes those)")
     known = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     kwargs: dict[str, Any] = {}
     try:
@@ -74,7 +74,7 @@ def load(cls: type[T], path: str | Path) -> T:
         _check_sizes(graph, kwargs)
         return cls(**kwargs)
     except (KeyError, TypeError, ValueError, AttributeError) as error:
-        raise _damaged(path, f"{type(error).__name__}: {error}") from None
+        raise damaged(path, f"{type(error).__name__}: {error}") from None
 
 
 def _check_sizes(graph: Graph, kwargs: dict[str, Any]) -> None:

@@ -95,7 +95,7 @@ def measure(tokens: int) -> dict[str, float]:
     from ra_lens.core import reversed_attention
     from ra_lens.metrics import target_nll
 
-    hf, tok = models._load_hf(models.smollm2_hf_dir(), torch.float32)
+    hf, tok = models.load_hf(models.smollm2_hf_dir(), torch.float32)
     model = nnsight.TransformersModel(hf, tokenizer=tok)
     ids = torch.randint(100, 40000, (1, tokens), generator=torch.Generator().manual_seed(0))
     reversed_attention(model, ids[:, :8], target_nll([5]), keep="norms")

@@ -314,7 +314,7 @@ DAMAGES = {
 }
 
 
-def _damaged(study: dict, damage: str):
+def damaged(study: dict, damage: str):
     """The saved study with one kind of damage, as a JSON value."""
     if damage == "list":
         return [study]
@@ -339,7 +339,7 @@ def _damaged(study: dict, damage: str):
 def test_merging_damaged_files_is_one_line(saved, tmp_path, capsys, damage):
     study, _ = saved
     path = tmp_path / "part.json"
-    path.write_text(json.dumps(_damaged(study, damage)))
+    path.write_text(json.dumps(damaged(study, damage)))
     assert main(["--merge", str(path), "--json", str(tmp_path / "m.json")]) == 2
     message = DAMAGES[damage].format(path=path)
     assert capsys.readouterr().err == f"circuit_study: error: {message}\n"

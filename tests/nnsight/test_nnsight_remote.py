@@ -78,7 +78,7 @@ def test_remote_local_equals_the_local_run_on_smollm2(keep: str) -> None:
     from ra_lens import models
     from ra_lens.metrics import logit_diff
 
-    hf, tok = models._load_hf(models.smollm2_hf_dir(), torch.float32)
+    hf, tok = models.load_hf(models.smollm2_hf_dir(), torch.float32)
     model = nnsight.TransformersModel(hf, tokenizer=tok)
     prompts = ["The capital of France is", "Paris is in"]
     paris, rome = (

@@ -148,7 +148,7 @@ def test_ra_ranking_equals_the_bridge() -> None:
 def test_smollm2_through_nnsight_equals_huggingface_and_the_bridge(smollm2: Any) -> None:
     from ra_lens import models
 
-    hf, tok = models._load_hf(models.smollm2_hf_dir(), torch.float32)
+    hf, tok = models.load_hf(models.smollm2_hf_dir(), torch.float32)
     model = nnsight.TransformersModel(hf, tokenizer=tok)
     tokens = smollm2.to_tokens("The capital of France is")
     metric = target_nll([int(smollm2.to_tokens(" Paris", prepend_bos=False)[0, 0])])
@@ -167,7 +167,7 @@ def test_gemma3_through_nnsight_equals_huggingface_and_the_bridge(gemma3: Any) -
     """Sliding-window and global layers, q/k norms, grouped queries (one key/value head)."""
     from ra_lens import models
 
-    hf, tok = models._load_hf(models.gemma3_hf_dir(), torch.float32)
+    hf, tok = models.load_hf(models.gemma3_hf_dir(), torch.float32)
     model = nnsight.TransformersModel(hf, tokenizer=tok)
     tokens = gemma3.to_tokens("The capital of France is")
     metric = target_nll([int(gemma3.to_tokens(" Paris", prepend_bos=False)[0, 0])])

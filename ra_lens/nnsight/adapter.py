@@ -20,10 +20,11 @@ import contextlib
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
+from typing_extensions import TypeIs
 
 from ra_lens import contract
 
@@ -31,7 +32,16 @@ from ra_lens import contract
 FOUND: weakref.WeakKeyDictionary[nn.Module, Layout] = weakref.WeakKeyDictionary()
 
 
-def is_nnsight_model(model: object) -> bool:
+@runtime_checkable
+class NnsightModel(Protocol):
+    """What ra-lens needs of an nnsight model: an Envoy that traces (0.8's `TransformersModel`,
+    or `LanguageModel`) wrapping a HuggingFace causal LM, with its tokenizer where strings are
+    given. The nnsight counterpart of `contract.HookedModel`."""
+
+    def trace(self, *args: Any, **kwargs: Any) -> Any: ...
+
+
+def is_nnsight_model(model: object) -> TypeIs[NnsightModel]:
     """True for an nnsight model (an Envoy wrapping a module), without importing nnsight."""
     return any(
         c.__module__.startswith("nnsight.") and c.__name__ == "Envoy" for c in type(model).__mro__
@@ -53,7 +63,7 @@ class Layout:
     softmax_path: str | None = None
 
 
-def hf_module(model: Any) -> nn.Module:
+def hf_module(model: NnsightModel) -> nn.Module:
     """The HuggingFace model inside an nnsight model."""
     inner = getattr(model, "_module", None)
     if not isinstance(inner, nn.Module) or not hasattr(inner, "config"):
@@ -64,7 +74,7 @@ def hf_module(model: Any) -> nn.Module:
     return inner
 
 
-def layout(model: Any) -> Layout:
+def layout(model: NnsightModel) -> Layout:
     """The model's `Layout` (paths checked against eager attention), found once per model.
 
     Raises:
@@ -116,7 +126,7 @@ def _decoder_blocks(hf: Any) -> nn.ModuleList:  # a HuggingFace model (reads hf.
     return lists[0]
 
 
-def scale_and_softcap(model: Any, path: str) -> tuple[float, float | None]:
+def scale_and_softcap(model: NnsightModel, path: str) -> tuple[float, float | None]:
     """The contract's attention scale s and soft-cap c of the attention module at `path`."""
     attn = hf_module(model).get_submodule(path)
     layer = layout(model).attention_paths.index(path)
@@ -132,7 +142,7 @@ def resolve(root: Any, path: str) -> Any:
 
 
 @contextlib.contextmanager
-def preserved(model: Any) -> Iterator[None]:
+def preserved(model: NnsightModel) -> Iterator[None]:
     """Eval mode, parameters frozen for the call (so no .grad accumulates); afterwards every
     module's mode, every requires_grad flag and every .grad restored as found."""
     hf = hf_module(model)
@@ -159,7 +169,7 @@ def preserved(model: Any) -> Iterator[None]:
             p.grad = grad
 
 
-def softmax_path(model: Any) -> str:
+def softmax_path(model: NnsightModel) -> str:
     """The softmax call inside each attention module, found by what its output is, once per
     model: among the operations of the first layer's attention forward, the last one whose
     output holds the module's weights is the attention call (none: the forward computes
@@ -202,11 +212,11 @@ _NOT_FOUND = (
 )
 
 
-def _device(model: Any) -> torch.device:
+def _device(model: NnsightModel) -> torch.device:
     return next(hf_module(model).parameters()).device
 
 
-def _probe(model: Any, tokens: torch.Tensor, readers: list[Any]) -> list[Any]:
+def _probe(model: NnsightModel, tokens: torch.Tensor, readers: list[Any]) -> list[Any]:
     """Run one trace and return each reader's value (readers run in forward order)."""
     # Filled in place: nnsight hands back only what the body saves or mutates outside itself.
     kept: list[Any] = []
@@ -216,7 +226,7 @@ def _probe(model: Any, tokens: torch.Tensor, readers: list[Any]) -> list[Any]:
     return kept
 
 
-def _probe_op(model: Any, tokens: torch.Tensor, attn: Any, path: str) -> Any:
+def _probe_op(model: NnsightModel, tokens: torch.Tensor, attn: Any, path: str) -> Any:
     """The output of one operation of the attention forward, or None where it does not run."""
     full = path if path.startswith("source.") else f"source.{path}"
     try:  # resolved inside the trace: nested `.source` exists only there
@@ -239,7 +249,7 @@ def _is_softmax(value: Any, weights: torch.Tensor) -> bool:
     return bool((value >= 0).all()) and torch.allclose(rows, torch.ones_like(rows), atol=1e-3)
 
 
-def _check_every_layer(model: Any, tokens: torch.Tensor, path: str) -> None:
+def _check_every_layer(model: NnsightModel, tokens: torch.Tensor, path: str) -> None:
     attns = [resolve(model, p) for p in layout(model).attention_paths]
     readers = []
     for attn in attns:

@@ -12,12 +12,15 @@ import torch
 from torch import Tensor
 
 from ra_lens.nnsight import adapter
+from ra_lens.nnsight.adapter import NnsightModel
 
 _PATTERN = re.compile(r"^blocks\.(\d+)\.attn\.hook_pattern$")
 
 
 def run_with_pattern_hooks(
-    model: Any, tokens: Tensor, fwd_hooks: Sequence[tuple[str | Callable[[str], bool], Any]]
+    model: NnsightModel,
+    tokens: Tensor,
+    fwd_hooks: Sequence[tuple[str | Callable[[str], bool], Any]],
 ) -> Tensor:
     """Logits Float[Tensor, "batch pos vocab"] of `tokens` with each (hook name, hook function)
     applied to its layer's attention pattern A ([batch, head, query, key]), as
@@ -47,7 +50,11 @@ def run_with_pattern_hooks(
 
 
 def _run(
-    model: Any, tokens: Tensor, found: Any, path: str | None, by_layer: dict[int, list[Any]]
+    model: NnsightModel,
+    tokens: Tensor,
+    found: Any,
+    path: str | None,
+    by_layer: dict[int, list[Any]],
 ) -> Tensor:
     with model.trace(tokens):
         for layer in sorted(by_layer):
@@ -60,5 +67,5 @@ def _run(
                 edited = fn(pattern, None)
                 pattern = pattern if edited is None else edited
             softmax.output = pattern
-        logits: Tensor = model.output.logits.save()
+        logits: Tensor = cast(Any, model).output.logits.save()  # a proxy inside the trace
     return logits

@@ -25,11 +25,12 @@ import torch
 from nnsight.intervention.backends.remote import RemoteBackend, RemoteError
 
 from ra_lens.nnsight import adapter
+from ra_lens.nnsight.adapter import NnsightModel
 
 HOSTED = "https://nnsight.net/status (or nnsight.ndif.status())"
 
 
-def check(model: Any, remote: Any) -> None:
+def check(model: NnsightModel, remote: Any) -> None:
     """Refuse, before any network call, what NDIF cannot run."""
     if remote == "local":
         return
@@ -51,7 +52,7 @@ def check(model: Any, remote: Any) -> None:
         )
 
 
-def trace_kwargs(model: Any, remote: Any) -> dict[str, Any]:
+def trace_kwargs(model: NnsightModel, remote: Any) -> dict[str, Any]:
     """`model.trace` keyword arguments for `remote` (checked by `check`)."""
     if remote == "local":
         return {"backend": LocalProcessBackend(model)}
@@ -130,15 +131,15 @@ class LocalProcessBackend(RemoteBackend):  # type: ignore[misc]  # nnsight is un
     """nnsight's RemoteBackend with the network replaced by a fresh local process
     (`run_request`): the same `__call__`, serialization and push of the results."""
 
-    def __init__(self, model: Any) -> None:
-        super().__init__("local", env=model._remoteable_get_env())
+    def __init__(self, model: NnsightModel) -> None:
+        super().__init__("local", env=cast(Any, model)._remoteable_get_env())
         self.model = model
 
     def request(self, request: Any, tracer: Any) -> dict[str, Any]:
         return run_request(self._serialize(tracer), self.model, compress=self.compress)
 
 
-def run_request(blob: bytes, model: Any, *, compress: bool) -> dict[str, Any]:
+def run_request(blob: bytes, model: NnsightModel, *, compress: bool) -> dict[str, Any]:
     """Execute a serialized request in a fresh `python -I` process that cannot import ra_lens,
     on a `save_pretrained` copy of `model`; returns the trace's saved values by name, as an
     NDIF server returns them."""

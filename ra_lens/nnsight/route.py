@@ -14,11 +14,12 @@ from ra_lens.math import CONVENTIONS
 from ra_lens.metrics import metric_lengths
 from ra_lens.nnsight import adapter
 from ra_lens.nnsight._trace import ra_in_trace
+from ra_lens.nnsight.adapter import NnsightModel
 from ra_lens.result import ReversedAttention
 
 
 def reversed_attention(
-    model: Any,
+    model: NnsightModel,
     tokens: Tensor | Batch | str | Sequence[str],
     metric: Any,
     *,
@@ -146,7 +147,7 @@ def _explained(error: Exception) -> Exception:
     )
 
 
-def to_batch(model: Any, tokens: Tensor | Batch | str | Sequence[str]) -> Batch:
+def to_batch(model: NnsightModel, tokens: Tensor | Batch | str | Sequence[str]) -> Batch:
     """A right-padded `Batch` from ids or strings (`to_tokens`: BOS first, as TransformerLens
     tokenises, so both routes see the same ids)."""
     if isinstance(tokens, Batch):
@@ -171,7 +172,7 @@ def to_batch(model: Any, tokens: Tensor | Batch | str | Sequence[str]) -> Batch:
     return Batch(ids, lengths)
 
 
-def to_tokens(model: Any, text: str, *, prepend_bos: bool = True) -> Tensor:
+def to_tokens(model: NnsightModel, text: str, *, prepend_bos: bool = True) -> Tensor:
     """Int[Tensor, "pos"]: `text` through the model's tokenizer without its own special tokens,
     with the BOS token first where the tokenizer has one (TransformerLens's `to_tokens`)."""
     tokenizer = _tokenizer(model)
@@ -182,7 +183,7 @@ def to_tokens(model: Any, text: str, *, prepend_bos: bool = True) -> Tensor:
     return torch.tensor(ids, dtype=torch.long)
 
 
-def _tokenizer(model: Any) -> Any:
+def _tokenizer(model: NnsightModel) -> Any:
     tokenizer = getattr(model, "tokenizer", None)
     if tokenizer is None:
         raise ValueError(
@@ -192,7 +193,7 @@ def _tokenizer(model: Any) -> Any:
     return tokenizer
 
 
-def _str_tokens(model: Any, batch: Batch) -> list[list[str]] | None:
+def _str_tokens(model: NnsightModel, batch: Batch) -> list[list[str]] | None:
     tokenizer = getattr(model, "tokenizer", None)
     if tokenizer is None:
         return None
@@ -203,7 +204,7 @@ def _str_tokens(model: Any, batch: Batch) -> list[list[str]] | None:
 
 
 def ra_ranking(
-    model: Any,
+    model: NnsightModel,
     prompts: Tensor | Batch | Sequence[str],
     targets: Any,
     *,

@@ -13,6 +13,7 @@ from torch import Tensor
 
 from ra_lens._typing import Validated
 from ra_lens.capture import HookedModel, eval_mode, to_batch
+from ra_lens.nnsight.adapter import NnsightModel
 from ra_lens.progress import tqdm
 from ra_lens.tasks.prompts import Prompt
 
@@ -151,7 +152,7 @@ def evaluate(
 
 
 def _route(
-    model: Any, fwd_hooks: Sequence[FwdHook]
+    model: HookedModel | NnsightModel, fwd_hooks: Sequence[FwdHook]
 ) -> tuple[
     Callable[[str, bool], Tensor],
     Callable[[list[str]], tuple[Tensor, Tensor]],

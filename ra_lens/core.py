@@ -103,9 +103,10 @@ def reversed_attention(
     >>> torch.allclose(ra.maps[:, 1], grad, atol=1e-6)
     True
     """
-    from ra_lens.nnsight.adapter import is_nnsight_model
+    from ra_lens.nnsight.adapter import as_nnsight
 
-    if is_nnsight_model(model):
+    nnsight_model = as_nnsight(model)
+    if nnsight_model is not None:
         if memory != "full":
             raise ValueError(
                 "nnsight models run memory='full' only (nnsight cannot re-run one block): drop "
@@ -115,7 +116,7 @@ def reversed_attention(
         from ra_lens.nnsight.route import reversed_attention as through_nnsight
 
         return through_nnsight(
-            model, tokens, metric, layers=layers, keep=keep, convention=convention,
+            nnsight_model, tokens, metric, layers=layers, keep=keep, convention=convention,
             rows_at=rows_at, remote=remote,
         )  # fmt: skip
     if remote is not False:

@@ -24,7 +24,6 @@ metrics), and says so in the output.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import sys
 from collections.abc import Sequence
@@ -38,106 +37,17 @@ from torch import Tensor
 
 from ra_lens import capture
 from ra_lens.attribution import AttentionAttribution, attention_attribution
-from ra_lens.capture import PATTERN, Batch, HookedModel
+from ra_lens.capture import Batch, HookedModel
 from ra_lens.core import reversed_attention
 from ra_lens.experiments import timing
 from ra_lens.files import check_writable, load_json, write_file
-from ra_lens.pairs import metric_rows, metric_values
-from ra_lens.progress import tqdm
+from ra_lens.pairs import metric_rows
+from ra_lens.ranking.node_patching import patching_effects
 from ra_lens.ranking.statistics import pearson, spearman, top_recall
 from ra_lens.tasks import ioi
 from ra_lens.types import MetricFn
 
 KINDS: tuple[str, ...] = ("query", "key", "pattern")
-
-
-def _hook_name(model: HookedModel, kind: str, layer: int) -> str:
-    if kind == "query":
-        return capture.query_hook_name(model, layer)
-    if kind == "key":
-        return capture.key_hook_name(model, layer)
-    return PATTERN.format(layer)
-
-
-def clean_activations(model: HookedModel, clean: Batch, layers: Sequence[int]) -> dict[str, Tensor]:
-    """q, k and pattern of every layer on the clean run (the values patched in).
-
-    >>> from ra_lens import to_batch
-    >>> acts = clean_activations(model, to_batch(model, "I like Italy"), [1])
-    >>> sorted(acts)  # GPT-2: no rotary embedding, so hook_q and hook_k
-    ['blocks.1.attn.hook_k', 'blocks.1.attn.hook_pattern', 'blocks.1.attn.hook_q']
-    """
-    names = {_hook_name(model, kind, la) for kind in KINDS for la in layers}
-    with torch.no_grad(), capture.recorded(model, names) as seen:
-        model(clean.tokens)
-    return seen
-
-
-def patching_effects(
-    model: HookedModel,
-    clean: Batch,
-    corrupted: Batch,
-    metric: MetricFn,
-    jobs: Sequence[tuple[str, int, int, int | None]],
-    *,
-    max_rows: int = 64,
-    progress: bool = True,
-) -> Float[Tensor, "job batch"]:
-    """M(corrupted with one node from clean) - M(corrupted) for every job and pair.
-
-    A job is (kind, layer, head, position): the head's queries, the key/value head's keys or the
-    head's pattern (rows) at one position, or at all positions when position is None. Jobs are
-    stacked along the batch axis, max_rows rows per forward pass.
-
-    >>> from ra_lens import to_batch
-    >>> from ra_lens.metrics import logit_diff
-    >>> clean, corrupted = to_batch(model, ["I like Italy"]), to_batch(model, ["I like Paris"])
-    >>> metric = logit_diff(torch.tensor([5]), torch.tensor([7]))
-    >>> jobs = [("query", 1, 2, None), ("pattern", 0, 1, 3), ("key", 1, 0, None)]
-    >>> effects = patching_effects(model, clean, corrupted, metric, jobs, progress=False)
-    >>> effects.shape  # [job batch]
-    torch.Size([3, 1])
-    >>> same = patching_effects(model, clean, clean, metric, jobs, progress=False)
-    >>> bool(same.abs().max() < 1e-6)  # patching a run with itself: nothing but rounding
-    True
-    """
-    layers = sorted({job[1] for job in jobs})
-    source = clean_activations(model, clean, layers)
-    n = clean.tokens.shape[0]
-    with torch.no_grad():
-        base = metric_values(metric, model(corrupted.tokens), corrupted).double().cpu()
-    per_pass = max(1, max_rows // n)
-    out = torch.zeros(len(jobs), n, dtype=torch.float64)
-    chunks = [range(i, min(i + per_pass, len(jobs))) for i in range(0, len(jobs), per_pass)]
-    for chunk in tqdm(chunks, desc="activation patching", disable=not progress):
-        by_name: dict[str, list[tuple[int, int, int | None]]] = {}
-        for slot, j in enumerate(chunk):
-            kind, layer, head, position = jobs[j]
-            by_name.setdefault(_hook_name(model, kind, layer), []).append((slot, head, position))
-
-        # The name asked for, not hook.name: on TransformerBridge an alias such as hook_q
-        # reports its canonical name (attn.q.hook_out).
-        def patch(x: Tensor, hook: Any, name: str, by_name: dict[str, Any] = by_name) -> Tensor:
-            x = x.clone()
-            src = source[name]
-            pattern = name.endswith("hook_pattern")
-            for slot, head, position in by_name[name]:
-                rows = slice(slot * n, (slot + 1) * n)
-                at = slice(None) if position is None else position
-                if pattern:  # [batch, head, query, key]
-                    x[rows, head, at] = src[:, head, at]
-                else:  # [batch, pos, head, d_head]
-                    x[rows, at, head] = src[:, at, head]
-            return x
-
-        repeats = len(chunk)
-        tokens = corrupted.tokens.repeat(repeats, 1)
-        lengths = corrupted.lengths.repeat(repeats)
-        hooks = [(name, functools.partial(patch, name=name)) for name in by_name]
-        with torch.no_grad(), model.hooks(fwd_hooks=hooks):
-            values = metric_repeated(metric, model(tokens), lengths, repeats)
-        out[list(chunk)] = values.double().cpu().reshape(repeats, n) - base
-    return out
 
 
 def node_patching(
@@ -183,24 +93,6 @@ def node_patching(
         size = shape.n_layers * width[kind]
         out[kind], effects = effects[:size].reshape(shape.n_layers, width[kind]), effects[size:]
     return out
-
-
-def metric_repeated(metric: MetricFn, logits: Tensor, lengths: Tensor, repeats: int) -> Tensor:
-    """The metric of a batch repeated `repeats` times (its per-pair targets repeated too).
-
-    >>> from ra_lens.metrics import target_prob
-    >>> logits = torch.randn(2, 3, 10)
-    >>> repeated = metric_repeated(target_prob([4]), logits, torch.tensor([3, 3]), repeats=2)
-    >>> torch.allclose(repeated, target_prob([4, 4])(logits))
-    True
-    """
-    n = logits.shape[0] // repeats
-    return torch.cat(
-        [
-            metric(logits[i * n : (i + 1) * n], lengths=lengths[i * n : (i + 1) * n])
-            for i in range(repeats)
-        ]
-    )
 
 
 @dataclass

@@ -50,6 +50,7 @@ from ra_lens.experiments.circuit_study_report import goals, markdown, summarise
 from ra_lens.experiments.circuit_study_report import paired_difference as paired_difference
 from ra_lens.files import check_writable, load_json, write_file
 from ra_lens.progress import tqdm
+from ra_lens.ranking.node_patching import Job, patching_effects
 from ra_lens.ranking.statistics import pearson
 from ra_lens.tasks import format_prompt, ioi, load
 from ra_lens.tasks.ioi import PromptPair
@@ -190,33 +191,20 @@ def random_scores(graph: circuits.Graph, seed: int = 0) -> circuits.EdgeScores:
 
 def head_patching(model: HookedModel, pairs: Sequence[PromptPair]) -> Float[Tensor, "layer head"]:
     """Ground truth for head (node) scores: m(corrupted run with head h's output patched to
-    clean) - m(corrupted), mean over pairs (denoise, as the edge scores), every position patched.
-    A head's output is z_h @ W_O[h], so patching its hook_z patches exactly that output; the
-    heads of one layer run side by side as copies of the batch."""
+    clean) - m(corrupted), mean over pairs (denoise, as the edge scores), every position patched
+    (`ranking.node_patching`, kind "output")."""
     clean, corrupted, metric = ioi.paired_batch(model, list(pairs))
-    n_layers, n_heads = model.cfg.n_layers, model.cfg.n_heads
-    k = clean.tokens.shape[0]
-    out = torch.zeros(n_layers, n_heads, dtype=torch.float64)
-    with capture.preserved_state(model), torch.no_grad():
-        base = metric(model(corrupted.tokens), corrupted.lengths).double()
-        names = {capture.Z.format(layer) for layer in range(n_layers)}
-        _, cache = model.run_with_cache(clean.tokens, names_filter=lambda name: name in names)
-        copies = corrupted.tokens.repeat(n_heads, 1)
-        for layer in range(n_layers):
-            clean_z = cache[capture.Z.format(layer)]
-
-            def patch(z: Tensor, hook: Any, clean_z: Tensor = clean_z) -> Tensor:
-                z = z.clone()
-                for h in range(n_heads):
-                    z[h * k : (h + 1) * k, :, h] = clean_z[:, :, h]
-                return z
-
-            with model.hooks(fwd_hooks=[(capture.Z.format(layer), patch)]):
-                logits = model(copies)
-            for h in range(n_heads):
-                patched = metric(logits[h * k : (h + 1) * k], corrupted.lengths).double()
-                out[layer, h] = (patched - base).mean()
-    return out
+    shape = capture.model_shape(model)
+    jobs: list[Job] = [
+        ("output", layer, head, None)
+        for layer in range(shape.n_layers)
+        for head in range(shape.n_heads)
+    ]
+    max_rows = shape.n_heads * clean.tokens.shape[0]  # one layer's heads per forward pass
+    effects = patching_effects(
+        model, clean, corrupted, metric, jobs, max_rows=max_rows, progress=False
+    )
+    return effects.mean(1).reshape(shape.n_layers, shape.n_heads)
 
 
 def head_node_scores(

@@ -20,11 +20,10 @@ import contextlib
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, cast, runtime_checkable
 
 import torch
 from torch import nn
-from typing_extensions import TypeIs
 
 from ra_lens import contract
 
@@ -41,11 +40,16 @@ class NnsightModel(Protocol):
     def trace(self, *args: Any, **kwargs: Any) -> Any: ...
 
 
-def is_nnsight_model(model: object) -> TypeIs[NnsightModel]:
+def is_nnsight_model(model: object) -> bool:
     """True for an nnsight model (an Envoy wrapping a module), without importing nnsight."""
     return any(
         c.__module__.startswith("nnsight.") and c.__name__ == "Envoy" for c in type(model).__mro__
     )
+
+
+def as_nnsight(model: object) -> NnsightModel | None:
+    """The model, typed as an nnsight model, if it is one (`is_nnsight_model`); else None."""
+    return cast(NnsightModel, model) if is_nnsight_model(model) else None
 
 
 @dataclass

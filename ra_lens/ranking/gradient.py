@@ -82,13 +82,14 @@ def ra_ranking(
     True
     """
 
-    from ra_lens.nnsight.adapter import is_nnsight_model
+    from ra_lens.nnsight.adapter import as_nnsight
 
-    if is_nnsight_model(model):  # the same scores, read through nnsight
+    nnsight_model = as_nnsight(model)
+    if nnsight_model is not None:  # the same scores, read through nnsight
         from ra_lens.nnsight.route import ra_ranking as through_nnsight
 
         return through_nnsight(
-            model, prompts, targets, loss_row=loss_row, batch_size=batch_size,
+            nnsight_model, prompts, targets, loss_row=loss_row, batch_size=batch_size,
             per_prompt=per_prompt,
         )  # fmt: skip
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from jaxtyping import Float, Int
@@ -13,7 +13,7 @@ from torch import Tensor
 
 from ra_lens._typing import Validated
 from ra_lens.capture import HookedModel, eval_mode, to_batch
-from ra_lens.nnsight.adapter import NnsightModel
+from ra_lens.nnsight.adapter import NnsightModel, as_nnsight
 from ra_lens.progress import tqdm
 from ra_lens.tasks.prompts import Prompt
 
@@ -162,30 +162,31 @@ def _route(
     texts -> (logits Float[Tensor, "batch pos vocab"], real lengths Int[Tensor, "batch"]) with the
     hooks applied; the scope the batches run in). TransformerLens and nnsight (where the hooks
     run inside its trace) tokenise alike: BOS first, right padding."""
-    from ra_lens.nnsight.adapter import is_nnsight_model
-
-    if is_nnsight_model(model):
+    nnsight_model = as_nnsight(model)
+    if nnsight_model is not None:
         from ra_lens.nnsight.patch import run_with_pattern_hooks
         from ra_lens.nnsight.route import to_batch as nnsight_batch
         from ra_lens.nnsight.route import to_tokens
 
         def nnsight_logits(texts: list[str]) -> tuple[Tensor, Tensor]:
-            batch = nnsight_batch(model, texts)
-            return run_with_pattern_hooks(model, batch.tokens, fwd_hooks), batch.lengths
+            batch = nnsight_batch(nnsight_model, texts)
+            return run_with_pattern_hooks(nnsight_model, batch.tokens, fwd_hooks), batch.lengths
 
         return (
-            lambda text, bos: to_tokens(model, text, prepend_bos=bos),
+            lambda text, bos: to_tokens(nnsight_model, text, prepend_bos=bos),
             nnsight_logits,
             contextlib.nullcontext(),
         )
 
+    tl = cast(HookedModel, model)
+
     def logits(texts: list[str]) -> tuple[Tensor, Tensor]:
-        batch = to_batch(model, texts)
-        return model(batch.tokens), batch.lengths
+        batch = to_batch(tl, texts)
+        return tl(batch.tokens), batch.lengths
 
     @contextlib.contextmanager
     def scope() -> Iterator[None]:  # entered only by `evaluate`'s `with`
-        with eval_mode(model), torch.no_grad(), model.hooks(fwd_hooks=list(fwd_hooks)):
+        with eval_mode(tl), torch.no_grad(), tl.hooks(fwd_hooks=list(fwd_hooks)):
             yield
 
-    return lambda text, bos: model.to_tokens(text, prepend_bos=bos)[0], logits, scope()
+    return lambda text, bos: tl.to_tokens(text, prepend_bos=bos)[0], logits, scope()

@@ -204,3 +204,16 @@ def test_no_import_runs_from_a_lower_floor_to_a_higher_one():
         if floor_of(target) > floor_of(module)
     ]
     assert upward == []
+
+
+def test_tests_import_their_builders_one_way():
+    """`from helpers import ...` everywhere: `tests.helpers` would be a second module object,
+    with its own copies of the builders' caches."""
+    twice = [
+        str(path.relative_to(REPO_ROOT))
+        for path in (REPO_ROOT / "tests").rglob("*.py")
+        if path != Path(__file__)
+        if "from tests.helpers import" in path.read_text()
+        or "from tests import helpers" in path.read_text()
+    ]
+    assert twice == []

@@ -14,11 +14,11 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from helpers import PAGE_PAIRS, arch_or_hooked, page_setup, snapshot
 
 from ra_lens import circuits, reversed_attention
 from ra_lens.circuits.page import CircuitPage, circuit_page, scores_page
 from ra_lens.cli import main
-from tests.helpers import PAGE_PAIRS, arch_or_hooked, page_setup, snapshot
 
 
 @pytest.fixture(scope="module")

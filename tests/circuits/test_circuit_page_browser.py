@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import page_setup
 
 from ra_lens import reversed_attention
 from ra_lens.circuits.browser import (
@@ -20,7 +21,6 @@ from ra_lens.circuits.browser import (
     open_page,
     requests,
 )
-from tests.helpers import page_setup
 
 _MISSING = browser_missing()
 pytestmark = pytest.mark.skipif(_MISSING is not None, reason=f"no headless browser: {_MISSING}")

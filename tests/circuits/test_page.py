@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import page_setup
 
 from ra_lens import circuits
 from ra_lens.circuits.page import TARGET, circuit_page, scores_page
 from tests.circuits.test_circuit_page import payload
-from tests.helpers import page_setup
 
 
 @pytest.fixture(scope="module")

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import arch_or_hooked
 
 from ra_lens import circuits
 from ra_lens.cli import main
 from ra_lens.tasks.ioi import PromptPair, paired_batch
 from ra_lens.toy_models import tiny_model
-from tests.helpers import arch_or_hooked
 
 ARCH = arch_or_hooked("gpt2")
 #: Pairs the tiny tokenizer takes: one-token answers, clean and corrupted of equal length.

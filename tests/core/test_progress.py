@@ -9,10 +9,10 @@ import json
 from pathlib import Path
 
 import pytest
+from helpers import arch_or_hooked
 
 from ra_lens import progress
 from ra_lens.cli import main
-from tests.helpers import arch_or_hooked
 
 
 def test_piped_circuit_logs_plain_progress_lines(

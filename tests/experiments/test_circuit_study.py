@@ -179,9 +179,10 @@ def test_random_scores_live_on_the_graph():
 def test_head_patching_is_patching_every_outgoing_edge():
     """The ground truth (a head's hook_z patched from clean into the corrupted run) equals edge
     patching of all that head's outgoing edges, run on the corrupted prompts."""
+    from helpers import has_bridge
+
     from ra_lens.experiments.circuit_study import head_node_scores, head_patching
     from ra_lens.toy_models import tiny_model
-    from tests.helpers import has_bridge
 
     model = tiny_model("llama" if has_bridge() else "hooked", n_layers=2, dtype=torch.float64)
     pairs = task_pairs(model, "toy", 3)

@@ -4,12 +4,12 @@ pattern's colours are not RA's: each colorbar's label, read from the figure's ar
 from __future__ import annotations
 
 import pytest
+from helpers import arch_or_hooked
 from matplotlib import colormaps
 
 from ra_lens import metrics, reversed_attention, viz
 from ra_lens.toy_models import tiny_model
 from ra_lens.viz._base import PATTERN_CMAP, SIGNED_CMAP
-from tests.helpers import arch_or_hooked
 
 
 @pytest.fixture(scope="module")

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from helpers import arch_or_hooked
 
 from ra_lens import attention_attribution, metrics, viz
 from ra_lens.toy_models import tiny_model
-from tests.helpers import arch_or_hooked
 
 
 @pytest.mark.parametrize(

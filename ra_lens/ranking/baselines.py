@@ -4,7 +4,7 @@ layer index."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal, overload
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -16,26 +16,6 @@ from ra_lens.ranking.engine import Part, PerPrompt, check_shape, rank
 from ra_lens.types import Scores, Targets, Tokens
 
 
-@overload
-def forward_ranking(
-    model: HookedModel,
-    prompts: Tokens,
-    targets: Targets | None = ...,
-    *,
-    batch_size: int = ...,
-    progress: bool = ...,
-    per_prompt: Literal[False] = ...,
-) -> Scores: ...
-@overload
-def forward_ranking(
-    model: HookedModel,
-    prompts: Tokens,
-    targets: Targets | None = ...,
-    *,
-    batch_size: int = ...,
-    progress: bool = ...,
-    per_prompt: Literal[True],
-) -> PerPrompt: ...
 def forward_ranking(
     model: HookedModel,
     prompts: Tokens,

@@ -11,7 +11,7 @@ import functools
 import inspect
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any, Literal, overload
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -23,28 +23,6 @@ from ra_lens.ranking.engine import Part, PerPrompt, rank, target_probs
 from ra_lens.types import Scores, Targets, Tokens
 
 
-@overload
-def causal_mediation(
-    model: HookedModel,
-    prompts: Tokens,
-    targets: Targets,
-    *,
-    means: HeadMeans | None = ...,
-    batch_size: int = ...,
-    progress: bool = ...,
-    per_prompt: Literal[False] = ...,
-) -> Scores: ...
-@overload
-def causal_mediation(
-    model: HookedModel,
-    prompts: Tokens,
-    targets: Targets,
-    *,
-    means: HeadMeans | None = ...,
-    batch_size: int = ...,
-    progress: bool = ...,
-    per_prompt: Literal[True],
-) -> PerPrompt: ...
 def causal_mediation(
     model: HookedModel,
     prompts: Tokens,
@@ -111,28 +89,6 @@ def causal_mediation(
     )
 
 
-@overload
-def indirect_effect(
-    model: HookedModel,
-    clean: Tokens,
-    corrupted: Tokens,
-    targets: Targets,
-    *,
-    batch_size: int = ...,
-    progress: bool = ...,
-    per_prompt: Literal[False] = ...,
-) -> Scores: ...
-@overload
-def indirect_effect(
-    model: HookedModel,
-    clean: Tokens,
-    corrupted: Tokens,
-    targets: Targets,
-    *,
-    batch_size: int = ...,
-    progress: bool = ...,
-    per_prompt: Literal[True],
-) -> PerPrompt: ...
 def indirect_effect(
     model: HookedModel,
     clean: Tokens,
@@ -244,28 +200,6 @@ def quiet_tl_patching() -> Iterator[None]:
                 TL_BAR_QUIETED["original"] = None
 
 
-@overload
-def activation_patching(
-    model: HookedModel,
-    clean: Tokens,
-    corrupted: Tokens,
-    targets: Targets,
-    *,
-    batch_size: int = ...,
-    progress: bool = ...,
-    per_prompt: Literal[False] = ...,
-) -> Scores: ...
-@overload
-def activation_patching(
-    model: HookedModel,
-    clean: Tokens,
-    corrupted: Tokens,
-    targets: Targets,
-    *,
-    batch_size: int = ...,
-    progress: bool = ...,
-    per_prompt: Literal[True],
-) -> PerPrompt: ...
 def activation_patching(
     model: HookedModel,
     clean: Tokens,

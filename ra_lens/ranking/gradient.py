@@ -6,7 +6,7 @@ patching and query/key patching. Each is a scorer run by `engine.rank`.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal, overload
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -23,28 +23,6 @@ from ra_lens.ranking.engine import Part, PerPrompt, rank, target_probs
 from ra_lens.types import Scores, Targets, Tokens
 
 
-@overload
-def ra_ranking(
-    model: Validated[HookedModel],
-    prompts: Tokens,
-    targets: Targets,
-    *,
-    loss_row: bool = ...,
-    batch_size: int = ...,
-    progress: bool = ...,
-    per_prompt: Literal[False] = ...,
-) -> Scores: ...
-@overload
-def ra_ranking(
-    model: Validated[HookedModel],
-    prompts: Tokens,
-    targets: Targets,
-    *,
-    loss_row: bool = ...,
-    batch_size: int = ...,
-    progress: bool = ...,
-    per_prompt: Literal[True],
-) -> PerPrompt: ...
 def ra_ranking(
     model: Validated[HookedModel],
     prompts: Tokens,
@@ -167,26 +145,6 @@ def temperature_scores(
     )
 
 
-@overload
-def temperature_ranking(
-    model: HookedModel,
-    prompts: Tokens,
-    targets: Targets,
-    *,
-    batch_size: int = ...,
-    progress: bool = ...,
-    per_prompt: Literal[False] = ...,
-) -> Scores: ...
-@overload
-def temperature_ranking(
-    model: HookedModel,
-    prompts: Tokens,
-    targets: Targets,
-    *,
-    batch_size: int = ...,
-    progress: bool = ...,
-    per_prompt: Literal[True],
-) -> PerPrompt: ...
 def temperature_ranking(
     model: HookedModel,
     prompts: Tokens,
@@ -208,28 +166,6 @@ def temperature_ranking(
     return values.float() if per_prompt else values.double().mean(0).float()
 
 
-@overload
-def first_order_mediation(
-    model: HookedModel,
-    prompts: Tokens,
-    targets: Targets,
-    *,
-    means: HeadMeans | None = ...,
-    batch_size: int = ...,
-    progress: bool = ...,
-    per_prompt: Literal[False] = ...,
-) -> Scores: ...
-@overload
-def first_order_mediation(
-    model: HookedModel,
-    prompts: Tokens,
-    targets: Targets,
-    *,
-    means: HeadMeans | None = ...,
-    batch_size: int = ...,
-    progress: bool = ...,
-    per_prompt: Literal[True],
-) -> PerPrompt: ...
 def first_order_mediation(
     model: HookedModel,
     prompts: Tokens,
@@ -284,28 +220,6 @@ def first_order_mediation(
     )
 
 
-@overload
-def attribution_patching(
-    model: HookedModel,
-    clean: Tokens,
-    corrupted: Tokens,
-    targets: Targets,
-    *,
-    batch_size: int = ...,
-    progress: bool = ...,
-    per_prompt: Literal[False] = ...,
-) -> Scores: ...
-@overload
-def attribution_patching(
-    model: HookedModel,
-    clean: Tokens,
-    corrupted: Tokens,
-    targets: Targets,
-    *,
-    batch_size: int = ...,
-    progress: bool = ...,
-    per_prompt: Literal[True],
-) -> PerPrompt: ...
 def attribution_patching(
     model: HookedModel,
     clean: Tokens,
@@ -364,28 +278,6 @@ def attribution_patching(
     )
 
 
-@overload
-def exact_qk_attribution(
-    model: HookedModel,
-    clean: Tokens,
-    corrupted: Tokens,
-    targets: Targets,
-    *,
-    batch_size: int = ...,
-    progress: bool = ...,
-    per_prompt: Literal[False] = ...,
-) -> Scores: ...
-@overload
-def exact_qk_attribution(
-    model: HookedModel,
-    clean: Tokens,
-    corrupted: Tokens,
-    targets: Targets,
-    *,
-    batch_size: int = ...,
-    progress: bool = ...,
-    per_prompt: Literal[True],
-) -> PerPrompt: ...
 def exact_qk_attribution(
     model: HookedModel,
     clean: Tokens,

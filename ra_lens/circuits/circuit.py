@@ -65,11 +65,8 @@ from jaxtyping import Bool, Float
 from torch import Tensor
 
 from ra_lens._typing import Validated
-from ra_lens.circuits.graph import Graph
+from ra_lens.circuits.graph import UNITS, Graph, Units
 from ra_lens.types import HookedModel, MetricFn, Tokens
-
-Units = Literal["grouped", "ungrouped"]
-UNITS: tuple[str, ...] = ("grouped", "ungrouped")
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -174,7 +171,7 @@ class EdgeScores:
             raise ValueError(f"units={units!r}: expected 'grouped' or 'ungrouped'")
         if not isinstance(n, int) or isinstance(n, bool):
             raise TypeError(f"n={n!r}: pass a whole number of edges (int)")
-        total = self.graph.n_edges if units == "grouped" else self.graph.n_edges_ungrouped
+        total = self.graph.count(units)
         if not 0 <= n <= total:
             raise ValueError(f"n={n}: the graph has {total} edges ({units}); pass 0..that")
 
@@ -587,9 +584,9 @@ class Circuit:
         )
 
     def to_json(self, path: str | Path) -> None:
-        """Write the circuit in EAP-IG's graph JSON layout (see `files.py`) with the one file
+        """Write the circuit in EAP-IG's graph JSON layout (see `eapig_json.py`) with the one file
         writer, `ra_lens.files.write_file` (atomic, through symlinks, the file's mode kept)."""
-        from ra_lens.circuits.files import write_json
+        from ra_lens.circuits.eapig_json import write_json
 
         write_json(self, path)
 
@@ -601,10 +598,15 @@ class Circuit:
         *,
         kv: Literal["strict", "any", "all"] = "strict",
     ) -> Circuit:
-        """Read a circuit from an EAP-IG graph JSON file for this model (see `files.py`)."""
-        from ra_lens.circuits.files import read_json
+        """Read a circuit from an EAP-IG graph JSON file for this model (see `eapig_json.py`)."""
+        from ra_lens.circuits.eapig_json import read_fields
 
-        return read_json(path, model_or_graph, kv=kv)
+        g = (
+            model_or_graph
+            if isinstance(model_or_graph, Graph)
+            else Graph.from_model(model_or_graph)
+        )
+        return cls(g, **read_fields(path, g, kv=kv))
 
     def plot(
         self, save: str | Path | None = None, *, title: str | None = None, max_width: float = 4.0

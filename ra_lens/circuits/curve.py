@@ -40,9 +40,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 from ra_lens._typing import Validated
-from ra_lens.circuits.circuit import UNITS, Circuit, EdgeScores, Units
+from ra_lens.circuits.circuit import Circuit, EdgeScores
 from ra_lens.circuits.faithfulness import BASELINE
-from ra_lens.circuits.graph import Graph
+from ra_lens.circuits.graph import UNITS, Graph, Units
+from ra_lens.circuits.mib import MIB_FRACTIONS as MIB_FRACTIONS
+from ra_lens.circuits.mib import mib_circuits as mib_circuits
 from ra_lens.math import trapezoid_auc
 from ra_lens.progress import tqdm
 from ra_lens.types import HookedModel, MetricFn, Tokens
@@ -52,9 +54,6 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
     from ra_lens.circuits.faithfulness import Ablation
-
-#: MIB's circuit sizes: 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 50 and 100 % of the graph's edges.
-MIB_FRACTIONS: tuple[float, ...] = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 
 
 @dataclass(frozen=True)
@@ -236,21 +235,6 @@ class FaithfulnessCurve:
         return curve
 
 
-def mib_circuits(
-    scores: EdgeScores,
-    fractions: Sequence[float],
-    *,
-    absolute: bool,
-    selection: Literal["top", "greedy"] = "top",
-    units: Validated[Units] = "ungrouped",
-) -> list[Circuit]:
-    """The circuits MIB evaluates: for each fraction k, int(k * N) edges (N in `units`) of the
-    ranking by score (absolute=False) or |score|, by `EdgeScores.top` or `.greedy`, pruned."""
-    total = scores.graph.n_edges if units == "grouped" else scores.graph.n_edges_ungrouped
-    pick = scores.top if selection == "top" else scores.greedy
-    return [pick(int(k * total), absolute=absolute, units=units) for k in fractions]
-
-
 def faithfulness_curve(
     model: HookedModel,
     scores: EdgeScores,
@@ -333,7 +317,7 @@ def faithfulness_curve(
 
     return FaithfulnessCurve(
         sizes=fractions,
-        n_total=graph.n_edges if units == "grouped" else graph.n_edges_ungrouped,
+        n_total=graph.count(units),
         signed_values=[value(c) for c in signed],
         signed_n_edges=[c.count(units) for c in signed],
         abs_values=[value(c) for c in by_abs],

@@ -11,6 +11,7 @@ beside and a little above its layer's heads, still reads upwards into its reader
 says the reader kind, its width |score| relative to the largest in the circuit (both in the
 legend), and a dashed line a negative score.
 
+    >>> from ra_lens.circuits import Circuit
     >>> g = Graph(n_layers=2, n_heads=2, n_kv_heads=2, d_model=8)
     >>> c = Circuit.from_edges(g, ["input->a0.h1<q>", "a0.h1->a1.h0<k>", "a1.h0->logits"])
     >>> fig = draw_circuit(c)  # draw_circuit(c, "circuit.png") also writes it
@@ -21,7 +22,7 @@ legend), and a dashed line a negative score.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 from matplotlib.axes import Axes
@@ -30,8 +31,11 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
 from matplotlib.path import Path as CurvePath
 
-from ra_lens.circuits.circuit import Circuit, EdgeScores
 from ra_lens.circuits.graph import Graph
+
+# Circuits import their drawing; the drawing names them for type hints only.
+if TYPE_CHECKING:
+    from ra_lens.circuits.circuit import Circuit, EdgeScores
 
 #: Edge colour per reader kind.
 COLORS = {"q": "#1f77b4", "k": "#2ca02c", "v": "#ff7f0e", "mlp": "#9467bd", "logits": "#444444"}
@@ -111,6 +115,7 @@ def draw_scores(scores: EdgeScores, k: int = 20) -> Figure:
     """The k edges with the largest |score| as horizontal bars, largest on top, in MIB's sign
     (positive: the edge helps the metric), coloured by reader kind as in `draw_circuit`.
 
+    >>> from ra_lens.circuits import EdgeScores
     >>> g = Graph(n_layers=1, n_heads=2, n_kv_heads=2, d_model=8)
     >>> s = torch.zeros(len(g.writers), len(g.readers))
     >>> s[g.edge_index("a0.h1->logits")] = 2.0

@@ -44,6 +44,11 @@ from torch import Tensor
 from ra_lens._typing import Validated
 from ra_lens.capture import HookedModel, model_shape
 
+#: How edges are counted: each key/value edge once ("grouped") or once per query head of its
+#: group, as EAP-IG's ungrouped graph and MIB count them ("ungrouped").
+Units = Literal["grouped", "ungrouped"]
+UNITS: tuple[str, ...] = ("grouped", "ungrouped")
+
 ReaderKind = Literal["q", "k", "v", "mlp", "logits"]
 WriterKind = Literal["input", "head", "mlp"]
 
@@ -178,6 +183,10 @@ class Graph:
         """Edges of EAP-IG's ungrouped graph (MIB's `len(graph.edges)`): a key/value edge counts
         once per query head of its group. Equals `n_edges` without grouped-query attention."""
         return int((self.real.long() * self.copies[None, :]).sum())
+
+    def count(self, units: Units) -> int:
+        """The graph's edges in `units`: `n_edges` ("grouped") or `n_edges_ungrouped`."""
+        return self.n_edges if units == "grouped" else self.n_edges_ungrouped
 
     @cached_property
     def ungrouped_readers(self) -> list[tuple[str, int]]:

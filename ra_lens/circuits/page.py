@@ -46,7 +46,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import numpy as np
 import torch
@@ -55,10 +55,14 @@ from torch import Tensor
 
 from ra_lens import capture
 from ra_lens._version import __version__
-from ra_lens.circuits.circuit import Circuit, EdgeScores, Units
-from ra_lens.circuits.curve import MIB_FRACTIONS, FaithfulnessCurve, mib_circuits
-from ra_lens.circuits.graph import Graph
+from ra_lens.circuits.graph import Graph, Units
+from ra_lens.circuits.mib import MIB_FRACTIONS, mib_circuits
 from ra_lens.types import HookedModel, MetricFn, Tokens
+
+# Results import their page; the page names them for type hints only.
+if TYPE_CHECKING:
+    from ra_lens.circuits.circuit import Circuit, EdgeScores
+    from ra_lens.circuits.curve import FaithfulnessCurve
 
 #: Circuits with more edges draw only this many (the largest |score|): a browser draws 5,000
 #: SVG paths in well under a second, and a denser picture is no longer readable anyway.
@@ -149,7 +153,7 @@ def scores_page(
     units: Units = "ungrouped"
     if curve is not None:
         units = curve.units
-        total = graph.n_edges if units == "grouped" else graph.n_edges_ungrouped
+        total = graph.count(units)
         if curve.n_total != total:
             raise ValueError(
                 f"the curve is over {curve.n_total} edges, the scores' graph has {total} ({units})"
@@ -289,7 +293,7 @@ def _page(
     payload_stops, previous = [], set()
     # the curve's x axis counts edges as MIB does (ungrouped) unless the curve says otherwise
     units = "ungrouped" if curve is None else curve.units
-    n_total = graph.n_edges if units == "grouped" else graph.n_edges_ungrouped
+    n_total = graph.count(units)
     for stop, drawn in zip(stops, drawn_sets):
         payload_stops.append(
             {

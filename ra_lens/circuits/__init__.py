@@ -2,7 +2,7 @@
 faithfulness, in files EAP-IG and MIB read, and one offline interactive page per circuit."""
 
 from ra_lens.circuits.attribute import NodeScores, attribute
-from ra_lens.circuits.circuit import Circuit, EdgeScores
+from ra_lens.circuits.circuit import Circuit
 from ra_lens.circuits.curve import (
     MIB_FRACTIONS,
     FaithfulnessCurve,
@@ -15,6 +15,7 @@ from ra_lens.circuits.files import MIB_SUBMISSION_FRACTIONS, export_mib
 from ra_lens.circuits.graph import Graph
 from ra_lens.circuits.page import CircuitPage
 from ra_lens.circuits.refine import Refinement, refine
+from ra_lens.circuits.scores import EdgeScores
 from ra_lens.circuits.smallest import SmallestCircuit, smallest_circuit
 from ra_lens.circuits.stability import pair_scores, stable
 

@@ -47,8 +47,8 @@ from ra_lens import capture, pairs
 from ra_lens._typing import Validated
 from ra_lens.capture import PATTERN, HookedModel
 from ra_lens.circuits import _edges
-from ra_lens.circuits.circuit import EdgeScores
 from ra_lens.circuits.graph import Graph
+from ra_lens.circuits.scores import EdgeScores
 from ra_lens.progress import tqdm
 from ra_lens.types import MetricFn, Tokens
 

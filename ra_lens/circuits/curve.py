@@ -40,11 +40,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 from ra_lens._typing import Validated
-from ra_lens.circuits.circuit import Circuit, EdgeScores
+from ra_lens.circuits.circuit import Circuit
 from ra_lens.circuits.faithfulness import BASELINE
 from ra_lens.circuits.graph import UNITS, Graph, Units
 from ra_lens.circuits.mib import MIB_FRACTIONS as MIB_FRACTIONS
 from ra_lens.circuits.mib import mib_circuits as mib_circuits
+from ra_lens.circuits.scores import EdgeScores
 from ra_lens.math import trapezoid_auc
 from ra_lens.progress import tqdm
 from ra_lens.types import HookedModel, MetricFn, Tokens

@@ -35,7 +35,8 @@ from ra_lens.circuits.graph import Graph
 
 # Circuits import their drawing; the drawing names them for type hints only.
 if TYPE_CHECKING:
-    from ra_lens.circuits.circuit import Circuit, EdgeScores
+    from ra_lens.circuits.circuit import Circuit
+    from ra_lens.circuits.scores import EdgeScores
 
 #: Edge colour per reader kind.
 COLORS = {"q": "#1f77b4", "k": "#2ca02c", "v": "#ff7f0e", "mlp": "#9467bd", "logits": "#444444"}

@@ -38,7 +38,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from ra_lens._typing import Validated
-from ra_lens.circuits.circuit import EdgeScores
+from ra_lens.circuits.scores import EdgeScores
 
 Normalise = Literal["rms", "max", "none", "rank"]
 NORMALISATIONS: tuple[str, ...] = ("rms", "max", "none", "rank")

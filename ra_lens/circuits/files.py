@@ -10,11 +10,12 @@ from typing import Literal
 from tqdm.auto import tqdm
 
 from ra_lens._typing import Validated
-from ra_lens.circuits.circuit import Circuit, EdgeScores
+from ra_lens.circuits.circuit import Circuit
 from ra_lens.circuits.eapig_json import KvRule, read_fields
 from ra_lens.circuits.eapig_json import ungrouped_readers as ungrouped_readers
 from ra_lens.circuits.eapig_json import write_json as write_json
 from ra_lens.circuits.graph import Graph
+from ra_lens.circuits.scores import EdgeScores
 from ra_lens.types import HookedModel
 
 

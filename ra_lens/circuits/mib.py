@@ -12,7 +12,8 @@ from ra_lens._typing import Validated
 from ra_lens.circuits.graph import Units
 
 if TYPE_CHECKING:
-    from ra_lens.circuits.circuit import Circuit, EdgeScores
+    from ra_lens.circuits.circuit import Circuit
+    from ra_lens.circuits.scores import EdgeScores
 
 #: MIB's circuit sizes: 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 50 and 100 % of the graph's edges.
 MIB_FRACTIONS: tuple[float, ...] = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)

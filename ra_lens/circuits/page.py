@@ -61,8 +61,9 @@ from ra_lens.types import HookedModel, MetricFn, Tokens
 
 # Results import their page; the page names them for type hints only.
 if TYPE_CHECKING:
-    from ra_lens.circuits.circuit import Circuit, EdgeScores
+    from ra_lens.circuits.circuit import Circuit
     from ra_lens.circuits.curve import FaithfulnessCurve
+    from ra_lens.circuits.scores import EdgeScores
 
 #: Circuits with more edges draw only this many (the largest |score|): a browser draws 5,000
 #: SVG paths in well under a second, and a denser picture is no longer readable anyway.

@@ -35,7 +35,8 @@ from jaxtyping import Float
 from torch import Tensor
 
 from ra_lens._typing import Validated
-from ra_lens.circuits.circuit import Circuit, EdgeScores
+from ra_lens.circuits.circuit import Circuit
+from ra_lens.circuits.scores import EdgeScores
 
 #: An evaluator: a circuit -> its faithfulness (a result with `.value`, or a float).
 Evaluate = Callable[[Circuit], Any]

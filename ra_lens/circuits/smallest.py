@@ -12,8 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
-from ra_lens.circuits.circuit import Circuit, EdgeScores
+from ra_lens.circuits.circuit import Circuit
 from ra_lens.circuits.curve import FaithfulnessCurve
+from ra_lens.circuits.scores import EdgeScores
 from ra_lens.types import HookedModel, MetricFn, Tokens
 
 

@@ -27,7 +27,7 @@ from torch import Tensor
 from ra_lens import pairs
 from ra_lens._typing import Validated
 from ra_lens.capture import HookedModel
-from ra_lens.circuits.circuit import EdgeScores
+from ra_lens.circuits.scores import EdgeScores
 from ra_lens.ranking.statistics import bootstrap_indices
 from ra_lens.types import MetricFn, Tokens
 

@@ -18,9 +18,10 @@ from ra_lens import capture
 from ra_lens.capture import to_batch
 from ra_lens.circuits import _edges
 from ra_lens.circuits.attribute import attribute
-from ra_lens.circuits.circuit import Circuit, EdgeScores
+from ra_lens.circuits.circuit import Circuit
 from ra_lens.circuits.files import export_mib, read_json
 from ra_lens.circuits.graph import Graph
+from ra_lens.circuits.scores import EdgeScores
 from ra_lens.metrics import logit_diff
 from ra_lens.toy_models import tiny_model
 

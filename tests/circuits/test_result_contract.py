@@ -18,8 +18,9 @@ from safetensors.torch import load_file, save_file
 from ra_lens import circuits
 from ra_lens.circuits import _store
 from ra_lens.circuits.attribute import attribute
-from ra_lens.circuits.circuit import Circuit, EdgeScores
+from ra_lens.circuits.circuit import Circuit
 from ra_lens.circuits.curve import FaithfulnessCurve
+from ra_lens.circuits.scores import EdgeScores
 from ra_lens.metrics import logit_diff
 from ra_lens.toy_models import tiny_model
 

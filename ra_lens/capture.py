@@ -15,9 +15,8 @@ In the examples, `model` is a tiny random 2-layer x 4-head model (`ra_lens.toy_m
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import torch
@@ -175,86 +174,6 @@ def raw_input_hooks(
     finally:
         for handle in handles:
             handle.remove()
-
-
-def rotary_function(
-    model: HookedModel, layer: int, acts: dict[str, Tensor]
-) -> Callable[[Tensor], Tensor] | None:
-    """The layer's rotary embedding as a function of Float[Tensor, "... pos head d_head"]
-    (positions from 0), or None where the layer has none; `acts` holds recorded values by hook
-    name (`rotation_hooks`).
-
-    - TransformerBridge with hook_cos/hook_sin: HuggingFace's rotate-half with those tables
-      (partial rotary: the first cos.shape[-1] dims);
-    - GPT-J (TL 4 fires no rotation hook there): HuggingFace's own interleaved rotation
-      (`rotate_every_two`) with its sinusoids, on the first `rotary_dim` dims;
-    - HookedTransformer: the attention module's `apply_rotary`.
-    """
-    from ra_lens.math import rotate_half
-
-    cos, sin = acts.get(COS.format(layer)), acts.get(SIN.format(layer))
-    if cos is not None and sin is not None:
-        return lambda x: rotate_half(x, cos, sin)
-    attn = model.blocks[layer].attn
-    inner: Any = getattr(attn, "original_component", None)
-    if type(inner).__name__ == "GPTJAttention":
-        return partial(_gptj_rotate, int(inner.rotary_dim or inner.head_dim))
-    if inner is None and hasattr(attn, "apply_rotary") and ROT_Q.format(layer) in acts:
-        return partial(_hooked_rotate, attn)
-    return None
-
-
-def _gptj_rotate(rotary_dim: int, x: Tensor) -> Tensor:
-    from transformers.models.gptj.modeling_gptj import (
-        apply_rotary_pos_emb,
-        create_sinusoidal_positions,
-    )
-
-    sincos = create_sinusoidal_positions(x.shape[-3], rotary_dim).to(x)
-    sin, cos = sincos[:, : rotary_dim // 2], sincos[:, rotary_dim // 2 :]
-    flat = x.reshape(-1, *x.shape[-3:])
-    part = apply_rotary_pos_emb(flat[..., :rotary_dim], sin[None], cos[None])
-    return torch.cat([part, flat[..., rotary_dim:]], dim=-1).reshape(x.shape)
-
-
-def _hooked_rotate(attn: Any, x: Tensor) -> Tensor:
-    flat = x.reshape(-1, *x.shape[-3:])
-    turned: Tensor = attn.apply_rotary(flat.to(attn.rotary_sin.dtype), 0)
-    return turned.to(x.dtype).reshape(x.shape)
-
-
-def rotation_matrices(
-    rotate: Callable[[Tensor], Tensor], n_pos: int, d_head: int, device: Any = None
-) -> Tensor:
-    """A rotary embedding (linear per position) as Float[Tensor, "pos d_head d_head"], float64:
-    rotate(v) at position p is v @ M[p]; read off by rotating the unit vectors."""
-    eye = torch.eye(d_head, dtype=torch.float64, device=device)
-    units = eye[:, None, None, :].expand(d_head, n_pos, 1, d_head)  # [i pos head=1 e]
-    return rotate(units)[:, :, 0].permute(1, 0, 2).contiguous()
-
-
-def rotation_hooks(layers: Iterable[int]) -> list[str]:
-    """The hook names `fill_rotated` reads: hook_q, hook_k, hook_cos, hook_sin of each layer."""
-    return [name.format(layer) for layer in layers for name in (Q, K, COS, SIN)]
-
-
-def fill_rotated(model: HookedModel, acts: dict[str, Tensor], layers: Iterable[int]) -> None:
-    """Put the rotated queries and keys into `acts` (recorded values by hook name) where the
-    adapter rotates q/k but never fires hook_rot_q/hook_rot_k (TL 4's joint-qkv adapters:
-    GPT-NeoX/Pythia, Phi-3, Falcon; GPT-J, whose rotation happens inside HuggingFace's
-    attention): recomputed from hook_q/hook_k with `rotary_function`. Callers check the result
-    against hook_pattern (the softmax they recompute), so a different rotation is refused there,
-    not used. Layers whose rotation fired, or that have none, are left as they are.
-    """
-    for layer in layers:
-        if ROT_Q.format(layer) in acts or ROT_Q.format(layer) not in model.hook_dict:
-            continue
-        rotate = rotary_function(model, layer, acts)
-        if rotate is None:
-            continue
-        for plain, rotated in ((Q, ROT_Q), (K, ROT_K)):
-            if plain.format(layer) in acts:
-                acts[rotated.format(layer)] = rotate(acts[plain.format(layer)])
 
 
 def _device(model: HookedModel) -> torch.device:

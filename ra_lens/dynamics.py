@@ -28,7 +28,7 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor, nn
 
-from ra_lens import capture
+from ra_lens import attention, capture
 from ra_lens._typing import Validated
 from ra_lens.capture import PATTERN, Batch, HookedModel
 from ra_lens.core import MetricFn, metric_loss, reversed_attention
@@ -318,13 +318,13 @@ def _capture(model: HookedModel, tokens: Tensor, layers: list[int]) -> dict[int,
     names = {(layer, key): name.format(layer) for layer in layers for key, name in _NAMES.items()}
     with torch.no_grad(), capture.recorded(model, names.values()) as acts:
         model(tokens)
-    capture.fill_rotated(model, acts, layers)
+    attention.fill_rotated(model, acts, layers)
     turns = {}
     for layer in layers:
-        rotate = capture.rotary_function(model, layer, acts)
+        rotate = attention.rotary_function(model, layer, acts)
         if rotate is not None and capture.ROT_Q.format(layer) in acts:
             q = acts[capture.Q.format(layer)]
-            turns[layer] = capture.rotation_matrices(rotate, q.shape[1], q.shape[-1], q.device)
+            turns[layer] = attention.rotation_matrices(rotate, q.shape[1], q.shape[-1], q.device)
     store: dict[int, dict[str, Tensor]] = {layer: {} for layer in layers}
     for (layer, key), name in names.items():
         if name in acts:
@@ -356,7 +356,7 @@ def _rot(
     x: Float[Tensor, "batch pos head d_head"], acts: dict[str, Tensor], transpose: bool = False
 ) -> Float[Tensor, "batch pos head d_head"]:
     """The rotary embedding (or its transpose) as its per-position matrices `acts["turn"]`
-    (`capture.rotation_matrices`); the identity when the layer has none."""
+    (`attention.rotation_matrices`); the identity when the layer has none."""
     if "turn" not in acts:
         return x
     turn = acts["turn"].to(x)
@@ -368,7 +368,7 @@ def _qk(acts: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
     K repeated to one key head per query head."""
     q = acts.get("rot_q", acts["q"])
     k = acts.get("rot_k", acts["k"])
-    return q, k.repeat_interleave(q.shape[2] // k.shape[2], dim=2)
+    return q, attention.per_query_head(k, q.shape[2] // k.shape[2])
 
 
 def _logits(acts: dict[str, Tensor]) -> Float[Tensor, "batch head query key"]:
@@ -411,7 +411,7 @@ def _predict(
         delta = -lr * (step if b_grad is None else step + b_grad)
         deltas.append(_rot(delta.unflatten(-1, g.shape[-2:]), acts))
     dq = deltas[0]
-    dk = deltas[1].repeat_interleave(n_heads // n_kv, dim=2)
+    dk = attention.per_query_head(deltas[1], n_heads // n_kv)
     first = torch.einsum("bqhd,bkhd->bhqk", dq, k) + torch.einsum("bqhd,bkhd->bhqk", q, dk)
     second = torch.einsum("bqhd,bkhd->bhqk", dq, dk)
     return first, second, grads

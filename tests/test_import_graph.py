@@ -37,6 +37,7 @@ FLOORS: list[tuple[str, list[str]]] = [
         "the model: contract, state, tokens, metrics, pairs, loading",
         [
             "ra_lens.contract",
+            "ra_lens.attention",
             "ra_lens.state",
             "ra_lens.liveness",
             "ra_lens.capture",

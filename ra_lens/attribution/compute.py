@@ -13,7 +13,7 @@ import einops
 import torch
 from torch import Tensor
 
-from ra_lens import capture, pairs
+from ra_lens import attention, capture, pairs
 from ra_lens._typing import Validated
 from ra_lens.attribution.result import AttentionAttribution
 from ra_lens.attribution.softmax import (
@@ -230,7 +230,7 @@ def _capture(
         with (
             model.hooks(fwd_hooks=hooks),
             capture.recorded(
-                model, patterns + queries + keys + capture.rotation_hooks(layers)
+                model, patterns + queries + keys + attention.rotation_hooks(layers)
             ) as acts,
             capture.raw_input_hooks(model, {}, keep_grad),
         ):
@@ -240,14 +240,10 @@ def _capture(
         values, loss = metric_loss(metric, logits, batch)
         if backward:
             torch.autograd.grad(loss, [leaf["leaf"]], allow_unused=True)
-    capture.fill_rotated(model, acts, layers)
-    silent = [name for pair in zip(queries, keys) for name in pair if name not in acts]
-    if silent:
-        raise RuntimeError(
-            f"hook {silent[0]!r} never fired during the forward pass: this adapter rotates q/k "
-            "inside HuggingFace's attention and exposes neither the rotated queries and keys "
-            "nor its cos/sin tables (GPT-J's interleaved rotary), so the softmax cannot be redone"
-        )
+    attention.fill_rotated(model, acts, layers)
+    attention.require_fired(
+        [name for pair in zip(queries, keys) for name in pair], acts, "the softmax cannot be redone"
+    )
     missing = [layer for layer, name in zip(layers, patterns) if backward and name not in grads]
     if missing:
         raise RuntimeError(
@@ -291,32 +287,30 @@ def _layer_estimates(
     if at is not None:
         q_other = q + (q_other - patched.queries[layer].double())
         k_other = k + (k_other - patched.keys[layer].double())
-    n_heads, n_kv = q.shape[2], k.shape[2]
-    group = n_heads // n_kv
+    group = q.shape[2] // k.shape[2]
 
     def per_head(keys: Tensor) -> Tensor:
-        # Query head h reads key/value head h // group.
-        return einops.repeat(keys, "b pos g d -> b pos (g r) d", r=group)
+        return attention.per_query_head(keys, group)
 
     n_pos = q.shape[1]
     causal = facts.mask(n_pos, q.device)
 
     def logits_of(queries: Tensor, keys: Tensor) -> Tensor:
-        return facts.logits(torch.einsum("bqhd,bkhd->bhqk", queries, per_head(keys)))
+        return attention.attention_logits(queries, keys, facts)
 
     logits = logits_of(q, k)
     log_pattern = logits.log_softmax(dim=-1)
     pattern = run.patterns[layer].double()
     real = torch.arange(n_pos, device=q.device)[None, :] < lengths.to(q.device)[:, None]
     rows = real[:, None, :, None]
-    mismatch = float(((log_pattern.exp() - pattern).abs() * rows).max())
-    if mismatch > capture.recompute_tolerance(run.patterns[layer].dtype):
-        cause = facts.refusal() or "q/k edited by another hook?"
-        raise ValueError(
-            f"layer {layer}: the recomputed softmax ({facts}) differs from hook_pattern by "
-            f"{mismatch:.2g}: {cause}; attention_attribution models scale, soft-cap, causal "
-            "mask and sliding window"
-        )
+    attention.check_recomputed(
+        layer,
+        log_pattern.exp(),
+        run.patterns[layer],
+        rows,
+        facts,
+        "attention_attribution models scale, soft-cap, causal mask and sliding window",
+    )
     grad = run.grads[layer].double().masked_fill(~causal, 0.0) * rows
     other_pattern = source.patterns[layer].double()
     edges = grad * (other_pattern - patched.patterns[layer].double())  # the same A' - A on the path

@@ -43,7 +43,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from ra_lens import capture, pairs
+from ra_lens import attention, capture, pairs
 from ra_lens._typing import Validated
 from ra_lens.capture import PATTERN, HookedModel
 from ra_lens.circuits import _edges
@@ -227,7 +227,7 @@ class _Step:
         names = list(patterns)
         names += [capture.query_hook_name(model, la) for la in layers]
         names += [capture.key_hook_name(model, la) for la in layers]
-        names += capture.rotation_hooks(layers)
+        names += attention.rotation_hooks(layers)
         # grouped-query: every layer's pattern as the model uses it (in the autograd graph), and
         # the gradients at hook_pattern and hook_z (`_kv_copies`)
         live: dict[str, Tensor] = {}
@@ -264,7 +264,7 @@ class _Step:
         self.run = run
         self.outputs = run.outputs()
         self.resid = {la: x.detach() for la, x in run.resid.items()}
-        capture.fill_rotated(model, acts, layers)
+        attention.fill_rotated(model, acts, layers)
         self.acts, self.pattern_grads = acts, grads
         # layer -> (key copies, value copies), each [kv_head * (group - 1) batch pos d_model]:
         # the gradient at the input of the key (value) head that query head h reads, through
@@ -396,14 +396,9 @@ class _Step:
         g, model, w = self.graph, self.model, self.weights[layer]
         acts = self.acts
         names = [capture.query_hook_name(model, layer), capture.key_hook_name(model, layer)]
-        silent = [name for name in names if name not in acts]
-        if silent:
-            raise RuntimeError(
-                f"hook {silent[0]!r} never fired: this adapter rotates q/k inside "
-                "HuggingFace's attention and exposes neither the rotated queries and keys nor "
-                "its cos/sin tables (GPT-J's interleaved rotary), so the exact methods cannot "
-                "redo its softmax; use method='eap' or 'eap-ig'"
-            )
+        attention.require_fired(
+            names, acts, "the exact methods cannot redo its softmax; use method='eap' or 'eap-ig'"
+        )
         facts = _refuse_unmodelled(model, layer)
         q = acts[capture.query_hook_name(model, layer)].double()
         k = acts[capture.key_hook_name(model, layer)].double()
@@ -417,17 +412,17 @@ class _Step:
         n_pos = q.shape[1]
         causal = facts.mask(n_pos, q.device)
         rows = real.to(q.device)[:, None, :, None]
-        k_rep = k.repeat_interleave(group, dim=2)
+        k_rep = attention.per_query_head(k, group)
         raw = torch.einsum("bthe,bshe->bhts", q, k_rep)
-        logits = facts.logits(raw)
-        base_pattern = logits.softmax(-1)
-        mismatch = float(((base_pattern - pattern).abs() * rows).max())
-        if mismatch > capture.recompute_tolerance(acts[PATTERN.format(layer)].dtype):
-            raise ValueError(
-                f"layer {layer}: the recomputed softmax ({facts}) differs from hook_pattern by "
-                f"{mismatch:.2g}: this attention is not modelled (q/k edited by another hook?); "
-                "use method='eap' or 'eap-ig'"
-            )
+        base_pattern = facts.logits(raw).softmax(-1)
+        attention.check_recomputed(
+            layer,
+            base_pattern,
+            acts[PATTERN.format(layer)],
+            rows,
+            facts,
+            "use method='eap' or 'eap-ig'",
+        )
         weight = grad.masked_fill(~causal, 0.0) * rows  # R on real rows only
         # The projections of every writer's change are most of the cost: they run in the
         # model's precision (float32 at least), with the rotary embedding folded into W_Q and
@@ -447,7 +442,7 @@ class _Step:
             new = facts.logits(raw[None] + dlog).softmax(-1)
             query = ((new - base_pattern[None]) * weight[None]).sum((-1, -2)).sum(1)  # [w h]
             dk = _project(change, w_k)
-            dk = dk.repeat_interleave(group, dim=3)
+            dk = attention.per_query_head(dk, group, dim=3)
             dlog = torch.einsum("bthe,wbshe->wbhts", q_low, dk).double()
             new = facts.logits(raw[None] + dlog).softmax(-1)
             key = ((new - base_pattern[None]) * weight[None]).sum((-1, -2)).sum(1)  # [w h]
@@ -497,18 +492,13 @@ def _rotation(model: HookedModel, layer: int, acts: dict[str, Tensor]) -> Tensor
     rotated = capture.ROT_Q.format(layer)
     if rotated not in acts:
         return None
-    rotate = capture.rotary_function(model, layer, acts)
+    rotate = attention.rotary_function(model, layer, acts)
     if rotate is None:
         raise ValueError(
             f"layer {layer}: the rotary embedding could not be read (no cos/sin tables, no "
             "known rotation); use method='eap'"
         )
-    q = acts[capture.Q.format(layer)].double()
-    error = float((rotate(q) - acts[rotated].double()).abs().max())
-    tolerance = capture.recompute_tolerance(acts[capture.Q.format(layer)].dtype)
-    if error > tolerance * max(1.0, float(q.abs().max())):
-        raise ValueError(
-            f"layer {layer}: the rotary embedding could not be reproduced (error {error:.2g}); "
-            "use method='eap'"
-        )
-    return capture.rotation_matrices(rotate, q.shape[-3], q.shape[-1], q.device)
+    q = acts[capture.Q.format(layer)]
+    attention.check_rotation(layer, rotate, q, acts[rotated], "use method='eap'")
+    q = q.double()
+    return attention.rotation_matrices(rotate, q.shape[-3], q.shape[-1], q.device)

@@ -36,6 +36,7 @@ from torch import Tensor
 
 from ra_lens._typing import Validated
 from ra_lens.circuits.circuit import Circuit, EdgeScores
+from ra_lens.timing import now
 
 #: An evaluator: a circuit -> its faithfulness (a result with `.value`, or a float).
 Evaluate = Callable[[Circuit], Any]
@@ -99,7 +100,8 @@ def refine(
         boost: the "add" multiplier (> 1).
         budget: the most evaluations to spend (one per fraction per trial, the start included).
         budget_s: also stop before a trial once this much `clock` time is spent (None: no limit).
-        clock: the clock budget_s is read on (process CPU time).
+        clock: the clock budget_s is read on (process CPU time), through `timing.now` (queued
+            CUDA work finished first).
 
     Returns:
         Refinement (`.scores`, `.objective`, `.evaluations`, `.steps`).
@@ -123,7 +125,7 @@ def refine(
             f"budget={budget!r}: the starting point alone takes {len(sizes)} evaluations (one "
             "per fraction); pass at least that many"
         )
-    start_time = clock()
+    start_time = now(clock)
     g = scores.graph
     helps = scores.helps * g.real
     owner = g.reader_owners.to(torch.float64)  # [reader, writer]
@@ -177,7 +179,7 @@ def refine(
     steps: list[Step] = []
 
     def can_try() -> bool:
-        out_of_time = budget_s is not None and clock() - start_time >= budget_s
+        out_of_time = budget_s is not None and now(clock) - start_time >= budget_s
         return spent + len(counts) <= budget and not out_of_time
 
     trials = [(w, factor) for w in order.tolist() for factor in (0.0, boost)]
@@ -202,5 +204,5 @@ def refine(
         objective=best,
         evaluations=spent,
         steps=steps,
-        seconds=clock() - start_time,
+        seconds=now(clock) - start_time,
     )

@@ -36,11 +36,10 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from ra_lens import capture
+from ra_lens import capture, timing
 from ra_lens.attribution import AttentionAttribution, attention_attribution
 from ra_lens.capture import PATTERN, Batch, HookedModel
 from ra_lens.core import reversed_attention
-from ra_lens.experiments import timing
 from ra_lens.files import check_writable, load_json, write_file
 from ra_lens.pairs import metric_rows, metric_values
 from ra_lens.progress import tqdm
@@ -295,28 +294,21 @@ def measure(
     clean, corrupted, metric = ioi.paired_batch(model, pairs)
     seconds: dict[str, float] = {}
 
-    def timed(name: str, fn: Any) -> Any:
-        with timing.timed(seconds, name):
-            return fn()
-
-    exact = timed("exact", lambda: attention_attribution(model, clean, corrupted, metric))
-    linear = timed(
-        "linear", lambda: attention_attribution(model, clean, corrupted, metric, method="linear")
-    )
-    exact_ig = timed(
-        "exact_ig",
-        lambda: attention_attribution(
+    with timing.timed(seconds, "exact"):
+        exact = attention_attribution(model, clean, corrupted, metric)
+    with timing.timed(seconds, "linear"):
+        linear = attention_attribution(model, clean, corrupted, metric, method="linear")
+    with timing.timed(seconds, "exact_ig"):
+        exact_ig = attention_attribution(
             model, clean, corrupted, metric, method="exact-ig", steps=ig_steps
-        ),
-    )
-    ra = timed("ra_norms", lambda: reversed_attention(model, clean, metric, keep="norms"))
-    if stored is None:
-        truth = timed(
-            "truth",
-            lambda: node_patching(
-                model, clean, corrupted, metric, max_rows=max_rows, progress=progress
-            ),
         )
+    with timing.timed(seconds, "ra_norms"):
+        ra = reversed_attention(model, clean, metric, keep="norms")
+    if stored is None:
+        with timing.timed(seconds, "truth"):
+            truth = node_patching(
+                model, clean, corrupted, metric, max_rows=max_rows, progress=progress
+            )
     else:
         truth, seconds["truth"] = _stored_truth(stored, pairs, exact)
     result = TaskMeasurement(

@@ -14,13 +14,13 @@ from ra_lens import pairs, tasks
 from ra_lens._typing import Validated
 from ra_lens.capture import HookedModel
 from ra_lens.core import reversed_attention
-from ra_lens.experiments.timing import timed
 from ra_lens.files import write_file
 from ra_lens.metrics import target_nll
 from ra_lens.patching import attention_patch_hooks, forward_patch_hooks
 from ra_lens.progress import tqdm
 from ra_lens.result import ReversedAttention
 from ra_lens.tasks import Accuracy, Prompt, Task, evaluate, task_prompts
+from ra_lens.timing import timed
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -121,7 +121,7 @@ class PatchingResult:
             "chosen_forward_top3": dict(zip(keys, self.chosen(3, "forward"))),
         }
 
-    def save_json(self, path: str | Path) -> None:
+    def save(self, path: str | Path) -> None:
         write_file(path, json.dumps(self.to_dict(), indent=2), make_folders=True)
 
     def table(self) -> str:

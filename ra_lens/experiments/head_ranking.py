@@ -10,7 +10,7 @@ attribution patching.
     >>> from ra_lens.experiments import head_ranking
     >>> result = head_ranking(model, "antonym", shots=5, n_prompts=25)     # doctest: +SKIP
     >>> print(result.table())                                              # doctest: +SKIP
-    >>> result.save_json("ranking.json"); result.plots("figures/")          # doctest: +SKIP
+    >>> result.save("ranking.json"); result.plots("figures/")          # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -28,13 +28,13 @@ from ra_lens import capture, tasks
 from ra_lens import ranking as rk
 from ra_lens._typing import Validated
 from ra_lens.capture import HookedModel
-from ra_lens.experiments.timing import timed
 from ra_lens.files import write_file
 from ra_lens.patching import HeadMeans, last_token_means
 from ra_lens.progress import tqdm
 from ra_lens.ranking import AblationCurve, Interval
 from ra_lens.ranking.engine import check_count
 from ra_lens.tasks import Accuracy, Prompt, Task, shuffled_label_prompts, task_prompts
+from ra_lens.timing import timed
 from ra_lens.types import Scores
 
 
@@ -285,7 +285,7 @@ class HeadRankingResult:
             "notes": list(self.notes),
         }
 
-    def save_json(self, path: str | Path) -> None:
+    def save(self, path: str | Path) -> None:
         write_file(path, json.dumps(self.to_dict(), indent=2), make_folders=True)
 
     def table(self) -> str:
@@ -431,7 +431,7 @@ def head_ranking(
             its protocol-independent rankings are taken over, with their seconds, not recomputed.
 
     Returns:
-        HeadRankingResult (`.table()`, `.to_dict()`, `.save_json(path)`, `.plots(out_dir)`).
+        HeadRankingResult (`.table()`, `.to_dict()`, `.save(path)`, `.plots(out_dir)`).
 
     >>> import torch
     >>> from ra_lens.tasks import Task

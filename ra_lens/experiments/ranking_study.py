@@ -30,11 +30,11 @@ from ra_lens.experiments.head_ranking import (
     check_rankings,
     head_ranking,
 )
-from ra_lens.experiments.timing import timed
 from ra_lens.files import load_json, write_file
 from ra_lens.progress import tqdm
 from ra_lens.ranking.engine import check_count
 from ra_lens.tasks import Task
+from ra_lens.timing import timed
 
 #: The study's tasks and shot counts (issue 14).
 STUDY_TASKS: tuple[str, ...] = ("antonym", "capitalize", "country-capital", "present-past")
@@ -130,7 +130,7 @@ class StudyResult:
             "cells": [cell.to_dict() for cell in self.cells],
         }
 
-    def save_json(self, path: str | Path) -> None:
+    def save(self, path: str | Path) -> None:
         write_file(path, json.dumps(self.to_dict(), indent=1, allow_nan=False), make_folders=True)
 
     def table(self) -> str:
@@ -296,7 +296,7 @@ def ranking_study(
         on_cell: called with the partial result after every cell (e.g. to save it as it goes).
 
     Returns:
-        StudyResult (`.to_dict()`, `.save_json(path)`, `.table()`, `.plots(out_dir)`).
+        StudyResult (`.to_dict()`, `.save(path)`, `.table()`, `.plots(out_dir)`).
     """
     names = check_rankings(rankings)
     for value, what in (
@@ -539,7 +539,7 @@ def _run(args: argparse.Namespace) -> tuple[StudyResult, Callable[[StudyResult],
         partial.config["model"] = model_name
         partial.config["device"] = _device_name(args.device)
         if args.json:
-            partial.save_json(args.json)
+            partial.save(args.json)
 
     result = ranking_study(
         model,

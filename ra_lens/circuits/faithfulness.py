@@ -22,14 +22,16 @@ too (`corrupted_metric`), but does not normalise.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Literal
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from jaxtyping import Bool, Float
 from torch import Tensor
 
-from ra_lens import capture, pairs
+from ra_lens import capture, pairs, record
 from ra_lens._typing import Validated
 from ra_lens.capture import HookedModel
 from ra_lens.circuits import _edges
@@ -37,6 +39,9 @@ from ra_lens.circuits.circuit import Circuit
 from ra_lens.circuits.graph import Graph
 from ra_lens.progress import tqdm
 from ra_lens.types import MetricFn, Tokens
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 Ablation = Literal["patching", "mean", "zero"]
 ABLATIONS: tuple[str, ...] = ("patching", "mean", "zero")
@@ -107,6 +112,35 @@ class Faithfulness:
         )
         rows.append(f"\nfaithfulness normalised by the {self.baseline}")
         return "\n".join(rows)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: every field, the per-pair tensors as lists (NaN as None)."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, Tensor):
+                value = value.tolist()
+            out[f.name] = record.json_ready(value)
+        return out
+
+    def plot(self, save: str | Path | None = None) -> Figure:
+        """Each pair's faithfulness as a bar (the mean in the title); `save` also writes it."""
+        from ra_lens.viz import named_bars
+
+        return named_bars(
+            [f"pair {i}" for i in range(len(self.per_pair))], self.per_pair,
+            title=f"faithfulness {self.value:.3f} ({self.n_edges} edges, {self.ablation})",
+            xlabel="faithfulness (1: the clean run, 0: the empty circuit)", save=save,
+        )  # fmt: skip
+
+    def save(self, path: str | Path) -> None:
+        """Write every field to one JSON file (`ra_lens.record`); `load` reads it back equal."""
+        record.save(self, path, self.to_dict())
+
+    @classmethod
+    def load(cls, path: str | Path) -> Faithfulness:
+        """Read a file written by `save`; other and damaged files are refused naming the file."""
+        return record.load(cls, path)
 
 
 def faithfulness(

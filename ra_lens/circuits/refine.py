@@ -24,19 +24,25 @@ scores on others (`faithfulness_curve` on held-out pairs).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 from jaxtyping import Float
 from torch import Tensor
 
+from ra_lens import record
 from ra_lens._typing import Validated
 from ra_lens.circuits.circuit import Circuit, EdgeScores
 from ra_lens.timing import now
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 #: An evaluator: a circuit -> its faithfulness (a result with `.value`, or a float).
 Evaluate = Callable[[Circuit], Any]
@@ -73,6 +79,53 @@ class Refinement:
     evaluations: int
     steps: list[Step] = field(default_factory=list)
     seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: the objectives, the budget spent, every trial and the nodes moved (the
+        refined scores themselves go to `save`, or `scores.save`)."""
+        g = self.scores.graph
+        moved = {g.writers[i]: float(m) for i, m in enumerate(self.multipliers.tolist()) if m != 1}
+        return {
+            "method": self.scores.method,
+            "start_objective": self.start_objective,
+            "objective": self.objective,
+            "evaluations": self.evaluations,
+            "seconds": self.seconds,
+            "multipliers": moved,
+            "steps": [dataclasses.asdict(step) for step in self.steps],
+        }
+
+    def table(self) -> str:
+        """A Markdown table: one row per trial (node, multiplier, objective, kept)."""
+        rows = [
+            f"refine: objective {self.start_objective:.4f} -> {self.objective:.4f} in "
+            f"{self.evaluations} evaluations",
+            "",
+            "| trial | node | multiplier | objective | kept |",
+            "|---:|---|---:|---:|---|",
+        ]
+        for i, s in enumerate(self.steps, 1):
+            rows.append(f"| {i} | {s.node} | {s.multiplier:g} | {s.objective:.4f} | {s.kept} |")
+        return "\n".join(rows)
+
+    def plot(self, save: str | Path | None = None) -> Figure:
+        """Each trial's objective as a bar (kept trials coloured); `save` also writes it."""
+        from ra_lens.viz import named_bars
+
+        return named_bars(
+            [f"{s.node} x{s.multiplier:g}" for s in self.steps], [s.objective for s in self.steps],
+            kept=[s.kept for s in self.steps], xlabel="objective",
+            title=f"refine: {self.start_objective:.3f} -> {self.objective:.3f}", save=save,
+        )  # fmt: skip
+
+    def save(self, path: str | Path) -> None:
+        """Write every field to one JSON file (`ra_lens.record`); `load` reads it back equal."""
+        record.save(self, path, self.to_dict())
+
+    @classmethod
+    def load(cls, path: str | Path) -> Refinement:
+        """Read a file written by `save`; other and damaged files are refused naming the file."""
+        return record.load(cls, path)
 
 
 def refine(

@@ -77,7 +77,6 @@ def pair_scores(
                 batch_size=1,
                 progress=progress,
             )
-            assert isinstance(one, EdgeScores)
             parts.append(one.scores.detach().to("cpu", torch.float64))
             if one.ungrouped_scores is not None:  # grouped-query: each query head's own copy
                 copies.append(one.ungrouped_scores.detach().to("cpu", torch.float64))

@@ -30,13 +30,13 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from ra_lens import capture, timing
+from ra_lens import capture, record, timing
 from ra_lens.attribution import AttentionAttribution, attention_attribution
 from ra_lens.capture import PATTERN, Batch, HookedModel
 from ra_lens.core import reversed_attention
@@ -46,6 +46,9 @@ from ra_lens.progress import tqdm
 from ra_lens.ranking.statistics import pearson, spearman, top_recall
 from ra_lens.tasks import ioi
 from ra_lens.types import MetricFn
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 KINDS: tuple[str, ...] = ("query", "key", "pattern")
 
@@ -267,6 +270,31 @@ class TaskMeasurement:
             "ig_steps": self.ig_steps,
             "ra_norms": self.ra_norms.tolist(),
         }
+
+    def table(self) -> str:
+        """The README table's rows of this task (`markdown`)."""
+        return markdown([self])
+
+    def plot(self, save: str | Path | None = None) -> Figure:
+        """Each estimate against the patching truth, one panel per node kind
+        (`viz.estimate_scatter`); `save` also writes it."""
+        from ra_lens.viz import estimate_scatter
+
+        methods = {"exact": self.exact, "linear": self.linear, "exact-ig": self.exact_ig}
+        return estimate_scatter(
+            self.truth, {name: table for name, table in methods.items() if table}, save=save
+        )
+
+    def save(self, path: str | Path) -> None:
+        """Write `to_dict()` (strict JSON, NaN as null) plus every field (`ra_lens.record`, so
+        `load` reads it back equal) to one JSON file, missing folders made."""
+        record.save(self, path, self.to_dict())
+
+    @classmethod
+    def load(cls, path: str | Path) -> TaskMeasurement:
+        """Read a file written by `save` (every field back equal); other and damaged files are
+        refused with a ValueError naming the file."""
+        return record.load(cls, path)
 
 
 def measure(

@@ -3,18 +3,16 @@ to the forward attention of held-out prompts at a sweep of scales, against the f
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ra_lens import pairs, tasks
+from ra_lens import pairs, record, tasks
 from ra_lens._typing import Validated
 from ra_lens.capture import HookedModel
 from ra_lens.core import reversed_attention
-from ra_lens.files import write_file
 from ra_lens.metrics import target_nll
 from ra_lens.patching import attention_patch_hooks, forward_patch_hooks
 from ra_lens.progress import tqdm
@@ -122,7 +120,15 @@ class PatchingResult:
         }
 
     def save(self, path: str | Path) -> None:
-        write_file(path, json.dumps(self.to_dict(), indent=2), make_folders=True)
+        """Write `to_dict()` (strict JSON, NaN as null) plus every field (`ra_lens.record`, so
+        `load` reads it back equal) to one JSON file, missing folders made."""
+        record.save(self, path, self.to_dict())
+
+    @classmethod
+    def load(cls, path: str | Path) -> PatchingResult:
+        """Read a file written by `save` (every field back equal); other and damaged files are
+        refused with a ValueError naming the file."""
+        return record.load(cls, path)
 
     def table(self) -> str:
         """A plain-text table: one row per scale, top-1/top-3 for RA and forward patching."""

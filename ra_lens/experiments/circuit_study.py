@@ -222,7 +222,7 @@ def head_node_scores(
     scores: circuits.EdgeScores,
 ) -> Float[Tensor, "layer head"]:
     """Each head's node score from its edge scores: the sum over its outgoing edges, the first-
-    order effect of patching its output into every reader (as `attribute(level="node")`), in
+    order effect of patching its output into every reader (as `attribute_nodes`), in
     MIB's sign (`EdgeScores.helps`: noise scores negated, so they compare with denoise truth)."""
     g = scores.graph
     writers = scores.helps.detach().sum(1)  # under TL 2 attribute returns scores with grad
@@ -331,7 +331,7 @@ def run_task(
             return scored[label]
         method, steps, direction = METHODS[label]
         spent: dict[str, float] = {}
-        result: circuits.EdgeScores | circuits.NodeScores
+        result: circuits.EdgeScores
         if method == "ensemble":
             parts = [score(part) for part in ENSEMBLES[label]]
             result = circuits.ensemble([part for part, _ in parts])
@@ -349,7 +349,6 @@ def run_task(
                         model, train_clean, train_corrupted, train_metric, method=method,
                         steps=steps, direction=direction, batch_size=batch_size,
                     )  # fmt: skip
-        assert isinstance(result, circuits.EdgeScores)
         scored[label] = (result, spent)
         return scored[label]
 
@@ -361,12 +360,9 @@ def run_task(
             subset = scores
             if truth_pairs < len(pairs) and method != "random":
                 sub_clean, sub_corrupted, sub_metric = ioi.paired_batch(model, pairs[:truth_pairs])
-                subset = cast(  # edge scores: attribute's default level
-                    circuits.EdgeScores,
-                    circuits.attribute(
-                        model, sub_clean, sub_corrupted, sub_metric, method=method, steps=steps,
-                        direction=direction, batch_size=batch_size,
-                    ),
+                subset = circuits.attribute(
+                    model, sub_clean, sub_corrupted, sub_metric, method=method, steps=steps,
+                    direction=direction, batch_size=batch_size,
                 )  # fmt: skip
             heads = head_node_scores(subset)
             out["truth"]["pearson"][label] = pearson(heads, truth)

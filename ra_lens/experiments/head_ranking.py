@@ -15,7 +15,6 @@ attribution patching.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -24,11 +23,10 @@ from typing import Any, Literal
 
 from torch import Tensor
 
-from ra_lens import capture, tasks
+from ra_lens import capture, record, tasks
 from ra_lens import ranking as rk
 from ra_lens._typing import Validated
 from ra_lens.capture import HookedModel
-from ra_lens.files import write_file
 from ra_lens.patching import HeadMeans, last_token_means
 from ra_lens.progress import tqdm
 from ra_lens.ranking import AblationCurve, Interval
@@ -286,7 +284,15 @@ class HeadRankingResult:
         }
 
     def save(self, path: str | Path) -> None:
-        write_file(path, json.dumps(self.to_dict(), indent=2), make_folders=True)
+        """Write `to_dict()` (strict JSON, NaN as null) plus every field (`ra_lens.record`, so
+        `load` reads it back equal) to one JSON file, missing folders made."""
+        record.save(self, path, self.to_dict())
+
+    @classmethod
+    def load(cls, path: str | Path) -> HeadRankingResult:
+        """Read a file written by `save` (every field back equal); other and damaged files are
+        refused with a ValueError naming the file."""
+        return record.load(cls, path)
 
     def table(self) -> str:
         """One row per ranking: ablation AUCs with 95% bootstrap intervals (top-1 keeping the top

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Literal, cast
 
 from ra_lens import ranking as rk
-from ra_lens import tasks
+from ra_lens import record, tasks
 from ra_lens._typing import Validated
 from ra_lens.capture import HookedModel
 from ra_lens.experiments.head_ranking import (
@@ -131,7 +131,15 @@ class StudyResult:
         }
 
     def save(self, path: str | Path) -> None:
-        write_file(path, json.dumps(self.to_dict(), indent=1, allow_nan=False), make_folders=True)
+        """Write `to_dict()` (strict JSON, NaN as null) plus every field (`ra_lens.record`, so
+        `load` reads it back equal) to one JSON file, missing folders made."""
+        record.save(self, path, self.to_dict())
+
+    @classmethod
+    def load(cls, path: str | Path) -> StudyResult:
+        """Read a file written by `save` (every field back equal); other and damaged files are
+        refused with a ValueError naming the file."""
+        return record.load(cls, path)
 
     def table(self) -> str:
         """Every cell's table, then the runtime and the speed goal."""

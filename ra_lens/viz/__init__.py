@@ -29,13 +29,14 @@ says what its colours mean. The causal (upper) triangle is masked and drawn grey
 
 from ra_lens.viz._base import save_figure, visible_token
 from ra_lens.viz.attribution import attribution_heatmaps, estimate_scatter, top_edges_on_tokens
-from ra_lens.viz.curves import ablation_curves, ablation_curves_pair, scale_sweep
+from ra_lens.viz.curves import ablation_curves, ablation_curves_pair, named_bars, scale_sweep
 from ra_lens.viz.maps import head_norm_heatmaps, head_pair, ranking_maps, top_heads_grid
 from ra_lens.viz.pages import attribution_edges_page, circuitsvis_heads
 
 __all__ = [
     "ablation_curves",
     "ablation_curves_pair",
+    "named_bars",
     "attribution_edges_page",
     "attribution_heatmaps",
     "circuitsvis_heads",

@@ -43,6 +43,7 @@ from torch import Tensor
 from ra_lens import capture, pairs
 from ra_lens._typing import Validated
 from ra_lens.capture import PATTERN, HookedModel
+from ra_lens.checks import check_count
 from ra_lens.circuits import _edges
 from ra_lens.circuits.circuit import EdgeScores
 from ra_lens.circuits.graph import Graph
@@ -110,7 +111,7 @@ def attribute(
         raise ValueError(f"unknown method {method!r}: choose one of {METHODS}")
     if direction not in DIRECTIONS:
         raise ValueError(f"unknown direction {direction!r}: choose one of {DIRECTIONS}")
-    capture.check_positive_int(steps, "steps")
+    check_count(steps, "steps")
     capture.check_model(model)
     _edges.check_supported(model)
     graph = Graph.from_model(model)

@@ -16,9 +16,9 @@ from torch import Tensor
 from ra_lens import record
 from ra_lens._typing import Validated
 from ra_lens.capture import HookedModel
+from ra_lens.checks import check_count
 from ra_lens.circuits.attribute import Method, attribute
 from ra_lens.circuits.graph import Graph
-from ra_lens.contract import check_positive_int
 from ra_lens.types import MetricFn, Tokens
 
 if TYPE_CHECKING:
@@ -55,7 +55,7 @@ class NodeScores:
         self, k: int = 10, *, of: Literal["writers", "readers"] = "writers"
     ) -> list[tuple[str, float]]:
         """The k nodes (writers or readers) with the largest |score|, as (name, score)."""
-        check_positive_int(k, "k")
+        check_count(k, "k")
         values, names = (
             (self.writers, self.graph.writers)
             if of == "writers"

@@ -38,6 +38,7 @@ from torch import Tensor
 
 from ra_lens import record
 from ra_lens._typing import Validated
+from ra_lens.checks import check_count
 from ra_lens.circuits.circuit import Circuit, EdgeScores
 from ra_lens.timing import now
 
@@ -169,15 +170,10 @@ def refine(
     sizes = [float(k) for k in fractions]
     if not sizes or any(not 0 < k <= 1 for k in sizes):
         raise ValueError(f"fractions={list(fractions)!r}: pass fractions of the edges in (0, 1]")
-    if isinstance(candidates, bool) or not isinstance(candidates, int) or candidates < 0:
-        raise ValueError(f"candidates={candidates!r}: pass a whole number >= 0")
+    check_count(candidates, "candidates", minimum=0)
     if not math.isfinite(boost) or boost <= 1:
         raise ValueError(f"boost={boost!r}: pass a number > 1 (the 'add' multiplier)")
-    if isinstance(budget, bool) or not isinstance(budget, int) or budget < len(sizes):
-        raise ValueError(
-            f"budget={budget!r}: the starting point alone takes {len(sizes)} evaluations (one "
-            "per fraction); pass at least that many"
-        )
+    check_count(budget, "budget", len(sizes), why="the starting point takes one per fraction")
     start_time = now(clock)
     g = scores.graph
     helps = scores.helps * g.real

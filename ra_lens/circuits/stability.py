@@ -27,6 +27,7 @@ from torch import Tensor
 from ra_lens import pairs
 from ra_lens._typing import Validated
 from ra_lens.capture import HookedModel
+from ra_lens.checks import check_count
 from ra_lens.circuits.circuit import EdgeScores
 from ra_lens.ranking.statistics import bootstrap_indices
 from ra_lens.timing import timed
@@ -129,8 +130,7 @@ def stable(
         )
     if statistic not in STATISTICS:
         raise ValueError(f"statistic={statistic!r}: choose one of {STATISTICS}")
-    if isinstance(n_boot, bool) or not isinstance(n_boot, int) or n_boot < 1:
-        raise ValueError(f"n_boot={n_boot!r}: pass a whole number of resamples >= 1")
+    check_count(n_boot, "n_boot", why="a number of resamples")
     g = scores.graph
     sign = 1.0 if scores.direction == "denoise" else -1.0
     per_pair = sign * scores.per_pair.detach().to("cpu", torch.float64)

@@ -27,10 +27,10 @@ from ra_lens import capture, record, tasks
 from ra_lens import ranking as rk
 from ra_lens._typing import Validated
 from ra_lens.capture import HookedModel
+from ra_lens.checks import check_count
 from ra_lens.patching import HeadMeans, last_token_means
 from ra_lens.progress import tqdm
 from ra_lens.ranking import AblationCurve, Interval
-from ra_lens.ranking.engine import check_count
 from ra_lens.tasks import Accuracy, Prompt, Task, shuffled_label_prompts, task_prompts
 from ra_lens.timing import timed
 from ra_lens.types import Scores

@@ -24,6 +24,7 @@ from ra_lens import ranking as rk
 from ra_lens import record, tasks
 from ra_lens._typing import Validated
 from ra_lens.capture import HookedModel
+from ra_lens.checks import check_count
 from ra_lens.experiments.head_ranking import (
     RANKINGS,
     HeadRankingResult,
@@ -32,7 +33,6 @@ from ra_lens.experiments.head_ranking import (
 )
 from ra_lens.files import load_json, write_file
 from ra_lens.progress import tqdm
-from ra_lens.ranking.engine import check_count
 from ra_lens.tasks import Task
 from ra_lens.timing import timed
 

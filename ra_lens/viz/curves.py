@@ -206,8 +206,8 @@ def named_bars(
     faithfulness per pair, a search's trials (`kept` colours the kept ones).
 
     >>> fig = named_bars(["a0.h1", "m0"], [0.5, -0.25], title="scores", xlabel="score")
-    >>> [t.get_text() for t in fig.axes[0].get_yticklabels()], fig.axes[0].get_title()
-    (['m0', 'a0.h1'], 'scores')
+    >>> [(t.get_text(), int(t.get_position()[1])) for t in fig.axes[0].get_yticklabels()]
+    [('a0.h1', 1), ('m0', 0)]
     """
     xs = _numpy(values)
     if len(names) != len(xs):

@@ -29,11 +29,12 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor, nn
 
-from ra_lens import capture, record
+from ra_lens import capture
 from ra_lens._typing import Validated
 from ra_lens.capture import PATTERN, Batch, HookedModel
 from ra_lens.core import MetricFn, metric_loss, reversed_attention
 from ra_lens.math import causal_mask, softcap_slope
+from ra_lens.record import Recorded, json_ready
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -49,7 +50,7 @@ SUPPORTED = (
 
 
 @dataclass
-class EditDynamics:
+class EditDynamics(Recorded):
     """Predicted (from RA) versus actual change of every head's attention after one SGD step.
 
     Each chosen layer is stepped alone: W_q, W_k (and q/k biases) of that layer only, by
@@ -132,7 +133,7 @@ class EditDynamics:
             "lengths": self.lengths.tolist(),
             "grad_error": self.grad_error.tolist(),
             **{
-                name: record.json_ready(getattr(self, name).tolist())
+                name: json_ready(getattr(self, name).tolist())
                 for name in ("cosine", "relative_error", "pattern_cosine", "pattern_relative_error")
             },
         }
@@ -164,15 +165,6 @@ class EditDynamics:
         return ranking_maps(
             {"cosine (predicted, actual)": self.cosine}, layers=self.layers, save=save
         )
-
-    def save(self, path: str | Path) -> None:
-        """Write every field to one JSON file (`ra_lens.record`); `load` reads it back equal."""
-        record.save(self, path, self.to_dict())
-
-    @classmethod
-    def load(cls, path: str | Path) -> EditDynamics:
-        """Read a file written by `save`; other and damaged files are refused naming the file."""
-        return record.load(cls, path)
 
 
 def edit_dynamics(

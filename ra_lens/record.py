@@ -1,6 +1,6 @@
-"""A result's fields as one JSON file and back, exactly: the `save` / `load` of the results that
-are not safetensors files (`NodeScores`, `Faithfulness`, `Refinement`, `EditDynamics`,
-`AblationCurve`, the experiments' results).
+"""A result's fields as one JSON file and back, exactly: `Recorded`, the `save` / `load` that the
+results which are not safetensors files inherit (`NodeScores`, `Faithfulness`, `Refinement`,
+`EditDynamics`, `AblationCurve`, the experiments' results).
 
 The file is the result's `to_dict()` report (what scripts and readers of the JSON use) with one
 more key, `"ra_lens.record"`: every dataclass field encoded so that `load` rebuilds an equal
@@ -30,15 +30,34 @@ T = TypeVar("T")
 KEY = "ra_lens.record"
 
 
-def save(obj: Any, path: str | Path, report: dict[str, Any]) -> None:
+class Recorded:
+    """`save` / `load` of a dataclass result whose report is `to_dict()`: the one file format of
+    the results that are not safetensors files (the module docstring)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        raise NotImplementedError(f"{type(self).__name__} writes no report")  # each class does
+
+    def save(self, path: str | Path) -> None:
+        """Write `to_dict()` (strict JSON, NaN as null) and every field, so that `load` gives
+        the result back equal, to one JSON file (atomic, through symlinks, folders made)."""
+        write(self, path, self.to_dict())
+
+    @classmethod
+    def load(cls: type[T], path: str | Path) -> T:
+        """Read a file `save` wrote; another class's file or a damaged one is refused with a
+        ValueError naming the file."""
+        return read(cls, path)
+
+
+def write(obj: Any, path: str | Path, report: dict[str, Any]) -> None:
     """Write `report` (NaN and inf as null) plus `obj`'s fields under KEY as strict JSON to
     `path` (`files.write_file`: atomic, through symlinks, missing folders made)."""
     data = {**json_ready(report), KEY: encode(obj)}
     write_file(path, json.dumps(data, indent=1, allow_nan=False) + "\n", make_folders=True)
 
 
-def load(cls: type[T], path: str | Path) -> T:
-    """Read a file written by `save` for `cls`; another class's file or a damaged one is refused
+def read(cls: type[T], path: str | Path) -> T:
+    """Read a file written by `write` for `cls`; another class's file or a damaged one is refused
     with one ValueError naming the file."""
     what = f"a {cls.__name__} file ({cls.__name__}.save)"
     data = load_json(path, what)

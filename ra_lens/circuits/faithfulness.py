@@ -31,13 +31,14 @@ import torch
 from jaxtyping import Bool, Float
 from torch import Tensor
 
-from ra_lens import capture, pairs, record
+from ra_lens import capture, pairs
 from ra_lens._typing import Validated
 from ra_lens.capture import HookedModel
 from ra_lens.circuits import _edges
 from ra_lens.circuits.circuit import Circuit
 from ra_lens.circuits.graph import Graph
 from ra_lens.progress import tqdm
+from ra_lens.record import Recorded, json_ready
 from ra_lens.types import MetricFn, Tokens
 
 if TYPE_CHECKING:
@@ -50,7 +51,7 @@ BASELINE = "empty circuit under the same ablation (MIB)"
 
 
 @dataclass
-class Faithfulness:
+class Faithfulness(Recorded):
     """The result of `faithfulness`.
 
     Attributes:
@@ -120,7 +121,7 @@ class Faithfulness:
             value = getattr(self, f.name)
             if isinstance(value, Tensor):
                 value = value.tolist()
-            out[f.name] = record.json_ready(value)
+            out[f.name] = json_ready(value)
         return out
 
     def plot(self, save: str | Path | None = None) -> Figure:
@@ -132,15 +133,6 @@ class Faithfulness:
             title=f"faithfulness {self.value:.3f} ({self.n_edges} edges, {self.ablation})",
             xlabel="faithfulness (1: the clean run, 0: the empty circuit)", save=save,
         )  # fmt: skip
-
-    def save(self, path: str | Path) -> None:
-        """Write every field to one JSON file (`ra_lens.record`); `load` reads it back equal."""
-        record.save(self, path, self.to_dict())
-
-    @classmethod
-    def load(cls, path: str | Path) -> Faithfulness:
-        """Read a file written by `save`; other and damaged files are refused naming the file."""
-        return record.load(cls, path)
 
 
 def faithfulness(

@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING, Any, Literal
 from jaxtyping import Float
 from torch import Tensor
 
-from ra_lens import record
 from ra_lens._typing import Validated
 from ra_lens.capture import HookedModel
 from ra_lens.checks import check_count
 from ra_lens.circuits.attribute import Method, attribute
 from ra_lens.circuits.graph import Graph
+from ra_lens.record import Recorded
 from ra_lens.types import MetricFn, Tokens
 
 if TYPE_CHECKING:
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 
 @dataclass
-class NodeScores:
+class NodeScores(Recorded):
     """One score per writer and per reader (the module docstring says what they mean).
 
     Attributes:
@@ -94,15 +94,6 @@ class NodeScores:
             [n for n, _ in top], [s for _, s in top], title=f"{self.method} node scores",
             xlabel=f"score ({self.direction})", save=save,
         )  # fmt: skip
-
-    def save(self, path: str | Path) -> None:
-        """Write every field to one JSON file (`ra_lens.record`); `load` reads it back equal."""
-        record.save(self, path, self.to_dict())
-
-    @classmethod
-    def load(cls, path: str | Path) -> NodeScores:
-        """Read a file written by `save`; other and damaged files are refused naming the file."""
-        return record.load(cls, path)
 
 
 def attribute_nodes(

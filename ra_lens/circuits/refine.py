@@ -36,10 +36,10 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from ra_lens import record
 from ra_lens._typing import Validated
 from ra_lens.checks import check_count
 from ra_lens.circuits.circuit import Circuit, EdgeScores
+from ra_lens.record import Recorded
 from ra_lens.timing import now
 
 if TYPE_CHECKING:
@@ -60,7 +60,7 @@ class Step:
 
 
 @dataclass
-class Refinement:
+class Refinement(Recorded):
     """The result of `refine`.
 
     Attributes:
@@ -118,15 +118,6 @@ class Refinement:
             kept=[s.kept for s in self.steps], xlabel="objective",
             title=f"refine: {self.start_objective:.3f} -> {self.objective:.3f}", save=save,
         )  # fmt: skip
-
-    def save(self, path: str | Path) -> None:
-        """Write every field to one JSON file (`ra_lens.record`); `load` reads it back equal."""
-        record.save(self, path, self.to_dict())
-
-    @classmethod
-    def load(cls, path: str | Path) -> Refinement:
-        """Read a file written by `save`; other and damaged files are refused naming the file."""
-        return record.load(cls, path)
 
 
 def refine(

@@ -36,7 +36,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from ra_lens import capture, record, timing
+from ra_lens import capture, timing
 from ra_lens.attribution import AttentionAttribution, attention_attribution
 from ra_lens.capture import PATTERN, Batch, HookedModel
 from ra_lens.core import reversed_attention
@@ -44,6 +44,7 @@ from ra_lens.files import check_writable, load_json, write_file
 from ra_lens.pairs import metric_rows, metric_values
 from ra_lens.progress import tqdm
 from ra_lens.ranking.statistics import pearson, spearman, top_recall
+from ra_lens.record import Recorded
 from ra_lens.tasks import ioi
 from ra_lens.types import MetricFn
 
@@ -206,7 +207,7 @@ def metric_repeated(metric: MetricFn, logits: Tensor, lengths: Tensor, repeats: 
 
 
 @dataclass
-class TaskMeasurement:
+class TaskMeasurement(Recorded):
     """Everything measured on one task; `to_dict` is the JSON."""
 
     task: str
@@ -284,17 +285,6 @@ class TaskMeasurement:
         return estimate_scatter(
             self.truth, {name: table for name, table in methods.items() if table}, save=save
         )
-
-    def save(self, path: str | Path) -> None:
-        """Write `to_dict()` (strict JSON, NaN as null) plus every field (`ra_lens.record`, so
-        `load` reads it back equal) to one JSON file, missing folders made."""
-        record.save(self, path, self.to_dict())
-
-    @classmethod
-    def load(cls, path: str | Path) -> TaskMeasurement:
-        """Read a file written by `save` (every field back equal); other and damaged files are
-        refused with a ValueError naming the file."""
-        return record.load(cls, path)
 
 
 def measure(

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ra_lens import pairs, record, tasks
+from ra_lens import pairs, tasks
 from ra_lens._typing import Validated
 from ra_lens.capture import HookedModel
 from ra_lens.checks import check_count
@@ -17,6 +17,7 @@ from ra_lens.core import reversed_attention
 from ra_lens.metrics import target_nll
 from ra_lens.patching import attention_patch_hooks, forward_patch_hooks
 from ra_lens.progress import tqdm
+from ra_lens.record import Recorded
 from ra_lens.result import ReversedAttention
 from ra_lens.tasks import Accuracy, Prompt, Task, evaluate, task_prompts
 from ra_lens.timing import timed
@@ -33,7 +34,7 @@ DEFAULT_SCALES: tuple[float, ...] = PAPER_SCALES + (-160, -240)
 
 
 @dataclass
-class PatchingResult:
+class PatchingResult(Recorded):
     """Accuracy on held-out prompts for each scale, with RA patching and the forward baseline.
 
     >>> import torch
@@ -119,17 +120,6 @@ class PatchingResult:
             "chosen_ra_top3": dict(zip(keys, self.chosen(3, "ra"))),
             "chosen_forward_top3": dict(zip(keys, self.chosen(3, "forward"))),
         }
-
-    def save(self, path: str | Path) -> None:
-        """Write `to_dict()` (strict JSON, NaN as null) plus every field (`ra_lens.record`, so
-        `load` reads it back equal) to one JSON file, missing folders made."""
-        record.save(self, path, self.to_dict())
-
-    @classmethod
-    def load(cls, path: str | Path) -> PatchingResult:
-        """Read a file written by `save` (every field back equal); other and damaged files are
-        refused with a ValueError naming the file."""
-        return record.load(cls, path)
 
     def table(self) -> str:
         """A plain-text table: one row per scale, top-1/top-3 for RA and forward patching."""

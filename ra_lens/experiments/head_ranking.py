@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 from torch import Tensor
 
-from ra_lens import capture, record, tasks
+from ra_lens import capture, tasks
 from ra_lens import ranking as rk
 from ra_lens._typing import Validated
 from ra_lens.capture import HookedModel
@@ -31,6 +31,7 @@ from ra_lens.checks import check_count
 from ra_lens.patching import HeadMeans, last_token_means
 from ra_lens.progress import tqdm
 from ra_lens.ranking import AblationCurve, Interval
+from ra_lens.record import Recorded
 from ra_lens.tasks import Accuracy, Prompt, Task, shuffled_label_prompts, task_prompts
 from ra_lens.timing import timed
 from ra_lens.types import Scores
@@ -181,7 +182,7 @@ PAIRED: frozenset[str] = frozenset(name for name, spec in RANKINGS.items() if sp
 
 
 @dataclass
-class HeadRankingResult:
+class HeadRankingResult(Recorded):
     """Rankings, ablation curves, agreement with RA and the time each ranking took.
 
     Attributes:
@@ -282,17 +283,6 @@ class HeadRankingResult:
             "seconds": dict(self.seconds),
             "notes": list(self.notes),
         }
-
-    def save(self, path: str | Path) -> None:
-        """Write `to_dict()` (strict JSON, NaN as null) plus every field (`ra_lens.record`, so
-        `load` reads it back equal) to one JSON file, missing folders made."""
-        record.save(self, path, self.to_dict())
-
-    @classmethod
-    def load(cls, path: str | Path) -> HeadRankingResult:
-        """Read a file written by `save` (every field back equal); other and damaged files are
-        refused with a ValueError naming the file."""
-        return record.load(cls, path)
 
     def table(self) -> str:
         """One row per ranking: ablation AUCs with 95% bootstrap intervals (top-1 keeping the top

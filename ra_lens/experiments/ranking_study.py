@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Literal, cast
 
 from ra_lens import ranking as rk
-from ra_lens import record, tasks
+from ra_lens import tasks
 from ra_lens._typing import Validated
 from ra_lens.capture import HookedModel
 from ra_lens.checks import check_count
@@ -33,6 +33,7 @@ from ra_lens.experiments.head_ranking import (
 )
 from ra_lens.files import load_json, write_file
 from ra_lens.progress import tqdm
+from ra_lens.record import Recorded
 from ra_lens.tasks import Task
 from ra_lens.timing import timed
 
@@ -66,7 +67,7 @@ QUICK_SETTINGS: dict[str, Any] = {
 
 
 @dataclass
-class StudyResult:
+class StudyResult(Recorded):
     """Every cell of the study (one `HeadRankingResult` per task x shots x ablation).
 
     Attributes:
@@ -129,17 +130,6 @@ class StudyResult:
             "summary": self.summary(),
             "cells": [cell.to_dict() for cell in self.cells],
         }
-
-    def save(self, path: str | Path) -> None:
-        """Write `to_dict()` (strict JSON, NaN as null) plus every field (`ra_lens.record`, so
-        `load` reads it back equal) to one JSON file, missing folders made."""
-        record.save(self, path, self.to_dict())
-
-    @classmethod
-    def load(cls, path: str | Path) -> StudyResult:
-        """Read a file written by `save` (every field back equal); other and damaged files are
-        refused with a ValueError naming the file."""
-        return record.load(cls, path)
 
     def table(self) -> str:
         """Every cell's table, then the runtime and the speed goal."""

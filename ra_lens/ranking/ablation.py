@@ -18,12 +18,13 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from ra_lens import capture, record
+from ra_lens import capture
 from ra_lens._typing import Validated
 from ra_lens.capture import HookedModel
 from ra_lens.patching import HeadMeans, ablation_hooks, head_ablation_hooks
 from ra_lens.ranking.engine import check_scores, head_order
 from ra_lens.ranking.statistics import Interval, bootstrap_mean, trapezoid_auc
+from ra_lens.record import Recorded
 from ra_lens.types import Scores
 
 if TYPE_CHECKING:
@@ -40,7 +41,7 @@ DENSE_FRACTIONS: tuple[float, ...] = (
 
 
 @dataclass(frozen=True)
-class AblationCurve:
+class AblationCurve(Recorded):
     """Task accuracy when only the top (or, with reverse, bottom) fraction of heads is kept.
 
     Attributes:
@@ -114,15 +115,6 @@ class AblationCurve:
 
         name = "bottom heads kept" if self.reverse else "top heads kept"
         return ablation_curves(self.fractions, {name: self.top1}, save=save)
-
-    def save(self, path: str | Path) -> None:
-        """Write every field to one JSON file (`ra_lens.record`); `load` reads it back equal."""
-        record.save(self, path, self.to_dict())
-
-    @classmethod
-    def load(cls, path: str | Path) -> AblationCurve:
-        """Read a file written by `save`; other and damaged files are refused naming the file."""
-        return record.load(cls, path)
 
 
 def check_fractions(fractions: Sequence[float]) -> list[float]:

@@ -22,8 +22,8 @@ import torch
 from harness import choose_clock
 
 from ra_lens import circuits
-from ra_lens.experiments.timing import timed
 from ra_lens.files import write_file
+from ra_lens.timing import timed
 
 #: label -> (circuits.attribute method, IG steps)
 METHODS: dict[str, tuple[str, int]] = {

@@ -40,9 +40,9 @@ from torch import Tensor
 
 from ra_lens import capture, reversed_attention
 from ra_lens.capture import RESID_PRE
-from ra_lens.experiments.timing import timed
 from ra_lens.files import write_file
 from ra_lens.metrics import target_nll
+from ra_lens.timing import timed
 
 MIB = 2**20
 _FILLER = (

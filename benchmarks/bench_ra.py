@@ -40,9 +40,9 @@ from harness import (
 from torch import Tensor
 
 from ra_lens import capture, ranking, reversed_attention
-from ra_lens.experiments.timing import sync, timed
 from ra_lens.files import write_file
 from ra_lens.metrics import target_nll
+from ra_lens.timing import sync, timed
 
 # ---------------------------------------------------------------------------------------------
 # Plans: which settings are measured. --quick changes repetitions only, never a setting.

@@ -46,10 +46,10 @@ from harness import WALL_CLOCK, Clock, Config, Log, PeakMemory, choose_clock, ma
 from torch import Tensor
 
 from ra_lens import reversed_attention
-from ra_lens.experiments.timing import timed
 from ra_lens.files import write_file
 from ra_lens.metrics import target_nll
 from ra_lens.models import bridge_available
+from ra_lens.timing import timed
 
 MIB = 2**20
 

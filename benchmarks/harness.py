@@ -1,5 +1,5 @@
 """Benchmark harness: clocks, peak-memory meters and run groups. The timer is the library's one
-`ra_lens.experiments.timing.timed` (CUDA synchronised at both ends); nothing else of ra_lens here.
+`ra_lens.timing.timed` (CUDA synchronised at both ends); nothing else of ra_lens here.
 
 The method (what is timed and how, why the CPU clock, how memory is counted) is described once, in
 benchmarks/README.md.
@@ -22,7 +22,7 @@ from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from ra_lens.experiments.timing import timed
+from ra_lens.timing import timed
 
 MIB = 2**20
 Log = Callable[[str], None]

@@ -27,10 +27,10 @@ from harness import choose_clock
 from ra_lens import ranking as rk
 from ra_lens import tasks
 from ra_lens.experiments.ranking_study import SPEED_GOAL
-from ra_lens.experiments.timing import timed
 from ra_lens.files import write_file
 from ra_lens.models import hub_offline, load_model, smollm2_hf_dir
 from ra_lens.tasks import task_prompts
+from ra_lens.timing import timed
 
 
 def random_smollm2(device: str) -> Any:

@@ -58,7 +58,7 @@ def patching(model: Any, out: Path) -> list[Path]:
 
     result = attention_patching(model, "antonym", shots=0, n_prompts=25)
     print(result.table())
-    result.save_json(out / "antonym_patching.json")
+    result.save(out / "antonym_patching.json")
     path = out / "antonym_scale_sweep.png"
     result.plot(save=path)
     return [path]

@@ -48,8 +48,8 @@ from transformer_lens.patching import get_act_patch_attn_head_out_all_pos
 
 import ra_lens
 from ra_lens import ranking, tasks, viz
-from ra_lens.experiments.timing import timed
 from ra_lens.tasks import task_prompts
+from ra_lens.timing import timed
 
 # tqdm warns once when ipywidgets is missing; progress bars still work as plain text
 warnings.filterwarnings("ignore", message="IProgress not found")

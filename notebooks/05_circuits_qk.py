@@ -45,9 +45,9 @@ from IPython.display import HTML
 import ra_lens
 from ra_lens import viz
 from ra_lens.experiments.attention_attribution import node_patching
-from ra_lens.experiments.timing import timed
 from ra_lens.ranking import pearson, top_recall
 from ra_lens.tasks import ioi
+from ra_lens.timing import timed
 
 # tqdm warns once when ipywidgets is missing; progress bars still work as plain text
 warnings.filterwarnings("ignore", message="IProgress not found")

@@ -51,8 +51,8 @@ from matplotlib.figure import Figure
 
 import ra_lens
 from ra_lens import circuits
-from ra_lens.experiments.timing import timed
 from ra_lens.tasks import ioi
+from ra_lens.timing import timed
 
 # tqdm warns once when ipywidgets is missing; progress bars still work as plain text
 warnings.filterwarnings("ignore", message="IProgress not found")

@@ -54,7 +54,6 @@ from ra_lens.contract import (  # noqa: F401
     check_layer_list,
     check_layers,
     check_model,
-    check_positive_int,
     key_hook_name,
     model_shape,
     output_softcap,

@@ -199,21 +199,6 @@ def key_hook_name(model: HookedModel, layer: int) -> str:
     return rotated if rotated in model.hook_dict else K.format(layer)
 
 
-def check_positive_int(value: Validated[int], name: str) -> int:
-    """A count such as `steps` or `batch_size`, refused unless it is a positive int (True is not
-    1 here).
-
-    >>> check_positive_int(5, "steps")
-    5
-    >>> check_positive_int(0, "steps")
-    Traceback (most recent call last):
-    ValueError: steps must be a positive int, got 0
-    """
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
-
-
 def check_layers(layers: Validated[Sequence[int]] | None, n_layers: int) -> list[int]:
     """The chosen layer indices, checked; None means all layers.
 

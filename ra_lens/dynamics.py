@@ -22,7 +22,8 @@ import copy
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from jaxtyping import Float, Int
@@ -33,6 +34,10 @@ from ra_lens._typing import Validated
 from ra_lens.capture import PATTERN, Batch, HookedModel
 from ra_lens.core import MetricFn, metric_loss, reversed_attention
 from ra_lens.math import causal_mask, softcap_slope
+from ra_lens.record import Recorded, json_ready
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 SUPPORTED = (
     "TransformerBridge models whose attention has separate q/k nn.Linear projections feeding "
@@ -45,7 +50,7 @@ SUPPORTED = (
 
 
 @dataclass
-class EditDynamics:
+class EditDynamics(Recorded):
     """Predicted (from RA) versus actual change of every head's attention after one SGD step.
 
     Each chosen layer is stepped alone: W_q, W_k (and q/k biases) of that layer only, by
@@ -117,6 +122,49 @@ class EditDynamics:
     def pattern_relative_error(self) -> Float[Tensor, "layer head"]:
         """||predicted - actual|| / ||actual|| of each head's pattern change."""
         return _relative_error(self.predicted_pattern, self.actual_pattern)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: the settings and the per-head agreement (`cosine`, `relative_error` and
+        their pattern versions, [layer head] lists, NaN as None) and `grad_error`."""
+        return {
+            "layers": list(self.layers),
+            "lr": self.lr,
+            "scales": list(self.scales),
+            "lengths": self.lengths.tolist(),
+            "grad_error": self.grad_error.tolist(),
+            **{
+                name: json_ready(getattr(self, name).tolist())
+                for name in ("cosine", "relative_error", "pattern_cosine", "pattern_relative_error")
+            },
+        }
+
+    def table(self) -> str:
+        """A Markdown table: one row per head (layer, head, cosine, relative error of the
+        logits and of the pattern)."""
+        rows = [
+            repr(self),
+            "",
+            "| layer | head | cosine | rel. error | pattern cosine | pattern rel. error |",
+            "|---:|---:|---:|---:|---:|---:|",
+        ]
+        cos, err = self.cosine, self.relative_error
+        pcos, perr = self.pattern_cosine, self.pattern_relative_error
+        for i, layer in enumerate(self.layers):
+            for h in range(cos.shape[1]):
+                rows.append(
+                    f"| {layer} | {h} | {float(cos[i, h]):.4f} | {float(err[i, h]):.3g} | "
+                    f"{float(pcos[i, h]):.4f} | {float(perr[i, h]):.3g} |"
+                )
+        return "\n".join(rows)
+
+    def plot(self, save: str | Path | None = None) -> Figure:
+        """The cosine between predicted and actual logit changes per head, as a layer x head
+        heat map (`viz.ranking_maps`); `save` also writes it."""
+        from ra_lens.viz import ranking_maps
+
+        return ranking_maps(
+            {"cosine (predicted, actual)": self.cosine}, layers=self.layers, save=save
+        )
 
 
 def edit_dynamics(

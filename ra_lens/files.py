@@ -1,5 +1,5 @@
 """Writing a file so that no reader ever sees half of it: the one writer every ra-lens output uses
-(`ReversedAttention.save`, the experiments' `save_json`, `ra-lens --json`, circuit files, the model
+(`ReversedAttention.save`, the experiments' `save`, `ra-lens --json`, circuit files, the model
 cache); `check_writable`, to refuse an output path before the work; `load_json`, the one JSON
 reader of the command lines, whose errors name the file.
 

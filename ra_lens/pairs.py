@@ -20,6 +20,7 @@ from torch import Tensor
 
 from ra_lens import capture
 from ra_lens.capture import Batch, HookedModel
+from ra_lens.checks import check_count
 from ra_lens.metrics import Metric, call_metric
 from ra_lens.types import MetricFn, Tokens
 
@@ -67,7 +68,7 @@ def chunks(n: int, batch_size: int) -> list[slice]:
     >>> chunks(5, 2)
     [slice(0, 2, None), slice(2, 4, None), slice(4, 5, None)]
     """
-    capture.check_positive_int(batch_size, "batch_size")
+    check_count(batch_size, "batch_size")
     return [slice(i, min(i + batch_size, n)) for i in range(0, n, batch_size)]
 
 

@@ -24,6 +24,7 @@ from torch import Tensor
 from ra_lens import capture
 from ra_lens._typing import Validated
 from ra_lens.capture import PATTERN, HookedModel, Z
+from ra_lens.checks import check_count
 from ra_lens.math import upcast
 from ra_lens.pairs import chunks
 from ra_lens.result import ReversedAttention
@@ -320,8 +321,7 @@ def last_token_means(
     >>> torch.allclose(means[0, :, 0], z[Z.format(0)][0, 0])  # only prompt 0 reaches back 11
     True
     """
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    check_count(batch_size, "batch_size")
     shape = capture.model_shape(model)
     batch = capture.to_batch(model, tokens)
     m = int(batch.lengths.max())

@@ -18,6 +18,7 @@ from safetensors.torch import save as save_bytes
 from torch import Tensor
 
 from ra_lens._typing import Validated
+from ra_lens.checks import check_count
 from ra_lens.files import write_file
 
 if TYPE_CHECKING:
@@ -121,8 +122,7 @@ class ReversedAttention:
         >>> norm == ra.head_norms().max().item() == ra.head_norms()[layer, head].item(), len(rest)
         (True, 2)
         """
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            raise ValueError(f"k must be a positive number of heads, got {k!r}")
+        check_count(k, "k", why="a number of heads")
         norms = self.head_norms()
         values, flat = norms.flatten().topk(min(k, norms.numel()))
         n_heads = norms.shape[1]

@@ -25,6 +25,7 @@ from ra_lens.attribution.softmax import (
     key_terms,
 )
 from ra_lens.capture import PATTERN, RESID_PRE, Batch, HookedModel
+from ra_lens.checks import check_count
 from ra_lens.core import metric_loss
 from ra_lens.types import Hook, MetricFn, Tokens
 
@@ -101,7 +102,7 @@ def attention_attribution(
     True
     """
     nodes = _check_choices(nodes, method, direction)
-    capture.check_positive_int(steps, "steps")
+    check_count(steps, "steps")
     n_steps = steps if method == "exact-ig" else 1
     shape = capture.model_shape(model)
     _refuse_ungrouped_keys(model, shape.n_heads, shape.n_kv_heads)

@@ -14,6 +14,7 @@ from torch import Tensor
 
 from ra_lens import capture
 from ra_lens.attribution.softmax import DIRECTIONS, METHODS, NODES, key_delta_rows
+from ra_lens.checks import check_count
 from ra_lens.result import read_safetensors, write_safetensors
 
 if TYPE_CHECKING:
@@ -132,8 +133,7 @@ class AttentionAttribution:
         (True, True)
         """
         self._check_node(node)
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            raise ValueError(f"k must be a positive number of heads, got {k!r}")
+        check_count(k, "k", why="a number of heads")
         scores = self.scores[node]
         order = scores.flatten().abs().argsort(descending=True, stable=True)[:k]
         n = scores.shape[1]

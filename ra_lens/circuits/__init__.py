@@ -1,7 +1,7 @@
 """Circuit discovery: a component graph, edge scores with an exact softmax, circuits and their
 faithfulness, in files EAP-IG and MIB read, and one offline interactive page per circuit."""
 
-from ra_lens.circuits.attribute import NodeScores, attribute
+from ra_lens.circuits.attribute import attribute
 from ra_lens.circuits.circuit import Circuit
 from ra_lens.circuits.curve import (
     MIB_FRACTIONS,
@@ -13,6 +13,7 @@ from ra_lens.circuits.ensemble import ensemble
 from ra_lens.circuits.faithfulness import Faithfulness, FaithfulnessEvaluator, faithfulness
 from ra_lens.circuits.files import MIB_SUBMISSION_FRACTIONS, export_mib
 from ra_lens.circuits.graph import Graph
+from ra_lens.circuits.nodes import NodeScores, attribute_nodes
 from ra_lens.circuits.page import CircuitPage
 from ra_lens.circuits.refine import Refinement, refine
 from ra_lens.circuits.scores import EdgeScores
@@ -33,6 +34,7 @@ __all__ = [
     "Refinement",
     "SmallestCircuit",
     "attribute",
+    "attribute_nodes",
     "ensemble",
     "export_mib",
     "faithfulness",

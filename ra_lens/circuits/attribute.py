@@ -28,14 +28,11 @@ query head's own exact-softmax key score. The copies of an edge add up to its gr
 last query head of each group gets the grouped score less the others' (one backward pass per
 group saved). Models without grouped-query attention keep one pass and no copies.
 
-`level="node"` returns `NodeScores`: each writer's score is the sum of its outgoing edges' (the
-first-order effect of patching its output into every reader), each reader's the sum of its
-incoming edges' (patching its whole input).
+Node scores (one per writer and per reader, their edges' sums) are `circuits.nodes.attribute_nodes`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import einops
@@ -46,6 +43,7 @@ from torch import Tensor
 from ra_lens import attention, capture, pairs
 from ra_lens._typing import Validated
 from ra_lens.capture import PATTERN, HookedModel
+from ra_lens.checks import check_count
 from ra_lens.circuits import _edges
 from ra_lens.circuits.graph import Graph
 from ra_lens.circuits.scores import EdgeScores
@@ -54,29 +52,9 @@ from ra_lens.types import MetricFn, Tokens
 
 Method = Literal["eap", "eap-ig", "exact", "exact-ig"]
 METHODS: tuple[str, ...] = ("eap", "eap-ig", "exact", "exact-ig")
-LEVELS: tuple[str, ...] = ("edge", "node")
 DIRECTIONS: tuple[str, ...] = ("denoise", "noise")
 #: Writers per chunk in the exact softmax (bounds memory: chunk x batch x heads x pos^2).
 _WRITER_CHUNK = 32
-
-
-@dataclass
-class NodeScores:
-    """One score per writer and per reader (see the module docstring for what they mean).
-
-    Attributes:
-        graph: the model's graph.
-        writers: Float[Tensor, "writer"], in graph.writers order (input, heads, MLPs).
-        readers: Float[Tensor, "reader"], in graph.readers order (queries, keys/values per
-            key/value head, MLPs, logits).
-        method, direction: as passed to `attribute`.
-    """
-
-    graph: Graph
-    writers: Float[Tensor, "writer"]
-    readers: Float[Tensor, "reader"]
-    method: str
-    direction: str
 
 
 def attribute(
@@ -86,12 +64,11 @@ def attribute(
     metric: MetricFn,
     *,
     method: Validated[Method] = "eap-ig",
-    level: Validated[Literal["edge", "node"]] = "edge",
     direction: Validated[Literal["denoise", "noise"]] = "denoise",
     steps: int = 5,
     batch_size: int = 8,
     progress: bool = False,
-) -> EdgeScores | NodeScores:
+) -> EdgeScores:
     """Score every edge of the model's graph (`Graph.from_model`).
 
     Args:
@@ -104,7 +81,6 @@ def attribute(
         method: "eap", "eap-ig", "exact" or "exact-ig" (module docstring). The default,
             "eap-ig" with 5 steps, denoise, is EAP-IG-inputs' algorithm: on held-out SmolLM2
             pairs it gave the best CPR at a fraction of "exact"'s and "exact-ig"'s cost (README).
-        level: "edge" -> EdgeScores [writer reader]; "node" -> NodeScores.
         direction: "denoise" (gradient on the corrupted run) or "noise" (on the clean run).
         steps: points on the IG path ("eap-ig", "exact-ig"; ignored otherwise).
         batch_size: pairs per forward/backward pass (memory grows with it).
@@ -112,10 +88,10 @@ def attribute(
 
     Returns:
         EdgeScores (scores: Float[Tensor, "writer reader"], float64, mean over pairs, 0 where
-        graph.real is False) or NodeScores.
+        graph.real is False); `attribute_nodes` sums them per node.
 
     Raises:
-        ValueError: unknown method/level/direction, steps < 1, unequal pair lengths, a metric
+        ValueError: unknown method/direction, steps < 1, unequal pair lengths, a metric
             without one value per prompt or without a gradient, attention that is not causal
             softmax attention, a model whose weights are on the meta device.
         TypeError: a model that is not a TransformerLens model.
@@ -133,11 +109,9 @@ def attribute(
     """
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}: choose one of {METHODS}")
-    if level not in LEVELS:
-        raise ValueError(f"unknown level {level!r}: choose one of {LEVELS}")
     if direction not in DIRECTIONS:
         raise ValueError(f"unknown direction {direction!r}: choose one of {DIRECTIONS}")
-    capture.check_positive_int(steps, "steps")
+    check_count(steps, "steps")
     capture.check_model(model)
     _edges.check_supported(model)
     graph = Graph.from_model(model)
@@ -184,8 +158,6 @@ def attribute(
                 bar.update(1)
     bar.close()
     scores = (total / n) * graph.real
-    if level == "node":
-        return NodeScores(graph, scores.sum(1), scores.sum(0), method, direction)
     copies = None if kv_total is None else _ungrouped(graph, scores, kv_total / n)
     return EdgeScores(graph, scores, method, direction, ungrouped_scores=copies)
 

@@ -279,7 +279,7 @@ def faithfulness_curve(
         raise ValueError(f"selection={selection!r}: expected 'top' or 'greedy'")
     if units not in UNITS:
         raise ValueError(f"units={units!r}: expected one of {UNITS}")
-    from ra_lens.experiments.timing import timed  # the one timer (experiments sit above circuits)
+    from ra_lens.timing import timed
 
     fractions = _check_sizes(MIB_FRACTIONS if sizes is None else sizes)
     if evaluate is None:  # one evaluator: the clean, corrupted and empty runs are taken once

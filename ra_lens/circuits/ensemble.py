@@ -80,7 +80,7 @@ def ensemble(
         if not isinstance(item, EdgeScores):
             raise TypeError(
                 f"scores[{i}] is a {type(item).__name__}: pass EdgeScores "
-                "(circuits.attribute(..., level='edge'))"
+                "(circuits.attribute's result, not attribute_nodes')"
             )
     graph = items[0].graph
     for i, item in enumerate(items[1:], start=1):

@@ -22,8 +22,10 @@ too (`corrupted_metric`), but does not normalise.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Literal
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from jaxtyping import Bool, Float
@@ -36,7 +38,11 @@ from ra_lens.circuits import _edges
 from ra_lens.circuits.circuit import Circuit
 from ra_lens.circuits.graph import Graph
 from ra_lens.progress import tqdm
+from ra_lens.record import Recorded, json_ready
 from ra_lens.types import MetricFn, Tokens
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 Ablation = Literal["patching", "mean", "zero"]
 ABLATIONS: tuple[str, ...] = ("patching", "mean", "zero")
@@ -45,7 +51,7 @@ BASELINE = "empty circuit under the same ablation (MIB)"
 
 
 @dataclass
-class Faithfulness:
+class Faithfulness(Recorded):
     """The result of `faithfulness`.
 
     Attributes:
@@ -107,6 +113,26 @@ class Faithfulness:
         )
         rows.append(f"\nfaithfulness normalised by the {self.baseline}")
         return "\n".join(rows)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: every field, the per-pair tensors as lists (NaN as None)."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, Tensor):
+                value = value.tolist()
+            out[f.name] = json_ready(value)
+        return out
+
+    def plot(self, save: str | Path | None = None) -> Figure:
+        """Each pair's faithfulness as a bar (the mean in the title); `save` also writes it."""
+        from ra_lens.viz import named_bars
+
+        return named_bars(
+            [f"pair {i}" for i in range(len(self.per_pair))], self.per_pair,
+            title=f"faithfulness {self.value:.3f} ({self.n_edges} edges, {self.ablation})",
+            xlabel="faithfulness (1: the clean run, 0: the empty circuit)", save=save,
+        )  # fmt: skip
 
 
 def faithfulness(

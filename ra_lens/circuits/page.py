@@ -319,7 +319,7 @@ def _page(
     if node_scores is not None:
         nodes, note = [_num(v) for v in node_scores.tolist()], "as given with the scores"
     elif dense is not None:
-        # attribute(level="node")'s writer score: the sum of its outgoing edges' scores
+        # attribute_nodes' writer score: the sum of its outgoing edges' scores
         nodes = [_num(v) for v in (dense * graph.real).sum(1).tolist()]
         note = "sum of its outgoing edges' scores"
     else:

@@ -24,19 +24,27 @@ scores on others (`faithfulness_curve` on held-out pairs).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 from jaxtyping import Float
 from torch import Tensor
 
 from ra_lens._typing import Validated
+from ra_lens.checks import check_count
 from ra_lens.circuits.circuit import Circuit
 from ra_lens.circuits.scores import EdgeScores
+from ra_lens.record import Recorded
+from ra_lens.timing import now
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 #: An evaluator: a circuit -> its faithfulness (a result with `.value`, or a float).
 Evaluate = Callable[[Circuit], Any]
@@ -53,7 +61,7 @@ class Step:
 
 
 @dataclass
-class Refinement:
+class Refinement(Recorded):
     """The result of `refine`.
 
     Attributes:
@@ -73,6 +81,44 @@ class Refinement:
     evaluations: int
     steps: list[Step] = field(default_factory=list)
     seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: the objectives, the budget spent, every trial and the nodes moved (the
+        refined scores themselves go to `save`, or `scores.save`)."""
+        g = self.scores.graph
+        moved = {g.writers[i]: float(m) for i, m in enumerate(self.multipliers.tolist()) if m != 1}
+        return {
+            "method": self.scores.method,
+            "start_objective": self.start_objective,
+            "objective": self.objective,
+            "evaluations": self.evaluations,
+            "seconds": self.seconds,
+            "multipliers": moved,
+            "steps": [dataclasses.asdict(step) for step in self.steps],
+        }
+
+    def table(self) -> str:
+        """A Markdown table: one row per trial (node, multiplier, objective, kept)."""
+        rows = [
+            f"refine: objective {self.start_objective:.4f} -> {self.objective:.4f} in "
+            f"{self.evaluations} evaluations",
+            "",
+            "| trial | node | multiplier | objective | kept |",
+            "|---:|---|---:|---:|---|",
+        ]
+        for i, s in enumerate(self.steps, 1):
+            rows.append(f"| {i} | {s.node} | {s.multiplier:g} | {s.objective:.4f} | {s.kept} |")
+        return "\n".join(rows)
+
+    def plot(self, save: str | Path | None = None) -> Figure:
+        """Each trial's objective as a bar (kept trials coloured); `save` also writes it."""
+        from ra_lens.viz import named_bars
+
+        return named_bars(
+            [f"{s.node} x{s.multiplier:g}" for s in self.steps], [s.objective for s in self.steps],
+            kept=[s.kept for s in self.steps], xlabel="objective",
+            title=f"refine: {self.start_objective:.3f} -> {self.objective:.3f}", save=save,
+        )  # fmt: skip
 
 
 def refine(
@@ -100,7 +146,8 @@ def refine(
         boost: the "add" multiplier (> 1).
         budget: the most evaluations to spend (one per fraction per trial, the start included).
         budget_s: also stop before a trial once this much `clock` time is spent (None: no limit).
-        clock: the clock budget_s is read on (process CPU time).
+        clock: the clock budget_s is read on (process CPU time), through `timing.now` (queued
+            CUDA work finished first).
 
     Returns:
         Refinement (`.scores`, `.objective`, `.evaluations`, `.steps`).
@@ -115,16 +162,11 @@ def refine(
     sizes = [float(k) for k in fractions]
     if not sizes or any(not 0 < k <= 1 for k in sizes):
         raise ValueError(f"fractions={list(fractions)!r}: pass fractions of the edges in (0, 1]")
-    if isinstance(candidates, bool) or not isinstance(candidates, int) or candidates < 0:
-        raise ValueError(f"candidates={candidates!r}: pass a whole number >= 0")
+    check_count(candidates, "candidates", minimum=0)
     if not math.isfinite(boost) or boost <= 1:
         raise ValueError(f"boost={boost!r}: pass a number > 1 (the 'add' multiplier)")
-    if isinstance(budget, bool) or not isinstance(budget, int) or budget < len(sizes):
-        raise ValueError(
-            f"budget={budget!r}: the starting point alone takes {len(sizes)} evaluations (one "
-            "per fraction); pass at least that many"
-        )
-    start_time = clock()
+    check_count(budget, "budget", len(sizes), why="the starting point takes one per fraction")
+    start_time = now(clock)
     g = scores.graph
     helps = scores.helps * g.real
     owner = g.reader_owners.to(torch.float64)  # [reader, writer]
@@ -178,7 +220,7 @@ def refine(
     steps: list[Step] = []
 
     def can_try() -> bool:
-        out_of_time = budget_s is not None and clock() - start_time >= budget_s
+        out_of_time = budget_s is not None and now(clock) - start_time >= budget_s
         return spent + len(counts) <= budget and not out_of_time
 
     trials = [(w, factor) for w in order.tolist() for factor in (0.0, boost)]
@@ -203,5 +245,5 @@ def refine(
         objective=best,
         evaluations=spent,
         steps=steps,
-        seconds=clock() - start_time,
+        seconds=now(clock) - start_time,
     )

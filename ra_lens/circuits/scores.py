@@ -59,6 +59,7 @@ from jaxtyping import Bool, Float
 from torch import Tensor
 
 from ra_lens._typing import Validated
+from ra_lens.checks import check_count
 from ra_lens.circuits.checks import check_copies, check_extras, check_finite, split_fields
 from ra_lens.circuits.circuit import Circuit
 from ra_lens.circuits.graph import UNITS, Graph, Units
@@ -330,8 +331,7 @@ class EdgeScores:
         >>> EdgeScores(g, s, method="eap", direction="denoise").top_edges(2)
         [('a0.h0->logits', -2.0), ('input->a0.h0<q>', 0.5)]
         """
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            raise ValueError(f"k must be a positive int, got {k!r}")
+        check_count(k, "k")
         keys = self._keys(absolute=True).flatten()
         order = keys.argsort(descending=True, stable=True)[: min(k, self.graph.n_edges)]
         width = len(self.graph.readers)

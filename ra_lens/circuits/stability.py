@@ -27,8 +27,10 @@ from torch import Tensor
 from ra_lens import pairs
 from ra_lens._typing import Validated
 from ra_lens.capture import HookedModel
+from ra_lens.checks import check_count
 from ra_lens.circuits.scores import EdgeScores
 from ra_lens.ranking.statistics import bootstrap_indices
+from ra_lens.timing import timed
 from ra_lens.types import MetricFn, Tokens
 
 Statistic = Literal["agreement", "shrink"]
@@ -56,30 +58,30 @@ def pair_scores(
     ureader] is the mean of each pair's, as `attribute` over all pairs returns it."""
     from ra_lens.circuits.attribute import attribute
 
-    start = time.process_time()
-    clean_b, corrupted_b = pairs.paired(model, clean, corrupted)
-    n = clean_b.tokens.shape[0]
-    parts, copies = [], []
-    for i in range(n):
-        rows = slice(i, i + 1)
-        one = attribute(
-            model,
-            # one pair at the batch's full padded width: a metric holding per-position
-            # tensors still lines up (attribute masks the padding)
-            clean_b.rows(rows),
-            corrupted_b.rows(rows),
-            pairs.metric_rows(metric, rows, n),
-            method=method,  # type: ignore[arg-type]  # checked by attribute
-            direction=direction,  # type: ignore[arg-type]
-            steps=steps,
-            batch_size=1,
-            progress=progress,
-        )
-        assert isinstance(one, EdgeScores)
-        parts.append(one.scores.detach().to("cpu", torch.float64))
-        if one.ungrouped_scores is not None:  # grouped-query: each query head's own copy
-            copies.append(one.ungrouped_scores.detach().to("cpu", torch.float64))
-    per_pair = torch.stack(parts)
+    spent: dict[str, float] = {}
+    with timed(spent, "seconds", clock=time.process_time):
+        clean_b, corrupted_b = pairs.paired(model, clean, corrupted)
+        n = clean_b.tokens.shape[0]
+        parts, copies = [], []
+        for i in range(n):
+            rows = slice(i, i + 1)
+            one = attribute(
+                model,
+                # one pair at the batch's full padded width: a metric holding per-position
+                # tensors still lines up (attribute masks the padding)
+                clean_b.rows(rows),
+                corrupted_b.rows(rows),
+                pairs.metric_rows(metric, rows, n),
+                method=method,  # type: ignore[arg-type]  # checked by attribute
+                direction=direction,  # type: ignore[arg-type]
+                steps=steps,
+                batch_size=1,
+                progress=progress,
+            )
+            parts.append(one.scores.detach().to("cpu", torch.float64))
+            if one.ungrouped_scores is not None:  # grouped-query: each query head's own copy
+                copies.append(one.ungrouped_scores.detach().to("cpu", torch.float64))
+        per_pair = torch.stack(parts)
     graph = one.graph
     return EdgeScores(
         graph,
@@ -87,7 +89,7 @@ def pair_scores(
         method,
         direction,
         per_pair=per_pair,
-        seconds=time.process_time() - start,
+        seconds=spent["seconds"],
         # the mean of each pair's copies, as one attribute call over all pairs gives them
         ungrouped_scores=torch.stack(copies).mean(0) if copies else None,
     )
@@ -128,8 +130,7 @@ def stable(
         )
     if statistic not in STATISTICS:
         raise ValueError(f"statistic={statistic!r}: choose one of {STATISTICS}")
-    if isinstance(n_boot, bool) or not isinstance(n_boot, int) or n_boot < 1:
-        raise ValueError(f"n_boot={n_boot!r}: pass a whole number of resamples >= 1")
+    check_count(n_boot, "n_boot", why="a number of resamples")
     g = scores.graph
     sign = 1.0 if scores.direction == "denoise" else -1.0
     per_pair = sign * scores.per_pair.detach().to("cpu", torch.float64)

@@ -23,7 +23,7 @@ def _first_token(model: HookedModel, text: str, flag: str) -> int:
 
 def _run_attribute(args: argparse.Namespace) -> int:
     from ra_lens import attention_attribution
-    from ra_lens.experiments.timing import timed
+    from ra_lens.timing import timed
 
     file_pairs = _attribute_source(args)
     seconds: dict[str, float] = {}

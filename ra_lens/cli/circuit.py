@@ -19,8 +19,8 @@ def _run_circuit(args: argparse.Namespace) -> int:
     from matplotlib.figure import Figure
 
     from ra_lens import circuits
-    from ra_lens.experiments.timing import timed
     from ra_lens.tasks import ioi
+    from ra_lens.timing import timed
 
     sizes = None if args.sizes is None else _floats(args.sizes)
     file_pairs = [] if args.pairs is None else _read_pairs(args.pairs)  # before the model loads
@@ -44,7 +44,6 @@ def _run_circuit(args: argparse.Namespace) -> int:
             batch_size=args.batch_size,
             progress=progress,
         )
-    assert isinstance(scores, circuits.EdgeScores)
     with timed(seconds, "faithfulness_curve"):
         curve = circuits.faithfulness_curve(
             model,

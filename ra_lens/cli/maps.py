@@ -22,7 +22,7 @@ def _run_maps(args: argparse.Namespace) -> int:
     import torch
 
     from ra_lens import metrics, reversed_attention, to_batch
-    from ra_lens.experiments.timing import timed
+    from ra_lens.timing import timed
 
     seconds: dict[str, float] = {}
     with timed(seconds, "load_model"):

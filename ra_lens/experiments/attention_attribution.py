@@ -29,23 +29,26 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from ra_lens import capture
+from ra_lens import capture, timing
 from ra_lens.attribution import AttentionAttribution, attention_attribution
 from ra_lens.capture import Batch, HookedModel
 from ra_lens.core import reversed_attention
-from ra_lens.experiments import timing
 from ra_lens.files import check_writable, load_json, write_file
 from ra_lens.pairs import metric_rows
 from ra_lens.ranking.node_patching import patching_effects
 from ra_lens.ranking.statistics import pearson, spearman, top_recall
+from ra_lens.record import Recorded
 from ra_lens.tasks import ioi
 from ra_lens.types import MetricFn
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 KINDS: tuple[str, ...] = ("query", "key", "pattern")
 
@@ -96,7 +99,7 @@ def node_patching(
 
 
 @dataclass
-class TaskMeasurement:
+class TaskMeasurement(Recorded):
     """Everything measured on one task; `to_dict` is the JSON."""
 
     task: str
@@ -161,6 +164,20 @@ class TaskMeasurement:
             "ra_norms": self.ra_norms.tolist(),
         }
 
+    def table(self) -> str:
+        """The README table's rows of this task (`markdown`)."""
+        return markdown([self])
+
+    def plot(self, save: str | Path | None = None) -> Figure:
+        """Each estimate against the patching truth, one panel per node kind
+        (`viz.estimate_scatter`); `save` also writes it."""
+        from ra_lens.viz import estimate_scatter
+
+        methods = {"exact": self.exact, "linear": self.linear, "exact-ig": self.exact_ig}
+        return estimate_scatter(
+            self.truth, {name: table for name, table in methods.items() if table}, save=save
+        )
+
 
 def measure(
     model: HookedModel,
@@ -187,28 +204,21 @@ def measure(
     clean, corrupted, metric = ioi.paired_batch(model, pairs)
     seconds: dict[str, float] = {}
 
-    def timed(name: str, fn: Any) -> Any:
-        with timing.timed(seconds, name):
-            return fn()
-
-    exact = timed("exact", lambda: attention_attribution(model, clean, corrupted, metric))
-    linear = timed(
-        "linear", lambda: attention_attribution(model, clean, corrupted, metric, method="linear")
-    )
-    exact_ig = timed(
-        "exact_ig",
-        lambda: attention_attribution(
+    with timing.timed(seconds, "exact"):
+        exact = attention_attribution(model, clean, corrupted, metric)
+    with timing.timed(seconds, "linear"):
+        linear = attention_attribution(model, clean, corrupted, metric, method="linear")
+    with timing.timed(seconds, "exact_ig"):
+        exact_ig = attention_attribution(
             model, clean, corrupted, metric, method="exact-ig", steps=ig_steps
-        ),
-    )
-    ra = timed("ra_norms", lambda: reversed_attention(model, clean, metric, keep="norms"))
-    if stored is None:
-        truth = timed(
-            "truth",
-            lambda: node_patching(
-                model, clean, corrupted, metric, max_rows=max_rows, progress=progress
-            ),
         )
+    with timing.timed(seconds, "ra_norms"):
+        ra = reversed_attention(model, clean, metric, keep="norms")
+    if stored is None:
+        with timing.timed(seconds, "truth"):
+            truth = node_patching(
+                model, clean, corrupted, metric, max_rows=max_rows, progress=progress
+            )
     else:
         truth, seconds["truth"] = _stored_truth(stored, pairs, exact)
     result = TaskMeasurement(

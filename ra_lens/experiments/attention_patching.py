@@ -3,7 +3,6 @@ to the forward attention of held-out prompts at a sweep of scales, against the f
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -13,14 +12,15 @@ from typing import TYPE_CHECKING, Any
 from ra_lens import pairs, tasks
 from ra_lens._typing import Validated
 from ra_lens.capture import HookedModel
+from ra_lens.checks import check_count
 from ra_lens.core import reversed_attention
-from ra_lens.experiments.timing import timed
-from ra_lens.files import write_file
 from ra_lens.metrics import target_nll
 from ra_lens.patching import attention_patch_hooks, forward_patch_hooks
 from ra_lens.progress import tqdm
+from ra_lens.record import Recorded
 from ra_lens.result import ReversedAttention
 from ra_lens.tasks import Accuracy, Prompt, Task, evaluate, task_prompts
+from ra_lens.timing import timed
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -34,7 +34,7 @@ DEFAULT_SCALES: tuple[float, ...] = PAPER_SCALES + (-160, -240)
 
 
 @dataclass
-class PatchingResult:
+class PatchingResult(Recorded):
     """Accuracy on held-out prompts for each scale, with RA patching and the forward baseline.
 
     >>> import torch
@@ -120,9 +120,6 @@ class PatchingResult:
             "chosen_ra_top3": dict(zip(keys, self.chosen(3, "ra"))),
             "chosen_forward_top3": dict(zip(keys, self.chosen(3, "forward"))),
         }
-
-    def save_json(self, path: str | Path) -> None:
-        write_file(path, json.dumps(self.to_dict(), indent=2), make_folders=True)
 
     def table(self) -> str:
         """A plain-text table: one row per scale, top-1/top-3 for RA and forward patching."""
@@ -309,22 +306,13 @@ def _validation_split(unused: Sequence[Prompt], test: Sequence[Prompt]) -> tuple
     return [], "held-out"
 
 
-def _is_count(value: Any, least: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= least
-
-
 def _check_counts(shots: Any, n_prompts: Any, n_test: Any, scales: Any) -> list[float]:
     """The scales as floats, after refusing counts that would silently use fewer prompts
     (a negative slice end drops prompts from the end) and an empty or non-finite sweep."""
-    if not _is_count(shots, 0):
-        raise ValueError(f"shots must be a whole number >= 0, got {shots!r}")
-    if not _is_count(n_prompts, 2):
-        raise ValueError(
-            f"n_prompts must be a whole number >= 2 (RA is averaged over the training prompts), "
-            f"got {n_prompts!r}"
-        )
-    if n_test is not None and not _is_count(n_test, 1):
-        raise ValueError(f"n_test must be a whole number >= 1 or None (all), got {n_test!r}")
+    check_count(shots, "shots", minimum=0)
+    check_count(n_prompts, "n_prompts", 2, why="RA is averaged over the training prompts")
+    if n_test is not None:
+        check_count(n_test, "n_test", why="or None: all")
     if isinstance(scales, (str, bytes)) or not isinstance(scales, Sequence):
         raise ValueError(f"scales must be a sequence of numbers, e.g. [-4.0, 0.0], got {scales!r}")
     bad = [s for s in scales if isinstance(s, bool) or not isinstance(s, (int, float))]

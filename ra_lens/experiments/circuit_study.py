@@ -39,10 +39,9 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from ra_lens import capture, circuits
+from ra_lens import capture, circuits, timing
 from ra_lens.circuits.curve import MIB_FRACTIONS
 from ra_lens.circuits.faithfulness import BASELINE
-from ra_lens.experiments import timing
 
 # The statistics live in circuit_study_report; fraction_columns, paired_difference re-exported.
 from ra_lens.experiments.circuit_study_report import fraction_columns as fraction_columns
@@ -211,7 +210,7 @@ def head_node_scores(
     scores: circuits.EdgeScores,
 ) -> Float[Tensor, "layer head"]:
     """Each head's node score from its edge scores: the sum over its outgoing edges, the first-
-    order effect of patching its output into every reader (as `attribute(level="node")`), in
+    order effect of patching its output into every reader (as `attribute_nodes`), in
     MIB's sign (`EdgeScores.helps`: noise scores negated, so they compare with denoise truth)."""
     g = scores.graph
     writers = scores.helps.detach().sum(1)  # under TL 2 attribute returns scores with grad
@@ -320,7 +319,7 @@ def run_task(
             return scored[label]
         method, steps, direction = METHODS[label]
         spent: dict[str, float] = {}
-        result: circuits.EdgeScores | circuits.NodeScores
+        result: circuits.EdgeScores
         if method == "ensemble":
             parts = [score(part) for part in ENSEMBLES[label]]
             result = circuits.ensemble([part for part, _ in parts])
@@ -338,7 +337,6 @@ def run_task(
                         model, train_clean, train_corrupted, train_metric, method=method,
                         steps=steps, direction=direction, batch_size=batch_size,
                     )  # fmt: skip
-        assert isinstance(result, circuits.EdgeScores)
         scored[label] = (result, spent)
         return scored[label]
 
@@ -350,12 +348,9 @@ def run_task(
             subset = scores
             if truth_pairs < len(pairs) and method != "random":
                 sub_clean, sub_corrupted, sub_metric = ioi.paired_batch(model, pairs[:truth_pairs])
-                subset = cast(  # edge scores: attribute's default level
-                    circuits.EdgeScores,
-                    circuits.attribute(
-                        model, sub_clean, sub_corrupted, sub_metric, method=method, steps=steps,
-                        direction=direction, batch_size=batch_size,
-                    ),
+                subset = circuits.attribute(
+                    model, sub_clean, sub_corrupted, sub_metric, method=method, steps=steps,
+                    direction=direction, batch_size=batch_size,
                 )  # fmt: skip
             heads = head_node_scores(subset)
             out["truth"]["pearson"][label] = pearson(heads, truth)

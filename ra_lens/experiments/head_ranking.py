@@ -10,12 +10,11 @@ attribution patching.
     >>> from ra_lens.experiments import head_ranking
     >>> result = head_ranking(model, "antonym", shots=5, n_prompts=25)     # doctest: +SKIP
     >>> print(result.table())                                              # doctest: +SKIP
-    >>> result.save_json("ranking.json"); result.plots("figures/")          # doctest: +SKIP
+    >>> result.save("ranking.json"); result.plots("figures/")          # doctest: +SKIP
 """
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -28,13 +27,13 @@ from ra_lens import capture, tasks
 from ra_lens import ranking as rk
 from ra_lens._typing import Validated
 from ra_lens.capture import HookedModel
-from ra_lens.experiments.timing import timed
-from ra_lens.files import write_file
+from ra_lens.checks import check_count
 from ra_lens.patching import HeadMeans, last_token_means
 from ra_lens.progress import tqdm
 from ra_lens.ranking import AblationCurve, Interval
-from ra_lens.ranking.engine import check_count
+from ra_lens.record import Recorded
 from ra_lens.tasks import Accuracy, Prompt, Task, shuffled_label_prompts, task_prompts
+from ra_lens.timing import timed
 from ra_lens.types import Scores
 
 
@@ -183,7 +182,7 @@ PAIRED: frozenset[str] = frozenset(name for name, spec in RANKINGS.items() if sp
 
 
 @dataclass
-class HeadRankingResult:
+class HeadRankingResult(Recorded):
     """Rankings, ablation curves, agreement with RA and the time each ranking took.
 
     Attributes:
@@ -284,9 +283,6 @@ class HeadRankingResult:
             "seconds": dict(self.seconds),
             "notes": list(self.notes),
         }
-
-    def save_json(self, path: str | Path) -> None:
-        write_file(path, json.dumps(self.to_dict(), indent=2), make_folders=True)
 
     def table(self) -> str:
         """One row per ranking: ablation AUCs with 95% bootstrap intervals (top-1 keeping the top
@@ -431,7 +427,7 @@ def head_ranking(
             its protocol-independent rankings are taken over, with their seconds, not recomputed.
 
     Returns:
-        HeadRankingResult (`.table()`, `.to_dict()`, `.save_json(path)`, `.plots(out_dir)`).
+        HeadRankingResult (`.table()`, `.to_dict()`, `.save(path)`, `.plots(out_dir)`).
 
     >>> import torch
     >>> from ra_lens.tasks import Task

@@ -24,17 +24,18 @@ from ra_lens import ranking as rk
 from ra_lens import tasks
 from ra_lens._typing import Validated
 from ra_lens.capture import HookedModel
+from ra_lens.checks import check_count
 from ra_lens.experiments.head_ranking import (
     RANKINGS,
     HeadRankingResult,
     check_rankings,
     head_ranking,
 )
-from ra_lens.experiments.timing import timed
 from ra_lens.files import load_json, write_file
 from ra_lens.progress import tqdm
-from ra_lens.ranking.engine import check_count
+from ra_lens.record import Recorded
 from ra_lens.tasks import Task
+from ra_lens.timing import timed
 
 #: The study's tasks and shot counts (issue 14).
 STUDY_TASKS: tuple[str, ...] = ("antonym", "capitalize", "country-capital", "present-past")
@@ -66,7 +67,7 @@ QUICK_SETTINGS: dict[str, Any] = {
 
 
 @dataclass
-class StudyResult:
+class StudyResult(Recorded):
     """Every cell of the study (one `HeadRankingResult` per task x shots x ablation).
 
     Attributes:
@@ -129,9 +130,6 @@ class StudyResult:
             "summary": self.summary(),
             "cells": [cell.to_dict() for cell in self.cells],
         }
-
-    def save_json(self, path: str | Path) -> None:
-        write_file(path, json.dumps(self.to_dict(), indent=1, allow_nan=False), make_folders=True)
 
     def table(self) -> str:
         """Every cell's table, then the runtime and the speed goal."""
@@ -296,7 +294,7 @@ def ranking_study(
         on_cell: called with the partial result after every cell (e.g. to save it as it goes).
 
     Returns:
-        StudyResult (`.to_dict()`, `.save_json(path)`, `.table()`, `.plots(out_dir)`).
+        StudyResult (`.to_dict()`, `.save(path)`, `.table()`, `.plots(out_dir)`).
     """
     names = check_rankings(rankings)
     for value, what in (
@@ -539,7 +537,7 @@ def _run(args: argparse.Namespace) -> tuple[StudyResult, Callable[[StudyResult],
         partial.config["model"] = model_name
         partial.config["device"] = _device_name(args.device)
         if args.json:
-            partial.save_json(args.json)
+            partial.save(args.json)
 
     result = ranking_study(
         model,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -24,9 +25,12 @@ from ra_lens.math import trapezoid_auc
 from ra_lens.patching import HeadMeans, ablation_hooks, head_ablation_hooks
 from ra_lens.ranking.engine import check_scores, head_order
 from ra_lens.ranking.statistics import Interval, bootstrap_mean
+from ra_lens.record import Recorded
 from ra_lens.types import Scores
 
 if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
     from ra_lens.tasks import Accuracy
 
 #: p = 0, 10, ..., 100% of heads kept.
@@ -38,7 +42,7 @@ DENSE_FRACTIONS: tuple[float, ...] = (
 
 
 @dataclass(frozen=True)
-class AblationCurve:
+class AblationCurve(Recorded):
     """Task accuracy when only the top (or, with reverse, bottom) fraction of heads is kept.
 
     Attributes:
@@ -96,6 +100,22 @@ class AblationCurve:
             "auc": self.auc,
             "auc_top3": self.auc_top3,
         }
+
+    def table(self) -> str:
+        """A Markdown table: one row per fraction (heads kept, top-1 and top-3), then the AUCs."""
+        kept = "bottom" if self.reverse else "top"
+        rows = [f"| % of heads kept ({kept}) | heads | top-1 | top-3 |", "|---:|---:|---:|---:|"]
+        for p, n, a1, a3 in zip(self.fractions, self.n_kept, self.top1, self.top3):
+            rows.append(f"| {100 * p:g} | {n} | {a1:.4f} | {a3:.4f} |")
+        rows.append(f"\nAUC {self.auc:.4f} (top-1), {self.auc_top3:.4f} (top-3)")
+        return "\n".join(rows)
+
+    def plot(self, save: str | Path | None = None) -> Figure:
+        """Top-1 accuracy against the fraction of heads kept (`viz.ablation_curves`)."""
+        from ra_lens.viz import ablation_curves
+
+        name = "bottom heads kept" if self.reverse else "top heads kept"
+        return ablation_curves(self.fractions, {name: self.top1}, save=save)
 
 
 def check_fractions(fractions: Sequence[float]) -> list[float]:

@@ -35,6 +35,7 @@ from torch import Tensor
 from ra_lens import capture, pairs
 from ra_lens._typing import Validated
 from ra_lens.capture import Batch, HookedModel
+from ra_lens.checks import check_count
 from ra_lens.math import upcast
 from ra_lens.progress import tqdm
 from ra_lens.types import Scores, Targets, Tokens
@@ -74,20 +75,6 @@ class Part:
 
 
 Scorer = Callable[[HookedModel, Part], Tensor]
-
-
-def check_count(value: Any, name: str, minimum: int = 1) -> int:
-    """An int >= minimum, or a ValueError naming the parameter.
-
-    >>> check_count(3, "batch_size")
-    3
-    >>> check_count(-1, "n_test")
-    Traceback (most recent call last):
-    ValueError: n_test must be an int >= 1, got -1
-    """
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return value
 
 
 def check_targets(model: HookedModel, targets: Targets, n: int) -> Int[Tensor, "n"]:

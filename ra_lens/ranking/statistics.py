@@ -14,6 +14,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from ra_lens._typing import Validated
+from ra_lens.checks import check_count
 from ra_lens.ranking.engine import PerPrompt, head_order
 from ra_lens.types import Scores
 
@@ -74,8 +75,7 @@ def top_recall(estimate: Float[Tensor, "..."], truth: Float[Tensor, "..."], k: i
         raise ValueError(
             f"tensors of different shapes {tuple(estimate.shape)} and {tuple(truth.shape)}"
         )
-    if isinstance(k, bool) or k < 1:
-        raise ValueError(f"k must be an int >= 1, got {k!r}")
+    check_count(k, "k")
     k = min(k, truth.numel())
     top_truth = set(truth.flatten().abs().argsort(descending=True)[:k].tolist())
     top_est = set(estimate.flatten().abs().argsort(descending=True)[:k].tolist())

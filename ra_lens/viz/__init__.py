@@ -29,7 +29,7 @@ says what its colours mean. The causal (upper) triangle is masked and drawn grey
 
 from ra_lens.viz._base import save_figure, visible_token
 from ra_lens.viz.attribution import attribution_heatmaps, estimate_scatter, top_edges_on_tokens
-from ra_lens.viz.curves import ablation_curves, ablation_curves_pair, scale_sweep
+from ra_lens.viz.curves import ablation_curves, ablation_curves_pair, named_bars, scale_sweep
 from ra_lens.viz.maps import head_norm_heatmaps, head_pair, ranking_maps, top_heads_grid
 from ra_lens.viz.pages import attribution_edges_page, circuitsvis_heads
 
@@ -42,6 +42,7 @@ __all__ = [
     "estimate_scatter",
     "head_norm_heatmaps",
     "head_pair",
+    "named_bars",
     "ranking_maps",
     "save_figure",
     "scale_sweep",

@@ -1,12 +1,13 @@
 """Line plots: accuracy against the attention-patching scale, and against the fraction of heads
-kept (ablation curves, each labelled with its area under the curve).
+kept (ablation curves, each labelled with its area under the curve); named bars (a result's
+largest scores).
 
 Each returns a fresh `matplotlib.figure.Figure`; `save=` also writes it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -19,7 +20,7 @@ from ra_lens.viz._base import ArrayLike, PathLike, _legend, _new_figure, _numpy,
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
-__all__ = ["ablation_curves", "ablation_curves_pair", "scale_sweep"]
+__all__ = ["ablation_curves", "ablation_curves_pair", "named_bars", "scale_sweep"]
 
 
 def _check_curves(x: np.ndarray, curves: Mapping[str, ArrayLike]) -> dict[str, np.ndarray]:
@@ -189,4 +190,34 @@ def ablation_curves_pair(
         _ablation_axis(ax, xs, data, ylabel, panel_title)
     if title:
         fig.suptitle(title, fontsize=12)
+    return save_figure(fig, save)
+
+
+def named_bars(
+    names: Sequence[str],
+    values: ArrayLike,
+    *,
+    title: str,
+    xlabel: str,
+    kept: Sequence[bool] | None = None,
+    save: PathLike | None = None,
+) -> Figure:
+    """One horizontal bar per name (the first on top): a result's largest scores, a
+    faithfulness per pair, a search's trials (`kept` colours the kept ones).
+
+    >>> fig = named_bars(["a0.h1", "m0"], [0.5, -0.25], title="scores", xlabel="score")
+    >>> [(t.get_text(), int(t.get_position()[1])) for t in fig.axes[0].get_yticklabels()]
+    [('a0.h1', 1), ('m0', 0)]
+    """
+    xs = _numpy(values)
+    if len(names) != len(xs):
+        raise ValueError(f"{len(names)} names for {len(xs)} values: pass one value per name")
+    fig = _new_figure(6.0, 1.2 + 0.25 * max(1, len(names)))
+    ax = fig.subplots()
+    colours = ["#4c72b0" if ok else "#bbbbbb" for ok in (kept or [True] * len(xs))]
+    ax.barh(list(range(len(xs)))[::-1], xs, color=colours)
+    ax.set_yticks(list(range(len(xs)))[::-1], list(names), fontsize=8)
+    ax.axvline(0.0, color="grey", lw=0.8)
+    ax.set_xlabel(xlabel, fontsize=9)
+    ax.set_title(title, fontsize=11)
     return save_figure(fig, save)

@@ -709,8 +709,8 @@ def _saved_ra(model, folder):
 @pytest.mark.parametrize("k", [0, -3])
 def test_top_heads_refuses_a_non_positive_k(model, k):
     att = ra_lens.attention_attribution(model, CLEAN, CORRUPTED, METRIC, nodes=["query"])
-    with pytest.raises(ValueError, match="k must be a positive number"):
+    with pytest.raises(ValueError, match=r"k must be an int >= 1 \(a number of heads\)"):
         att.top_heads(k)
     ra = ra_lens.reversed_attention(model, CLEAN, target_nll([5]), keep="norms")
-    with pytest.raises(ValueError, match="k must be a positive number"):
+    with pytest.raises(ValueError, match=r"k must be an int >= 1 \(a number of heads\)"):
         ra.top_heads(k)

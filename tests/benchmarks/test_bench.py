@@ -11,8 +11,7 @@ import torch
 from helpers import FakeClock, benchmark_modules
 
 import ra_lens
-from ra_lens import ranking
-from ra_lens.experiments import timing
+from ra_lens import ranking, timing
 from ra_lens.metrics import target_nll
 
 pytest.importorskip("transformer_lens.model_bridge")  # the benchmark measures TransformerBridge

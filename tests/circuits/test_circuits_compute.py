@@ -12,10 +12,11 @@ from helpers import has_bridge, hooked_toy, one_layer_model, snapshot
 from ra_lens import capture
 from ra_lens.capture import to_batch
 from ra_lens.circuits import _edges
-from ra_lens.circuits.attribute import NodeScores, attribute
+from ra_lens.circuits.attribute import attribute
 from ra_lens.circuits.circuit import Circuit
 from ra_lens.circuits.faithfulness import FaithfulnessEvaluator, faithfulness
 from ra_lens.circuits.graph import Graph
+from ra_lens.circuits.nodes import NodeScores, attribute_nodes
 from ra_lens.metrics import logit_diff
 from ra_lens.toy_models import tiny_model
 
@@ -305,7 +306,7 @@ def test_batches_and_padding_do_not_change_scores(model, batches):
 def test_node_scores_sum_edges(model, batches):
     clean, corrupted = batches
     edges = attribute(model, clean, corrupted, METRIC, method="eap").scores
-    nodes = attribute(model, clean, corrupted, METRIC, method="eap", level="node")
+    nodes = attribute_nodes(model, clean, corrupted, METRIC, method="eap")
     assert isinstance(nodes, NodeScores)
     assert torch.allclose(nodes.writers, edges.sum(1)) and torch.allclose(
         nodes.readers, edges.sum(0)
@@ -347,7 +348,6 @@ def test_attribute_refuses_bad_input(model, batches):
     clean, corrupted = batches
     for kwargs, message in [
         (dict(method="atp"), "unknown method"),
-        (dict(level="head"), "unknown level"),
         (dict(direction="up"), "unknown direction"),
         (dict(method="eap-ig", steps=0), "steps"),
     ]:

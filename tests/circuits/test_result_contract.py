@@ -45,7 +45,7 @@ def scores(model) -> EdgeScores:
             for i, (c, x) in enumerate(zip(CLEAN, CORRUPTED))
         ]
     )
-    nodes = attribute(model, CLEAN, CORRUPTED, metric, method="eap", level="node")
+    nodes = circuits.attribute_nodes(model, CLEAN, CORRUPTED, metric, method="eap")
     torch.testing.assert_close(per_pair.mean(0), edge.scores, atol=1e-6, rtol=1e-6)
     return dataclasses.replace(edge, per_pair=per_pair, node_scores=nodes.writers, seconds=0.25)
 

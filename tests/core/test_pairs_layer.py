@@ -28,7 +28,7 @@ def test_chunks_cover_every_row_once():
             got = [i for rows in pairs.chunks(n, size) for i in range(n)[rows]]
             assert got == list(range(n))
             assert all(r.stop - r.start <= size for r in pairs.chunks(n, size))
-    with pytest.raises(ValueError, match="batch_size must be a positive int"):
+    with pytest.raises(ValueError, match="batch_size must be an int >= 1"):
         pairs.chunks(3, 0)
 
 

@@ -18,13 +18,13 @@ def model():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"n_prompts": -1}, "n_prompts must be a whole number >= 2"),
-        ({"n_prompts": 1}, "n_prompts must be a whole number >= 2"),
-        ({"n_test": -1}, "n_test must be a whole number >= 1"),
-        ({"n_test": 0}, "n_test must be a whole number >= 1"),
+        ({"n_prompts": -1}, "n_prompts must be an int >= 2"),
+        ({"n_prompts": 1}, "n_prompts must be an int >= 2"),
+        ({"n_test": -1}, "n_test must be an int >= 1"),
+        ({"n_test": 0}, "n_test must be an int >= 1"),
         ({"scales": []}, "non-empty sequence of finite numbers"),
         ({"scales": [1.0, float("nan")]}, "non-empty sequence of finite numbers"),
-        ({"shots": -1}, "shots must be a whole number >= 0"),
+        ({"shots": -1}, "shots must be an int >= 0"),
     ],
 )
 def test_attention_patching_refuses_bad_counts(model, kwargs, message):

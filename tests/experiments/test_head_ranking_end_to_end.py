@@ -54,7 +54,7 @@ def test_head_ranking_end_to_end(llama, result, tmp_path):
     }
     table = result.table()
     assert "causal_mediation" in table and "faster than causal mediation" in table
-    result.save_json(tmp_path / "out" / "ranking.json")
+    result.save(tmp_path / "out" / "ranking.json")
     assert json.loads((tmp_path / "out" / "ranking.json").read_text())["task"] == "toy"
     paths = result.plots(tmp_path / "figs")
     names = {p.name for p in paths}

@@ -3,16 +3,17 @@ faithfulness, in files EAP-IG and MIB read, and one offline interactive page per
 
 from ra_lens.circuits.attribute import attribute
 from ra_lens.circuits.circuit import Circuit
-from ra_lens.circuits.curve import (
-    MIB_FRACTIONS,
-    FaithfulnessCurve,
-    faithfulness_curve,
-    mib_circuits,
-)
+from ra_lens.circuits.curve import FaithfulnessCurve, faithfulness_curve
 from ra_lens.circuits.ensemble import ensemble
 from ra_lens.circuits.faithfulness import Faithfulness, FaithfulnessEvaluator, faithfulness
-from ra_lens.circuits.files import MIB_SUBMISSION_FRACTIONS, export_mib
+from ra_lens.circuits.files import export_mib
 from ra_lens.circuits.graph import Graph
+from ra_lens.circuits.mib import (
+    MIB_FRACTIONS,
+    MIB_SUBMISSION_FRACTIONS,
+    ChosenCircuits,
+    mib_circuits,
+)
 from ra_lens.circuits.nodes import NodeScores, attribute_nodes
 from ra_lens.circuits.page import CircuitPage
 from ra_lens.circuits.refine import Refinement, refine
@@ -21,6 +22,7 @@ from ra_lens.circuits.smallest import SmallestCircuit, smallest_circuit
 from ra_lens.circuits.stability import pair_scores, stable
 
 __all__ = [
+    "ChosenCircuits",
     "MIB_FRACTIONS",
     "MIB_SUBMISSION_FRACTIONS",
     "Circuit",

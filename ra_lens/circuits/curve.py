@@ -43,7 +43,7 @@ from ra_lens._typing import Validated
 from ra_lens.circuits.circuit import Circuit
 from ra_lens.circuits.faithfulness import BASELINE
 from ra_lens.circuits.graph import UNITS, Graph, Units
-from ra_lens.circuits.mib import MIB_FRACTIONS as MIB_FRACTIONS
+from ra_lens.circuits.mib import MIB_FRACTIONS, ChosenCircuits, check_fractions, chosen_for
 from ra_lens.circuits.mib import mib_circuits as mib_circuits
 from ra_lens.circuits.scores import EdgeScores
 from ra_lens.math import trapezoid_auc
@@ -250,6 +250,7 @@ def faithfulness_curve(
     batch_size: int = 32,
     progress: bool = False,
     evaluate: Callable[..., Any] | None = None,
+    chosen: ChosenCircuits | None = None,
 ) -> FaithfulnessCurve:
     """Faithfulness of the circuits `scores` picks at each size, by both rankings, as MIB
     measures them (module docstring).
@@ -267,6 +268,8 @@ def faithfulness_curve(
         evaluate: instead of the default `circuits.FaithfulnessEvaluator` (which takes the
             clean, corrupted and empty-circuit runs once), `evaluate(model, circuit, clean,
             corrupted, metric, ablation=ablation)` returning a result with `.value` or a float.
+        chosen: circuits already chosen from these scores by `selection` (`mib.ChosenCircuits`):
+            the curve takes them and keeps those it chooses, for the page and the export.
 
     Returns:
         FaithfulnessCurve with `.cpr` (signed ranking) and `.cmd` (|score| ranking). A circuit
@@ -281,7 +284,7 @@ def faithfulness_curve(
         raise ValueError(f"units={units!r}: expected one of {UNITS}")
     from ra_lens.timing import timed
 
-    fractions = _check_sizes(MIB_FRACTIONS if sizes is None else sizes)
+    fractions = check_fractions(MIB_FRACTIONS if sizes is None else sizes)
     if evaluate is None:  # one evaluator: the clean, corrupted and empty runs are taken once
         from ra_lens.circuits.faithfulness import FaithfulnessEvaluator
 
@@ -293,8 +296,9 @@ def faithfulness_curve(
         def evaluate(model: HookedModel, circuit: Circuit, *args: Any, **kwargs: Any) -> Any:
             return evaluator(circuit)
 
-    signed = mib_circuits(scores, fractions, absolute=False, selection=selection, units=units)
-    by_abs = mib_circuits(scores, fractions, absolute=True, selection=selection, units=units)
+    chosen = chosen_for(scores, chosen, selection)
+    signed = chosen.at(fractions, absolute=False, units=units)
+    by_abs = chosen.at(fractions, absolute=True, units=units)
     done: dict[bytes, float] = {}
     seconds = []
     for pair in tqdm(list(zip(signed, by_abs)), desc="faithfulness curve", disable=not progress):
@@ -329,20 +333,3 @@ def faithfulness_curve(
         ablation=ablation,
         seconds=seconds,
     )
-
-
-def _check_sizes(sizes: Sequence[float]) -> list[float]:
-    try:
-        fractions = [float(k) for k in sizes]
-    except (TypeError, ValueError) as err:
-        raise TypeError(
-            f"sizes must be fractions of the edges, e.g. [0.01, 0.1, 1]: {err}"
-        ) from err
-    if not fractions or any(not 0 < k <= 1 for k in fractions):
-        raise ValueError(
-            f"sizes={list(sizes)!r}: pass fractions of the graph's edges in (0, 1], e.g. "
-            "[0.01, 0.1, 1] (not percentages, not edge counts)"
-        )
-    if any(b <= a for a, b in zip(fractions, fractions[1:])):
-        raise ValueError(f"sizes={fractions}: list them in increasing order, without repeats")
-    return fractions

@@ -32,6 +32,7 @@ from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
 from matplotlib.path import Path as CurvePath
 
 from ra_lens.circuits.graph import Graph
+from ra_lens.circuits.mib import mib_sign
 
 # Circuits import their drawing; the drawing names them for type hints only.
 if TYPE_CHECKING:
@@ -125,7 +126,7 @@ def draw_scores(scores: EdgeScores, k: int = 20) -> Figure:
     'a0.h1->logits'
     """
     top = scores.top_edges(k)[::-1]
-    sign = 1.0 if scores.direction == "denoise" else -1.0
+    sign = mib_sign(scores.direction)
     fig = Figure(figsize=(6, max(2.0, 0.25 * len(top) + 1)), layout="constrained")
     ax = fig.add_subplot()
     colors = [COLORS[scores.graph.reader(name.split("->")[1]).kind] for name, _ in top]

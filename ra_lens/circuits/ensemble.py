@@ -38,6 +38,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from ra_lens._typing import Validated
+from ra_lens.circuits.mib import mib_sign
 from ra_lens.circuits.scores import EdgeScores
 
 Normalise = Literal["rms", "max", "none", "rank"]
@@ -107,7 +108,7 @@ def ensemble(
         return EdgeScores(graph, combined, method, "denoise", seconds=total_seconds)
     # MIB's sign and the scale folded into one coefficient per input, for every tensor field.
     coefficients = [
-        share * (1.0 if item.direction == "denoise" else -1.0) / scale
+        share * mib_sign(item.direction) / scale
         for item, share, scale in zip(items, shares, scales, strict=True)
     ]
     # The inputs' own class: a tensor field added to EdgeScores (or a subclass) is combined too.

@@ -15,6 +15,8 @@ from ra_lens.circuits.eapig_json import KvRule, read_fields
 from ra_lens.circuits.eapig_json import ungrouped_readers as ungrouped_readers
 from ra_lens.circuits.eapig_json import write_json as write_json
 from ra_lens.circuits.graph import Graph
+from ra_lens.circuits.mib import MIB_SUBMISSION_FRACTIONS as MIB_SUBMISSION_FRACTIONS
+from ra_lens.circuits.mib import ChosenCircuits, chosen_for, mib_sign
 from ra_lens.circuits.scores import EdgeScores
 from ra_lens.types import HookedModel
 
@@ -28,10 +30,6 @@ def read_json(
     return Circuit(g, **read_fields(path, g, kv=kv))
 
 
-#: The circuit sizes of a MIB submission of binary circuits: 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 50 %.
-MIB_SUBMISSION_FRACTIONS: tuple[float, ...] = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5)
-
-
 def export_mib(
     scores: EdgeScores,
     folder: str | Path,
@@ -40,10 +38,11 @@ def export_mib(
     absolute: bool = False,
     selection: Literal["top", "greedy"] = "top",
     progress: bool = False,
+    chosen: ChosenCircuits | None = None,
 ) -> list[Path]:
     """Write a MIB circuit-track folder for one task and model (hannamw/MIB-circuit-track).
 
-    - `folder/importances.json`: every edge's score in EAP-IG's ungrouped layout (this module's
+    - `folder/importances.json`: every edge's score in EAP-IG's ungrouped layout (`eapig_json.py`'s
       docstring: a key/value edge on each query head of its group, each copy with its own score
       where `scores.ungrouped_scores` has them, else an equal share), every edge in_graph. The scores carry MIB's sign, positive where the edge helps
       the metric (`EdgeScores.helps`: denoise scores as they are, noise scores negated), since
@@ -57,6 +56,8 @@ def export_mib(
       edge count (MIB's), by `EdgeScores.top`/`.greedy(units="ungrouped")` of the score
       (absolute=False: the signed ranking, as MIB's CPR) or of |score|, pruned. Each keeps at
       most int(k * N) edges in the file's ungrouped count (`Circuit.n_edges_ungrouped`).
+      `chosen` (a `ChosenCircuits` of these scores and `selection`) hands over circuits already
+      chosen, e.g. by `faithfulness_curve`, so none is chosen twice.
 
     By default only importances.json (MIB takes the scores OR the circuits, and the nine
     circuits are large: 90 MB on SmolLM2); `circuits=True` adds them, `progress=True` shows a
@@ -72,20 +73,19 @@ def export_mib(
         The paths written: importances.json first, then the circuits by increasing size.
 
     >>> import tempfile, torch
+    >>> from ra_lens.circuits import EdgeScores
     >>> g = Graph(n_layers=1, n_heads=2, n_kv_heads=1, d_model=8)
     >>> s = EdgeScores(g, torch.rand(len(g.writers), len(g.readers)) * g.real, "eap", "denoise")
     >>> [p.name for p in export_mib(s, tempfile.mkdtemp(), circuits=True)][:3]
     ['importances.json', 'circuit_0.001.json', 'circuit_0.002.json']
     """
-    from ra_lens.circuits.mib import mib_circuits
-
     if not isinstance(scores, EdgeScores):
         raise TypeError(f"scores must be circuits.EdgeScores, got {type(scores).__name__}")
     out = Path(folder)
     out.mkdir(parents=True, exist_ok=True)
     g = scores.graph
     # MIB ranks the file's scores with and without abs(): they carry its sign (positive = helps)
-    sign = 1.0 if scores.direction == "denoise" else -1.0
+    sign = mib_sign(scores.direction)
     node_scores = None if scores.node_scores is None else sign * scores.node_scores.detach().cpu()
     copies = None if scores.ungrouped_scores is None else scores.ungrouped_helps
     everything = Circuit(
@@ -97,14 +97,10 @@ def export_mib(
         _remove_stale_circuits(out)
     else:
         (out / "circuits").mkdir(exist_ok=True)
-        chosen = mib_circuits(
-            scores,
-            MIB_SUBMISSION_FRACTIONS,
-            absolute=absolute,
-            selection=selection,
-            units="ungrouped",
+        picked = chosen_for(scores, chosen, selection).at(
+            MIB_SUBMISSION_FRACTIONS, absolute=absolute, units="ungrouped"
         )
-        bar = tqdm(chosen, desc="MIB circuits", disable=not progress)
+        bar = tqdm(picked, desc="MIB circuits", disable=not progress)
         for k, circuit in zip(MIB_SUBMISSION_FRACTIONS, bar):
             paths.append(out / "circuits" / f"circuit_{k:g}.json")
             write_json(circuit, paths[-1])

@@ -184,8 +184,15 @@ class Graph:
         once per query head of its group. Equals `n_edges` without grouped-query attention."""
         return int((self.real.long() * self.copies[None, :]).sum())
 
-    def count(self, units: Units) -> int:
-        """The graph's edges in `units`: `n_edges` ("grouped") or `n_edges_ungrouped`."""
+    def count(self, units: Units = "ungrouped") -> int:
+        """The graph's edges in `units`: `n_edges_ungrouped` (default, MIB's unit) or `n_edges`.
+
+        >>> g = Graph(n_layers=1, n_heads=2, n_kv_heads=1, d_model=8)
+        >>> g.count(), g.count("grouped")
+        (13, 11)
+        """
+        if units not in UNITS:
+            raise ValueError(f"units={units!r}: expected 'grouped' or 'ungrouped'")
         return self.n_edges if units == "grouped" else self.n_edges_ungrouped
 
     @cached_property

@@ -46,7 +46,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -56,7 +56,7 @@ from torch import Tensor
 from ra_lens import capture
 from ra_lens._version import __version__
 from ra_lens.circuits.graph import Graph, Units
-from ra_lens.circuits.mib import MIB_FRACTIONS, mib_circuits
+from ra_lens.circuits.mib import MIB_FRACTIONS, ChosenCircuits, check_fractions, chosen_for
 from ra_lens.types import HookedModel, MetricFn, Tokens
 
 # Results import their page; the page names them for type hints only.
@@ -132,6 +132,7 @@ def scores_page(
     max_drawn: int = MAX_DRAWN,
     title: str | None = None,
     target: float = TARGET,
+    chosen: ChosenCircuits | None = None,
 ) -> CircuitPage:
     """The page of the circuits `scores` picks at each size (`EdgeScores.to_html`).
 
@@ -149,6 +150,8 @@ def scores_page(
         title: the page's title.
         target: the faithfulness the page first asks its smallest circuit to reach (changeable
             on the page).
+        chosen: circuits already chosen from these scores by the selection (e.g. by the
+            curve's `faithfulness_curve(..., chosen=...)`), taken instead of choosing again.
     """
     graph = scores.graph
     units: Units = "ungrouped"
@@ -160,30 +163,27 @@ def scores_page(
                 f"the curve is over {curve.n_total} edges, the scores' graph has {total} ({units})"
             )
         sizes, selection = curve.sizes, curve.selection
-    fractions = list(MIB_FRACTIONS if sizes is None else sizes)
+    fractions = check_fractions(MIB_FRACTIONS if sizes is None else sizes)
     if selection not in ("top", "greedy"):
         raise ValueError(f"selection={selection!r}: expected 'top' or 'greedy'")
-    for k in fractions:
-        if not 0 < k <= 1:
-            raise ValueError(f"sizes: {k} is not a fraction of the graph's edges in (0, 1]")
-    top_or_greedy = cast('Literal["top", "greedy"]', selection)  # checked above
+    kept = chosen_for(scores, chosen, selection)  # each circuit chosen once per scores
     stops = []
     for ranking in RANKINGS:  # MIB's circuits of both rankings, int(k * N) edges in MIB's units
         absolute = ranking == "abs"
-        picked = mib_circuits(scores, fractions, absolute=absolute, selection=top_or_greedy, units=units)  # fmt: skip
-        for i, (k, chosen) in enumerate(zip(fractions, picked)):
+        picked = kept.at(fractions, absolute=absolute, units=units)
+        for i, (k, at_k) in enumerate(zip(fractions, picked)):
             value = None
             if curve is not None:
                 counts = curve.abs_n_edges if absolute else curve.signed_n_edges
-                if counts[i] != chosen.count(units):
+                if counts[i] != at_k.count(units):
                     raise ValueError(
                         f"the curve's circuit at {k:g} ({ranking} ranking) has {counts[i]} edges, "
-                        f"these scores give {chosen.count(units)}: pass the curve measured on "
+                        f"these scores give {at_k.count(units)}: pass the curve measured on "
                         "these scores"
                     )
                 value = (curve.abs_values if absolute else curve.signed_values)[i]
-            label = f"{100 * k:g} % ({chosen.n_edges:,} edges)"
-            stops.append(_Stop(chosen, label, k, value, ranking))
+            label = f"{100 * k:g} % ({at_k.n_edges:,} edges)"
+            stops.append(_Stop(at_k, label, k, value, ranking))
     # opens on the largest |score| circuit with at most OPEN_AT edges (stops[n:] are |score|)
     n = len(fractions)
     start = n + max((i for i in range(n) if stops[n + i].circuit.n_edges <= OPEN_AT), default=0)

@@ -63,12 +63,14 @@ from ra_lens.checks import check_count
 from ra_lens.circuits.checks import check_copies, check_extras, check_finite, split_fields
 from ra_lens.circuits.circuit import Circuit
 from ra_lens.circuits.graph import UNITS, Graph, Units
+from ra_lens.circuits.mib import mib_sign
 from ra_lens.types import HookedModel, MetricFn, Tokens
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
     from ra_lens.circuits.curve import FaithfulnessCurve
+    from ra_lens.circuits.mib import ChosenCircuits
     from ra_lens.circuits.page import CircuitPage
 
 
@@ -121,8 +123,7 @@ class EdgeScores:
         they are (m(corrupted run with the edge clean) - m(corrupted) > 0 for an edge that helps),
         noise scores negated (m(clean run with the edge corrupted) - m(clean) < 0 for one). The
         signed rankings (absolute=False) and MIB files use it; float64 on the CPU, detached."""
-        keys = self.scores.detach().to("cpu", torch.float64)
-        return keys if self.direction == "denoise" else -keys
+        return mib_sign(self.direction) * self.scores.detach().to("cpu", torch.float64)
 
     @property
     def ungrouped_helps(self) -> Float[Tensor, "writer ureader"]:
@@ -133,8 +134,7 @@ class EdgeScores:
         g = self.graph
         if self.ungrouped_scores is None:
             return (self.helps / g.copies[None, :])[:, g.ungrouped_target]
-        keys = self.ungrouped_scores.detach().to("cpu", torch.float64)
-        return keys if self.direction == "denoise" else -keys
+        return mib_sign(self.direction) * self.ungrouped_scores.detach().to("cpu", torch.float64)
 
     def _keys(self, absolute: bool) -> Float[Tensor, "writer reader"]:
         """The ranking key per edge (|score|, or `helps` for a signed ranking); -inf where there
@@ -295,6 +295,7 @@ class EdgeScores:
         metric: MetricFn | None = None,
         n_pairs: int = 3,
         title: str | None = None,
+        chosen: ChosenCircuits | None = None,
     ) -> CircuitPage:
         """One self-contained offline HTML page (see `page.py`) walking the circuits these scores
         pick at each size (`curve`'s sizes and selection, else `sizes`, default MIB's fractions,
@@ -302,6 +303,7 @@ class EdgeScores:
         its `faithfulness`) is one more stop, opened first. With `model`, `clean` and `metric`,
         a click on a head shows its attention pattern and RA on each of the first `n_pairs`
         clean prompts. Written to `path` when given; the returned page shows inline in Jupyter.
+        `chosen` (`mib.ChosenCircuits` of these scores) hands over circuits already chosen.
         """
         from ra_lens.circuits.page import scores_page
 
@@ -317,6 +319,7 @@ class EdgeScores:
             metric=metric,
             n_pairs=n_pairs,
             title=title,
+            chosen=chosen,
         )
         if path is not None:
             page.save(path)
@@ -352,7 +355,7 @@ class EdgeScores:
         ([{'edge': 'a0.h0->logits', 'score': 2.0, 'helps': -2.0}], {'scores': [3, 5]})
         """
         tensors, plain = split_fields(self)
-        sign = 1.0 if self.direction == "denoise" else -1.0
+        sign = mib_sign(self.direction)
         return {
             **plain,
             "graph": dataclasses.asdict(self.graph),
@@ -373,7 +376,7 @@ class EdgeScores:
             "| rank | edge | score | helps (MIB's sign) |",
             "|---:|---|---:|---:|",
         ]
-        sign = 1.0 if self.direction == "denoise" else -1.0
+        sign = mib_sign(self.direction)
         for i, (name, score) in enumerate(self.top_edges(k), 1):
             rows.append(f"| {i} | {name} | {score:.4g} | {sign * score:.4g} |")
         return "\n".join(rows)

@@ -14,6 +14,7 @@ from typing import Any, Literal, cast
 
 from ra_lens.circuits.circuit import Circuit
 from ra_lens.circuits.curve import FaithfulnessCurve
+from ra_lens.circuits.mib import ChosenCircuits, chosen_for
 from ra_lens.circuits.scores import EdgeScores
 from ra_lens.types import HookedModel, MetricFn, Tokens
 
@@ -67,6 +68,7 @@ def smallest_circuit(
     ranking: Literal["abs", "signed"] = "abs",
     batch_size: int = 32,
     max_evaluations: int = 12,
+    chosen: ChosenCircuits | None = None,
 ) -> SmallestCircuit:
     """The smallest circuit of `scores`'s ranking whose faithfulness reaches `faithfulness`.
 
@@ -77,6 +79,8 @@ def smallest_circuit(
         ranking: "abs" (the |score| ranking, CMD's curve) or "signed" (CPR's).
         batch_size: pairs per forward pass.
         max_evaluations: faithfulness passes the bisection may add (each a pass over the pairs).
+        chosen: the circuits the curve chose (`mib.ChosenCircuits`), taken instead of choosing
+            them again.
 
     Returns:
         SmallestCircuit (module docstring: `reached` False when no point of the curve reaches
@@ -88,11 +92,11 @@ def smallest_circuit(
         raise ValueError(f"ranking={ranking!r}: expected 'abs' or 'signed'")
     if not 0 < faithfulness < float("inf"):
         raise ValueError(f"faithfulness={faithfulness!r}: expected a positive number such as 0.8")
-    pick = scores.top if curve.selection == "top" else scores.greedy
+    kept = chosen_for(scores, chosen, curve.selection)  # the curve's circuits, not chosen again
     units: Any = curve.units
 
     def circuit(n: int) -> Circuit:
-        return pick(n, absolute=ranking == "abs", units=units)
+        return kept.pick(n, absolute=ranking == "abs", units=units)
 
     values = curve.abs_values if ranking == "abs" else curve.signed_values
     asked = [int(k * curve.n_total) for k in curve.sizes]

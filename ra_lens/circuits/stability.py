@@ -28,6 +28,7 @@ from ra_lens import pairs
 from ra_lens._typing import Validated
 from ra_lens.capture import HookedModel
 from ra_lens.checks import check_count
+from ra_lens.circuits.mib import mib_sign
 from ra_lens.circuits.scores import EdgeScores
 from ra_lens.ranking.statistics import bootstrap_indices
 from ra_lens.timing import timed
@@ -132,7 +133,7 @@ def stable(
         raise ValueError(f"statistic={statistic!r}: choose one of {STATISTICS}")
     check_count(n_boot, "n_boot", why="a number of resamples")
     g = scores.graph
-    sign = 1.0 if scores.direction == "denoise" else -1.0
+    sign = mib_sign(scores.direction)
     per_pair = sign * scores.per_pair.detach().to("cpu", torch.float64)
     flat = per_pair[:, g.real]  # [pair, edge]
     mean = flat.mean(0)

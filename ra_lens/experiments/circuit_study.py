@@ -40,8 +40,8 @@ from jaxtyping import Float
 from torch import Tensor
 
 from ra_lens import capture, circuits, timing
-from ra_lens.circuits.curve import MIB_FRACTIONS
 from ra_lens.circuits.faithfulness import BASELINE
+from ra_lens.circuits.mib import MIB_FRACTIONS
 
 # The statistics live in circuit_study_report; fraction_columns, paired_difference re-exported.
 from ra_lens.experiments.circuit_study_report import fraction_columns as fraction_columns

@@ -261,3 +261,42 @@ def test_json_naming_a_file_that_out_writes_is_refused_before_the_work(
     assert main([*argv, "--json", str(out)]) == 2
     assert f"--json {out} is a folder" in capsys.readouterr().err
     assert loaded == [] and list(out.iterdir()) == []
+
+
+@pytest.mark.parametrize("size", [["--edges", "12"], []], ids=["edges", "faithfulness"])
+def test_each_circuit_is_chosen_once_per_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, size: list[str]
+) -> None:
+    """One `ra-lens circuit --html --mib` run chooses each circuit (edge count, ranking, unit)
+    once: the curve, the saved circuit (--edges, or the smallest circuit's search), the MIB
+    export and the page share the choice, counted by wrapping `EdgeScores.top` (the run's
+    selection). Before, each size was chosen up to 4 times."""
+    from collections import Counter
+
+    calls: Counter[tuple[int, bool, str]] = Counter()
+    top = circuits.EdgeScores.top
+
+    def counted(self: circuits.EdgeScores, n: int, **kwargs: object) -> circuits.Circuit:
+        calls[(n, bool(kwargs.get("absolute", True)), str(kwargs.get("units", "ungrouped")))] += 1
+        return top(self, n, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(circuits.EdgeScores, "top", counted)
+    pairs = _write_pairs(tmp_path / "pairs.jsonl", PAIRS)
+    code = main(
+        ["circuit", "--pairs", str(pairs), "--model", f"tiny-{ARCH}", "--method", "eap",
+         *size, "--mib", str(tmp_path / "mib"), "--html", str(tmp_path / "page.html"),
+         "--json", str(tmp_path / "run.json")]
+    )  # fmt: skip
+    assert code == 0
+    report = json.loads((tmp_path / "run.json").read_text())
+    n_total = report["n_edges_ungrouped"]
+    # the curve's ten sizes by both rankings, the nine MIB circuits (signed), the saved one
+    sizes = {int(k * n_total) for k in circuits.MIB_FRACTIONS}
+    expected = {(n, absolute, "ungrouped") for n in sizes for absolute in (False, True)}
+    if size:  # and the saved circuit of 12 edges
+        assert set(calls) == expected | {(12, True, "ungrouped")}
+    else:  # and the sizes the smallest circuit's bisection measured
+        searched = {(n, True, "ungrouped") for n, _ in report["circuit"]["search"]}
+        assert set(calls) == expected | searched
+    assert max(calls.values()) == 1, calls
+    assert (tmp_path / "page.html").is_file() and len(report["files"]) == 11

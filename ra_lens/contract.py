@@ -539,3 +539,29 @@ def block_layout(model: HookedModel, layer: int) -> BlockLayout:
         and not hasattr(block, "ln2")
         and MLP_IN.format(layer) in model.hook_dict,
     )
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What one call needs to know of a model, read once (`model_facts`) and handed down:
+    its `ModelShape`, and per layer its `AttentionFacts` and `BlockLayout`."""
+
+    shape: ModelShape
+    attention: tuple[AttentionFacts, ...]
+    layouts: tuple[BlockLayout, ...]
+
+
+def model_facts(model: HookedModel) -> ModelFacts:
+    """The model's `ModelFacts` (`model_shape`'s checks included).
+
+    >>> facts = model_facts(model)
+    >>> len(facts.layouts), facts.attention[0].scale == attention_facts(model, 0).scale
+    (2, True)
+    """
+    shape = model_shape(model)
+    layers = range(shape.n_layers)
+    return ModelFacts(
+        shape,
+        tuple(attention_facts(model, layer) for layer in layers),
+        tuple(block_layout(model, layer) for layer in layers),
+    )

@@ -41,6 +41,7 @@ from torch import Tensor
 from ra_lens import capture
 from ra_lens.capture import RESID_PRE, HookedModel
 from ra_lens.circuits.graph import Graph
+from ra_lens.contract import BlockLayout, ModelFacts, model_facts
 
 MLP_OUT = "blocks.{}.hook_mlp_out"
 RESID_POST = "blocks.{}.hook_resid_post"
@@ -61,15 +62,20 @@ class LayerWeights:
     W_V: Float[Tensor, "kv_head d_model d_head"]
     b_V: Float[Tensor, "kv_head d_head"]
     W_O: Float[Tensor, "head d_head d_model"]
+    # Where the block's norms sit and what its MLP reads (read once per call).
+    layout: BlockLayout
     # Post-norm blocks: the norm after the attention (the HuggingFace module: calling it fires
     # no TransformerLens hook); None in pre-norm blocks.
     post_attn: Any = None
 
 
-def layer_weights(model: HookedModel, layer: int) -> LayerWeights:
+def layer_weights(
+    model: HookedModel, layer: int, layout: BlockLayout | None = None
+) -> LayerWeights:
     """Read one layer's weights the same way in both worlds: HookedTransformer keeps grouped
     k/v weights as `_W_K`/`_W_V` (`W_K` repeats them per query head), TransformerBridge as `W_K`
-    per key/value head; a missing bias is zero."""
+    per key/value head; a missing bias is zero. `layout`: the layer's `BlockLayout` where the
+    caller has read it (`contract.model_facts`), else read here."""
     block = model.blocks[layer]
     attn = block.attn
 
@@ -85,7 +91,7 @@ def layer_weights(model: HookedModel, layer: int) -> LayerWeights:
         return value
 
     W_Q, W_K, W_V = weight("W_Q"), weight("W_K"), weight("W_V")
-    layout = capture.block_layout(model, layer)
+    layout = capture.block_layout(model, layer) if layout is None else layout
     return LayerWeights(
         ln1=layout.pre_norm or torch.nn.Identity(),  # OLMo-2: no pre-norm
         W_Q=W_Q,
@@ -96,6 +102,7 @@ def layer_weights(model: HookedModel, layer: int) -> LayerWeights:
         b_V=bias("b_V", W_V),
         W_O=weight("W_O"),
         post_attn=layout.post_attn_norm,
+        layout=layout,
     )
 
 
@@ -106,8 +113,9 @@ def _has(attn: Any, name: str) -> bool:
         return False
 
 
-def check_supported(model: HookedModel) -> None:
-    """Refuse models whose readers this module cannot rewrite, naming why."""
+def check_supported(model: HookedModel, facts: ModelFacts | None = None) -> None:
+    """Refuse models whose readers this module cannot rewrite, naming why (`facts`: the
+    model's `contract.model_facts`, read here when not given)."""
     cfg = model.cfg
     if getattr(cfg, "use_normalization_before_and_after", False):
         raise NotImplementedError(
@@ -116,10 +124,11 @@ def check_supported(model: HookedModel) -> None:
             "taken; load the model as a TransformerBridge (TransformerLens >= 3), where "
             "ra_lens.circuits supports post-norm blocks"
         )
-    for layer in range(len(model.blocks)):
-        if capture.block_layout(model, layer).post_attn_norm is not None:
+    facts = model_facts(model) if facts is None else facts
+    for layer, layout in enumerate(facts.layouts):
+        if layout.post_attn_norm is not None:
             _check_post_norm(model, layer)
-    shape = capture.model_shape(model)
+    shape = facts.shape
     if getattr(cfg, "ungroup_grouped_query_attention", False) and shape.n_kv_heads < shape.n_heads:
         raise NotImplementedError(
             "cfg.ungroup_grouped_query_attention=True: hook_k/hook_v hold a copy of each "
@@ -146,16 +155,21 @@ def _check_post_norm(model: HookedModel, layer: int) -> None:
         )
 
 
-def mlp_in_hook(model: HookedModel, layer: int, points: Any = None) -> str:
+def mlp_in_hook(
+    model: HookedModel, layer: int, points: Any = None, layout: BlockLayout | None = None
+) -> str:
     """The hook point that sees the MLP's input before its norm, and feeds nothing else
-    (`points`: model.hook_dict, which a bridge rebuilds on every access, read once): a
-    bridge's ln2.hook_in, its mlp.hook_in where the block has no pre-norm (OLMo-2), or
-    HookedTransformer's hook_mlp_in."""
+    (`points`: model.hook_dict, which a bridge rebuilds on every access, read once; `layout`:
+    the layer's `BlockLayout`, read here when not given): a bridge's ln2.hook_in, its
+    mlp.hook_in where the block has no pre-norm (OLMo-2), or HookedTransformer's hook_mlp_in."""
     points = model.hook_dict if points is None else points
     if BRIDGE_MLP_IN.format(layer) in points:
         return BRIDGE_MLP_IN.format(layer)
     bare = capture.MLP_IN.format(layer)
-    if bare in points and capture.block_layout(model, layer).post_attn_norm is not None:
+    if bare not in points:
+        return HOOKED_MLP_IN.format(layer)
+    layout = capture.block_layout(model, layer) if layout is None else layout
+    if layout.post_attn_norm is not None:
         return bare
     return HOOKED_MLP_IN.format(layer)
 
@@ -321,10 +335,12 @@ class EdgeRun:
             if self.weights[layer].post_attn is not None:  # heads write through N(a)
                 hooks.append((capture.POST_ATTN_IN.format(layer), self._post_in_hook(layer)))
             if not self.attn_only:
-                if capture.block_layout(model, layer).mlp_reads_attn_norm:  # give it its own
+                layout = self.weights[layer].layout
+                if layout.mlp_reads_attn_norm:  # give it its own
                     mlp_in = (capture.MLP_IN.format(layer), self._renorm_hook(layer))
                 else:
-                    mlp_in = (mlp_in_hook(model, layer, points), self._subtract_hook(layer, "mlp"))
+                    reader = mlp_in_hook(model, layer, points, layout)
+                    mlp_in = (reader, self._subtract_hook(layer, "mlp"))
                 hooks += [mlp_in, (MLP_OUT.format(layer), self._mlp_out_hook)]
         hooks.append((RESID_POST.format(g.n_layers - 1), self._subtract_hook(g.n_layers, "logits")))
         return hooks

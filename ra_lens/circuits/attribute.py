@@ -40,7 +40,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from ra_lens import attention, capture, pairs
+from ra_lens import attention, capture, contract, pairs
 from ra_lens._typing import Validated
 from ra_lens.capture import PATTERN, HookedModel
 from ra_lens.checks import check_count
@@ -113,7 +113,8 @@ def attribute(
         raise ValueError(f"unknown direction {direction!r}: choose one of {DIRECTIONS}")
     check_count(steps, "steps")
     capture.check_model(model)
-    _edges.check_supported(model)
+    facts = contract.model_facts(model)
+    _edges.check_supported(model, facts)
     graph = Graph.from_model(model)
     clean_b, corrupted_b = pairs.paired(model, clean, corrupted)
     exact = method.startswith("exact")
@@ -122,7 +123,7 @@ def attribute(
             model, list(range(graph.n_layers)), "the exact methods need R = dM/dA there"
         )
         for layer in range(graph.n_layers):  # refused before any pass, not after the first
-            _refuse_unmodelled(model, layer)
+            _refuse_unmodelled(facts, layer)
     n_steps = steps if method.endswith("-ig") else 1
     base_b, other_b = (corrupted_b, clean_b) if direction == "denoise" else (clean_b, corrupted_b)
     n = base_b.tokens.shape[0]
@@ -131,7 +132,10 @@ def attribute(
     kv_total: Tensor | None = None  # [writer layer kv head]: per query head, grouped-query only
     bar = tqdm(total=len(rows_list) * n_steps, desc=f"attribute {method}", disable=not progress)
     with capture.preserved_state(model), _edges.mlp_in_enabled(model):
-        weights = [_edges.layer_weights(model, layer) for layer in range(graph.n_layers)]
+        weights = [
+            _edges.layer_weights(model, layer, facts.layouts[layer])
+            for layer in range(graph.n_layers)
+        ]
         for rows in rows_list:
             part_metric = pairs.metric_rows(metric, rows, n)
             base, other = base_b.rows(rows), other_b.rows(rows)
@@ -146,7 +150,7 @@ def attribute(
                 if k < n_steps:
                     assert base_out is not None
                     point = other_out[0] + (k / n_steps) * (base_out[0] - other_out[0])
-                step = _Step(model, graph, weights, base, part_metric, point, exact)
+                step = _Step(model, graph, weights, facts, base, part_metric, point, exact)
                 if base_out is None:
                     base_out = step.outputs
                 diffs = step.run.residual_effects(other_out - base_out.to(other_out.device))
@@ -187,12 +191,14 @@ class _Step:
         model: HookedModel,
         graph: Graph,
         weights: list[_edges.LayerWeights],
+        facts: contract.ModelFacts,
         batch: capture.Batch,
         metric: MetricFn,
         point: Tensor | None,
         exact: bool,
     ):
         self.model, self.graph, self.weights, self.exact = model, graph, weights, exact
+        self.facts = facts
         layers = range(graph.n_layers)
         grouped = graph.group > 1  # per-query-head key/value gradients (`_kv_copies`)
         patterns = [PATTERN.format(la) for la in layers]
@@ -371,7 +377,7 @@ class _Step:
         attention.require_fired(
             names, acts, "the exact methods cannot redo its softmax; use method='eap' or 'eap-ig'"
         )
-        facts = _refuse_unmodelled(model, layer)
+        facts = _refuse_unmodelled(self.facts, layer)
         q = acts[capture.query_hook_name(model, layer)].double()
         k = acts[capture.key_hook_name(model, layer)].double()
         pattern = acts[PATTERN.format(layer)].double()
@@ -426,10 +432,10 @@ class _Step:
             out[writers, first + g.n_heads : first + g.n_heads + g.n_kv_heads] = key.to(out.device)
 
 
-def _refuse_unmodelled(model: HookedModel, layer: int) -> capture.AttentionFacts:
+def _refuse_unmodelled(model_facts: contract.ModelFacts, layer: int) -> contract.AttentionFacts:
     """The layer's `AttentionFacts`, or NotImplementedError naming what the exact methods
     cannot replay (q/k norms, unreadable ALiBi slopes)."""
-    facts = capture.attention_facts(model, layer)
+    facts = model_facts.attention[layer]
     cause = facts.refusal()
     if cause is not None:
         raise NotImplementedError(

@@ -31,7 +31,7 @@ import torch
 from jaxtyping import Bool, Float
 from torch import Tensor
 
-from ra_lens import capture, pairs
+from ra_lens import capture, contract, pairs
 from ra_lens._typing import Validated
 from ra_lens.capture import HookedModel
 from ra_lens.circuits import _edges
@@ -227,7 +227,8 @@ class FaithfulnessEvaluator:
         if ablation not in ABLATIONS:
             raise ValueError(f"unknown ablation {ablation!r}: choose one of {ABLATIONS}")
         capture.check_model(model)
-        _edges.check_supported(model)
+        facts = contract.model_facts(model)
+        _edges.check_supported(model, facts)
         self.model, self.ablation = model, ablation
         self.graph = Graph.from_model(model)
         self._clean, corrupted_b = pairs.paired(model, clean, corrupted)
@@ -237,7 +238,10 @@ class FaithfulnessEvaluator:
         clean_values, corrupted_values = [], []
         self._references: list[Tensor] = []
         with capture.preserved_state(model), torch.no_grad(), _edges.mlp_in_enabled(model):
-            self._weights = [_edges.layer_weights(model, la) for la in range(self.graph.n_layers)]
+            self._weights = [
+                _edges.layer_weights(model, la, facts.layouts[la])
+                for la in range(self.graph.n_layers)
+            ]
             for rows, part_metric in zip(self._rows, self._metrics, strict=True):
                 clean_part = self._clean.rows(rows)
                 corrupted_part = corrupted_b.rows(rows)

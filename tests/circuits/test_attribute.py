@@ -1,0 +1,72 @@
+"""`circuits.attribute` and `faithfulness` read the model's per-layer facts once per call."""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from typing import Any, Literal
+
+import pytest
+import torch
+from helpers import has_bridge, hooked_toy
+
+from ra_lens import contract, pairs
+from ra_lens.capture import to_batch
+from ra_lens.circuits.attribute import attribute
+from ra_lens.circuits.faithfulness import faithfulness
+from ra_lens.circuits.scores import EdgeScores
+from ra_lens.metrics import logit_diff
+from ra_lens.toy_models import tiny_model
+
+CLEAN = ["The capital of France is", "When Mary and John went to the store"]
+CORRUPTED = ["The capital of Italy is", "When John and Mary went to the store"]
+METRIC = logit_diff([294, 50], [52, 60])
+
+
+def counted(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
+    """Count calls of contract.block_layout / attention_facts under every name ra_lens binds
+    them to (capture re-exports them)."""
+    calls: Counter[str] = Counter()
+    for name in ("block_layout", "attention_facts"):
+        original = getattr(contract, name)
+
+        def wrapper(*args: Any, _name: str = name, _original: Any = original) -> Any:
+            calls[_name] += 1
+            return _original(*args)
+
+        for module in list(sys.modules.values()):
+            if module is not None and module.__name__.startswith("ra_lens"):
+                if getattr(module, name, None) is original:
+                    monkeypatch.setattr(module, name, wrapper)
+    return calls
+
+
+@pytest.mark.parametrize("method", ["exact-ig", "eap"])
+def test_attribute_reads_each_layers_facts_once(
+    monkeypatch: pytest.MonkeyPatch, method: Literal["exact-ig", "eap"]
+) -> None:
+    """One `attribute` call (3 integrated-gradient steps, 2 batches) reads block_layout and
+    attention_facts at most once per layer (before: block_layout ~4 times per layer and pass,
+    attention_facts per step and layer)."""
+    model = tiny_model("llama", dtype=torch.float64) if has_bridge() else hooked_toy()
+    n_layers = int(model.cfg.n_layers)
+    calls = counted(monkeypatch)
+    scores = attribute(model, CLEAN, CORRUPTED, METRIC, method=method, steps=3, batch_size=1)
+    assert isinstance(scores, EdgeScores) and bool(scores.scores.abs().sum() > 0)
+    assert calls["block_layout"] <= n_layers, calls
+    assert calls["attention_facts"] <= n_layers, calls
+
+
+def test_faithfulness_reads_each_layers_facts_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = tiny_model("gpt2", dtype=torch.float64) if has_bridge() else hooked_toy()
+    n_layers = int(model.cfg.n_layers)
+    scores = attribute(model, CLEAN, CORRUPTED, METRIC, method="eap")
+    assert isinstance(scores, EdgeScores)
+    calls = counted(monkeypatch)
+    result = faithfulness(model, scores.top(5), CLEAN, CORRUPTED, METRIC, batch_size=1)
+    clean = to_batch(model, CLEAN)
+    with torch.no_grad():  # the clean run is the model's own (no edge patched there)
+        expected = float(pairs.metric_values(METRIC, model(clean.tokens), clean).mean())
+    assert result.clean_metric == pytest.approx(expected, rel=1e-9)
+    assert calls["block_layout"] <= n_layers, calls
+    assert calls["attention_facts"] <= n_layers, calls

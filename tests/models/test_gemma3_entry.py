@@ -34,9 +34,15 @@ def make_chunk_wheel(folder: Path, index: int, payload: bytes | None = None) -> 
     spec = gemma3._WHEELS[index]
     folder.mkdir(parents=True, exist_ok=True)
     wheel = folder / spec.glob.replace("*", "py3-none-any")
+    # A fixed time stamp: the fixture hashes a wheel made earlier than the one the fake pip
+    # makes, and a zip records its members' times (2 s steps), so the hashes must not depend on
+    # when each was made (a loaded machine crossed a step between them).
     with zipfile.ZipFile(wheel, "w") as zf:
-        zf.writestr(spec.member.split("/")[0] + "/__init__.py", "")
-        zf.writestr(spec.member, CHUNKS[index] if payload is None else payload)
+        for name, data in (
+            (spec.member.split("/")[0] + "/__init__.py", b""),
+            (spec.member, CHUNKS[index] if payload is None else payload),
+        ):
+            zf.writestr(zipfile.ZipInfo(name, date_time=(2026, 1, 1, 0, 0, 0)), data)
     return wheel
 
 

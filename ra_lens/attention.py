@@ -74,14 +74,17 @@ def check_recomputed(
     rows: Tensor,
     facts: AttentionFacts,
     advice: str,
+    error: type[Exception] = ValueError,
 ) -> None:
     """Refuse when the recomputed softmax differs from the recorded `hook_pattern` on real rows
     (`rows`, broadcast to [batch head query key]) by more than `recompute_tolerance` of the
-    pattern's dtype; the error names the facts used, their known cause, and `advice`."""
-    mismatch = float(((recomputed - pattern.double()).abs() * rows).max())
+    pattern's dtype; the error (`error`: edit dynamics, whose contract is "this form of attention
+    is not supported", raises NotImplementedError) names the facts used, their known cause, and
+    `advice`."""
+    mismatch = float(((recomputed.double() - pattern.double()).abs() * rows).max())
     if mismatch > recompute_tolerance(pattern.dtype):
         cause = facts.refusal() or "this attention is not modelled (q/k edited by another hook?)"
-        raise ValueError(
+        raise error(
             f"layer {layer}: the recomputed softmax ({facts}) differs from hook_pattern by "
             f"{mismatch:.2g}: {cause}; {advice}"
         )

@@ -487,9 +487,6 @@ def _linear(module: nn.Linear, x: Tensor) -> Tensor:
     return nn.functional.linear(x, module.weight, module.bias)
 
 
-_F32_TOL = math.sqrt(torch.finfo(torch.float32).eps)
-
-
 def _check_form(
     acts: dict[str, Tensor],
     model: HookedModel,
@@ -497,7 +494,9 @@ def _check_form(
     facts: capture.AttentionFacts,
     mask: Tensor,
 ) -> None:
-    """Check that the layer computes what the prediction assumes, else NotImplementedError."""
+    """Check that the layer computes what the prediction assumes, else NotImplementedError. The
+    projections and rotation are checked to sqrt(eps) of their dtype relative to their size; the
+    softmax by the one recompute check every route uses (`attention.check_recomputed`)."""
     tol = math.sqrt(torch.finfo(acts["q"].dtype).eps)
     q_lin, k_lin = _projections(model, layer)
     checks = [
@@ -512,17 +511,23 @@ def _check_form(
             )
         checks.append(("hook_rot_q = rot(hook_q)", _rot(acts["q"], acts), acts["rot_q"]))
         checks.append(("hook_rot_k = rot(hook_k)", _rot(acts["k"], acts), acts["rot_k"]))
-    pattern = _pattern(acts, facts, mask)
-    checks.append(("hook_pattern = softmax(S(QK^T))", pattern, acts["pattern"] * mask))
     for what, ours, theirs in checks:
-        # The pattern may be a float32 softmax even in a float64 model.
-        eps = max(tol, _F32_TOL) if what.startswith("hook_pattern") else tol
-        bound = eps * (1.0 + theirs.abs().max().item())
+        bound = tol * (1.0 + theirs.abs().max().item())
         if ours.shape != theirs.shape or (ours - theirs).abs().max().item() > bound:
             raise NotImplementedError(
                 f"layer {layer} does not satisfy {what}, which the first-order prediction "
                 f"assumes; supported: {SUPPORTED}"
             )
+    attention.check_recomputed(
+        layer,
+        _pattern(acts, facts, mask),
+        acts["pattern"],
+        mask,
+        facts,
+        f"the first-order prediction assumes hook_pattern = softmax(S(QK^T)); supported: "
+        f"{SUPPORTED}",
+        error=NotImplementedError,
+    )
 
 
 def _cosine(a: Tensor, b: Tensor) -> Float[Tensor, "layer head"]:

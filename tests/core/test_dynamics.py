@@ -3,6 +3,7 @@ against the real step, on tiny float64 models; the model left untouched; clear e
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -131,6 +132,21 @@ def test_unsupported_attention_form():
     model = bridge("native", n_layers=1)
     model.blocks[0].attn.q.original_component.register_forward_hook(lambda m, i, out: 2 * out)
     with pytest.raises(NotImplementedError, match="hook_q = X W_q"):
+        run(model, 1e-3)
+
+
+def test_pattern_not_the_softmax_of_qk(monkeypatch):
+    """A pattern that is not the softmax the facts describe (here facts read with half the true
+    scale) fails the one recompute check every route uses, as edit dynamics' refusal."""
+    model = bridge("native", n_layers=1)
+    read = ra_lens.capture.attention_facts
+
+    def wrong_scale(model, layer):
+        facts = read(model, layer)
+        return dataclasses.replace(facts, scale=facts.scale / 2)
+
+    monkeypatch.setattr(ra_lens.capture, "attention_facts", wrong_scale)
+    with pytest.raises(NotImplementedError, match="differs from hook_pattern.*supported"):
         run(model, 1e-3)
 
 

@@ -123,6 +123,13 @@ BUILDERS: list[tuple[str, Callable[[Any, Any], Any], str]] = [
         "json",
     ),  # fmt: skip
     ("Refinement", _refinement, "json"),
+    (
+        "CircuitStability",
+        lambda m, s: circuits.bootstrap_jaccard(
+            circuits.pair_scores(m, CLEAN, CORRUPTED, METRIC, method="eap"), [0.1, 0.5], n_boot=4
+        ),
+        "json",
+    ),  # fmt: skip
     ("AblationCurve", _ablation_curve, "json"),
     ("PatchingResult", _patching, "json"),
     ("HeadRankingResult", _head_ranking, "json"),

@@ -8,6 +8,7 @@ from ra_lens.circuits.ensemble import ensemble
 from ra_lens.circuits.faithfulness import Faithfulness, FaithfulnessEvaluator, faithfulness
 from ra_lens.circuits.files import export_mib
 from ra_lens.circuits.graph import Graph
+from ra_lens.circuits.jaccard import CircuitStability, bootstrap_jaccard
 from ra_lens.circuits.mib import (
     MIB_FRACTIONS,
     MIB_SUBMISSION_FRACTIONS,
@@ -27,6 +28,7 @@ __all__ = [
     "MIB_SUBMISSION_FRACTIONS",
     "Circuit",
     "CircuitPage",
+    "CircuitStability",
     "EdgeScores",
     "Faithfulness",
     "FaithfulnessCurve",
@@ -37,6 +39,7 @@ __all__ = [
     "SmallestCircuit",
     "attribute",
     "attribute_nodes",
+    "bootstrap_jaccard",
     "ensemble",
     "export_mib",
     "faithfulness",

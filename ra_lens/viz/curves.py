@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 from matplotlib.figure import Figure
-from matplotlib.ticker import FuncFormatter
+from matplotlib.ticker import FuncFormatter, NullFormatter
 
 from ra_lens.math import trapezoid_auc
 from ra_lens.viz._base import ArrayLike, PathLike, _legend, _new_figure, _numpy, save_figure
@@ -220,4 +220,45 @@ def named_bars(
     ax.axvline(0.0, color="grey", lw=0.8)
     ax.set_xlabel(xlabel, fontsize=9)
     ax.set_title(title, fontsize=11)
+    return save_figure(fig, save)
+
+
+def stability_curve(
+    fractions: Sequence[float],
+    pairwise: ArrayLike,
+    to_full: ArrayLike,
+    low: ArrayLike,
+    high: ArrayLike,
+    *,
+    bar: float,
+    title: str,
+    save: PathLike | None = None,
+) -> Figure:
+    """Bootstrap Jaccard of a method's circuits against their size (`CircuitStability.plot`):
+    the mean over pairs of resamples, and each resample against all pairs' circuit with its 95 %
+    range, on a log axis of the fraction of edges, with the stability `bar` dashed.
+
+    >>> fig = stability_curve([0.01, 0.1], [0.5, 0.9], [0.6, 0.9], [0.4, 0.8], [0.7, 1.0],
+    ...                       bar=0.8, title="t")
+    >>> [line.get_label() for line in fig.axes[0].get_lines()][:2]
+    ['pairs of resamples', 'resample vs all pairs']
+    """
+    xs = _fractions(fractions)
+    fig = _new_figure(6.0, 3.8)
+    ax = fig.subplots()
+    ax.plot(xs, _numpy(pairwise), marker="o", lw=1.5, label="pairs of resamples")
+    ax.plot(xs, _numpy(to_full), marker="s", lw=1.2, label="resample vs all pairs")
+    ax.fill_between(xs, _numpy(low), _numpy(high), alpha=0.2, label="95 % of resamples")
+    ax.axhline(bar, color="grey", ls="--", lw=0.9)
+    ax.text(0.01, bar, f"stable ({bar:g})", va="bottom", fontsize=8, color="grey",
+            transform=ax.get_yaxis_transform())  # fmt: skip
+    ax.set_xscale("log")
+    ax.set_xticks(xs, [f"{100 * v:g} %" for v in xs], fontsize=7)
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.set_ylim(0, 1.05)
+    ax.grid(True, alpha=0.3)
+    ax.set_xlabel("circuit size (fraction of the graph's edges)", fontsize=9)
+    ax.set_ylabel("Jaccard of the chosen edges", fontsize=9)
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8, loc="lower right")
     return save_figure(fig, save)

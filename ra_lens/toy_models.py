@@ -93,11 +93,9 @@ def hf_config(
     >>> hf_config("gemma2", 300, 32, 2, 4, 64).attn_logit_softcapping
     2.0
     """
-    import transformers as tf
-
     builders: dict[str, Callable[[], PretrainedConfig]] = {
-        **_own_name_configs(tf, vocab, d_model, n_layers, n_heads, n_ctx, dropout),
-        **_llama_family_configs(tf, vocab, d_model, n_layers, n_heads, n_ctx, dropout),
+        **_own_name_configs(vocab, d_model, n_layers, n_heads, n_ctx, dropout),
+        **_llama_family_configs(vocab, d_model, n_layers, n_heads, n_ctx, dropout),
     }
     if arch not in builders:
         raise ValueError(f"unknown HF architecture {arch!r}: use one of {sorted(builders)}")
@@ -105,7 +103,6 @@ def hf_config(
 
 
 def _own_name_configs(
-    tf: Any,
     vocab: int,
     d_model: int,
     n_layers: int,
@@ -114,7 +111,9 @@ def _own_name_configs(
     dropout: float,
 ) -> dict[str, Callable[[], PretrainedConfig]]:
     """`hf_config`'s builders for the architectures with their own keyword names (GPT-2, OPT,
-    GPT-Neo, GPT-J, BLOOM, Falcon); `tf` is the transformers module."""
+    GPT-Neo, GPT-J, BLOOM, Falcon)."""
+    import transformers as tf
+
     special = _SPECIAL_TOKENS
     d_head = d_model // n_heads
     return {
@@ -152,7 +151,6 @@ def _own_name_configs(
 
 
 def _llama_family_configs(
-    tf: Any,
     vocab: int,
     d_model: int,
     n_layers: int,
@@ -162,6 +160,8 @@ def _llama_family_configs(
 ) -> dict[str, Callable[[], PretrainedConfig]]:
     """`hf_config`'s builders for the architectures that take the Llama family's keyword names
     (GPT-NeoX, Llama, Mistral, Mixtral, Qwen, Gemma, Phi, OLMo, StableLM)."""
+    import transformers as tf
+
     special = _SPECIAL_TOKENS
     d_head = d_model // n_heads
     kv = max(1, n_heads // 2)

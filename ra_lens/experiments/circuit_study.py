@@ -306,8 +306,11 @@ def _compare_heads(
     batch_size: int,
 ) -> None:
     """The method's head node scores on the truth's pairs (an extra attribution when those are
-    fewer than the pairs) and their Pearson r to the truth, into `record` (the task's "truth")."""
+    fewer than the pairs) and their Pearson r to the truth, into `record` (the task's "truth").
+    An ensemble is left out: its scores are its members', compared on their own."""
     method, steps, direction = METHODS[label]
+    if method == "ensemble":
+        return
     subset = scores
     if truth_pairs < len(pairs) and method != "random":
         sub_clean, sub_corrupted, sub_metric = ioi.paired_batch(model, pairs[:truth_pairs])
@@ -388,7 +391,7 @@ def run_task(
         truth, out["truth"] = _truth(model, pairs, truth_pairs)
     for label in tqdm(methods, desc="methods", disable=not progress):
         scores, times = score(label)
-        if truth is not None and METHODS[label][0] != "ensemble":
+        if truth is not None:
             _compare_heads(
                 model, pairs, truth_pairs, truth, label, scores, out["truth"], batch_size
             )

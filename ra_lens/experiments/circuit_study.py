@@ -15,8 +15,10 @@ pairs, the same resamples for every method, so paired differences between method
 their own interval. The per-pair metrics are saved, so every number recomputes from the JSON.
 Ground truth for head scores: each head's output patched from clean into the corrupted run
 (`head_patching`) on the first pairs of the `--truth-tasks`, against each method's head scores
-(its outgoing edges summed), Pearson r. The statistics, goals and tables are computed in
-`circuit_study_report`; this module builds the pairs, runs the methods and saves the metrics.
+(its outgoing edges summed), Pearson r. The pairs are built in `circuit_study_pairs`, the
+statistics, goals and tables computed in `circuit_study_report`, the flags read in
+`circuit_study_args`, the files written and checked in `circuit_study_saved`; this module holds
+the methods (`METHODS`, `ENSEMBLES`), runs them, measures their circuits and merges saved studies.
 
     python -m ra_lens.experiments.circuit_study --quick                      # tiny model, seconds
     python -m ra_lens.experiments.circuit_study --json docs/results/circuit_study.json \\
@@ -31,7 +33,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import Any, Literal
 
 import torch
 from jaxtyping import Float
@@ -41,6 +43,7 @@ from ra_lens import capture, circuits, timing
 from ra_lens.circuits.faithfulness import BASELINE
 from ra_lens.circuits.mib import MIB_FRACTIONS
 from ra_lens.experiments import circuit_study_args as study_args
+from ra_lens.experiments.circuit_study_measure import Measured, measure_method
 
 # The pairs live in circuit_study_pairs, the statistics in circuit_study_report; antonym_pairs,
 # fraction_columns, paired_difference re-exported.
@@ -53,7 +56,7 @@ from ra_lens.experiments.circuit_study_saved import (
     load_saved,
     merge_method,
     save_study,
-    selection,
+    saved_selection,
 )
 from ra_lens.files import check_writable
 from ra_lens.progress import tqdm
@@ -62,9 +65,6 @@ from ra_lens.ranking.statistics import pearson
 from ra_lens.tasks import ioi
 from ra_lens.tasks.ioi import PromptPair
 from ra_lens.types import HookedModel
-
-if TYPE_CHECKING:
-    from ra_lens.circuits.faithfulness import Ablation
 
 _MethodName = Literal["eap", "eap-ig", "exact", "exact-ig", "random", "ensemble"]
 
@@ -180,39 +180,6 @@ def edge_sizes(n_edges: int, fractions: Sequence[float], counts: Sequence[int]) 
     return sorted(asked)
 
 
-class _Measured:
-    """Edge patching on the held-out pairs, each circuit once per ablation (a circuit two methods
-    share runs once); the empty circuit's run also records the reference metrics per pair."""
-
-    def __init__(self, model: HookedModel, pairs: Sequence[PromptPair], batch_size: int) -> None:
-        self.model, self.batch_size = model, batch_size
-        self.clean, self.corrupted, self.metric = ioi.paired_batch(model, list(pairs))
-        self.measured: dict[tuple[bytes, str], list[float]] = {}
-        self.evaluators: dict[str, circuits.FaithfulnessEvaluator] = {}
-        #: per ablation, "clean", "corrupted" and "empty": the metric per pair.
-        self.reference: dict[str, dict[str, list[float]]] = {}
-
-    def __call__(self, circuit: circuits.Circuit, ablation: str) -> list[float]:
-        """The circuit's metric per pair under the ablation."""
-        key = (circuit.edges.numpy().tobytes(), ablation)
-        if key not in self.measured:
-            if ablation not in self.evaluators:
-                self.evaluators[ablation] = circuits.FaithfulnessEvaluator(
-                    self.model, self.clean, self.corrupted, self.metric,
-                    batch_size=self.batch_size,
-                    ablation=cast("Ablation", ablation),  # the evaluator checks it
-                )  # fmt: skip
-            result = self.evaluators[ablation](circuit)
-            self.measured[key] = result.circuit_per_pair.tolist()
-            if circuit.n_edges == 0:
-                self.reference[ablation] = {
-                    "clean": result.clean_per_pair.tolist(),
-                    "corrupted": result.corrupted_per_pair.tolist(),
-                    "empty": self.measured[key],
-                }
-        return self.measured[key]
-
-
 class _Scored:
     """Each method's scores on the training pairs and their seconds (wall, CPU), once; an
     ensemble averages its members' scores (computed once) and its seconds are the sum of theirs."""
@@ -323,32 +290,6 @@ def _compare_heads(
     record.setdefault("head_scores", {})[label] = heads.tolist()
 
 
-def _measure_method(
-    scores: circuits.EdgeScores,
-    measure: _Measured,
-    sizes: list[int],
-    ablations: Sequence[str],
-    selection: str,
-    spent: dict[str, float],
-) -> dict[str, Any]:
-    """One method's circuits at every size, from the |score| ranking and the signed one, and
-    their metrics per ablation, size and pair; the seconds measuring took go to spent["eval"]."""
-    pick = scores.top if selection == "top" else scores.greedy
-    by_abs = [pick(n, absolute=True, units="ungrouped") for n in sizes]
-    signed = [pick(n, absolute=False, units="ungrouped") for n in sizes]
-    with timing.timed(spent, "eval"):
-        result = {
-            "seconds": spent["attribute"],
-            "cpu_seconds": spent["attribute_cpu"],
-            "n_edges": [c.n_edges_ungrouped for c in by_abs],
-            "circuit": {a: [measure(c, a) for c in by_abs] for a in ablations},
-            "signed_n_edges": [c.n_edges_ungrouped for c in signed],
-            "signed_circuit": {a: [measure(c, a) for c in signed] for a in ablations},
-        }
-    result["eval_seconds"] = spent["eval"]
-    return result
-
-
 def run_task(
     model: HookedModel,
     pairs: Sequence[PromptPair],
@@ -378,7 +319,7 @@ def run_task(
     method's head node scores on the same pairs ("head_scores", summed from their edge scores:
     an extra attribution when truth_pairs < the number of pairs) and Pearson r to the truth.
     """
-    measure = _Measured(model, pairs, batch_size)
+    measure = Measured(model, pairs, batch_size)
     graph = circuits.Graph.from_model(model)
     score = _Scored(model, list(train) or list(pairs), graph, batch_size)
     sizes = edge_sizes(graph.n_edges_ungrouped, fractions, edge_counts)  # MIB's units
@@ -396,7 +337,7 @@ def run_task(
                 model, pairs, truth_pairs, truth, label, scores, out["truth"], batch_size
             )
         spent = dict(times)
-        out["methods"][label] = _measure_method(scores, measure, sizes, ablations, selection, spent)
+        out["methods"][label] = measure_method(scores, measure, sizes, ablations, selection, spent)
         out["seconds"] = timing.now() - start
         if on_method is not None:
             on_method(out)
@@ -508,7 +449,7 @@ def merge_saved(studies: Sequence[dict[str, Any]]) -> dict[str, Any]:
     if not studies:
         raise ValueError("merge needs at least one saved study")
     keys = ("model", "n_pairs", "train_pairs", "batch_size", "n_boot", "fractions", "edge_counts", "selection")  # fmt: skip
-    configs = [dict(s["config"], selection=selection(s["config"])) for s in studies]
+    configs = [dict(s["config"], selection=saved_selection(s["config"])) for s in studies]
     for other in configs[1:]:
         bad = [k for k in keys if other.get(k) != configs[0].get(k)]
         if bad:

@@ -17,7 +17,7 @@ SAVED_CONFIG_KEYS: tuple[str, ...] = ("ablations", "fractions", "n_boot")
 SAVED_TASK_KEYS: tuple[str, ...] = ("n_pairs", "pairs", "sizes", "edge_counts", "reference", "methods")  # fmt: skip
 
 
-def selection(config: dict[str, Any]) -> str:
+def saved_selection(config: dict[str, Any]) -> str:
     """ "top" or "greedy"; files written before `--selection` existed say "top (by |score|), ..."."""
     return "greedy" if config.get("selection") == "greedy" else "top"
 

@@ -66,6 +66,11 @@ def tiny_tokenizer_dir() -> str:
     return folder
 
 
+#: The special token ids every tiny config gets (the tiny tokenizer's); keyword arguments of
+#: mixed types (int, float): Any, as the config classes take them.
+_SPECIAL_TOKENS: dict[str, Any] = {"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 2}
+
+
 def hf_config(
     arch: str,
     vocab: int,
@@ -88,32 +93,32 @@ def hf_config(
     >>> hf_config("gemma2", 300, 32, 2, 4, 64).attn_logit_softcapping
     2.0
     """
+    builders: dict[str, Callable[[], PretrainedConfig]] = {
+        **_own_name_configs(vocab, d_model, n_layers, n_heads, n_ctx, dropout),
+        **_llama_family_configs(vocab, d_model, n_layers, n_heads, n_ctx, dropout),
+    }
+    if arch not in builders:
+        raise ValueError(f"unknown HF architecture {arch!r}: use one of {sorted(builders)}")
+    return builders[arch]()
+
+
+def _own_name_configs(
+    vocab: int,
+    d_model: int,
+    n_layers: int,
+    n_heads: int,
+    n_ctx: int,
+    dropout: float,
+) -> dict[str, Callable[[], PretrainedConfig]]:
+    """`hf_config`'s builders for the architectures with their own keyword names (GPT-2, OPT,
+    GPT-Neo, GPT-J, BLOOM, Falcon)."""
     import transformers as tf
 
-    # keyword arguments of mixed types (int, float): Any, as the config classes take them
-    special: dict[str, Any] = {"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 2}
+    special = _SPECIAL_TOKENS
     d_head = d_model // n_heads
-    kv = max(1, n_heads // 2)
-    # The Llama family's keyword names; most architectures below take these.
-    common: dict[str, Any] = {
-        "vocab_size": vocab,
-        "hidden_size": d_model,
-        "intermediate_size": 2 * d_model,
-        "num_hidden_layers": n_layers,
-        "num_attention_heads": n_heads,
-        "max_position_embeddings": n_ctx,
-        "attention_dropout": dropout,
-        **special,
-    }
-    gemma: dict[str, Any] = {
-        "num_key_value_heads": kv,
-        "head_dim": d_head,
-        "query_pre_attn_scalar": 12,
-    }
-    window = ["sliding_attention", "full_attention"] * n_layers
-    builders: dict[str, Callable[[], PretrainedConfig]] = {
-        # transformers 5's typed __init__ omits the legacy keys n_ctx, rotary_pct and (Phi)
-        # partial_rotary_factor, which it still takes through **kwargs (4.x names them)
+    return {
+        # transformers 5's typed __init__ omits the legacy key n_ctx, which it still takes
+        # through **kwargs (4.x names it)
         "gpt2": lambda: tf.GPT2Config(  # type: ignore[call-arg]
             vocab_size=vocab, n_positions=n_ctx, n_ctx=n_ctx, n_embd=d_model, n_layer=n_layers,
             n_head=n_heads, resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
@@ -134,7 +139,6 @@ def hf_config(
             vocab_size=vocab, n_positions=n_ctx, n_embd=d_model, n_layer=n_layers,
             n_head=n_heads, rotary_dim=d_head // 2, **special,
         ),
-        "gpt_neox": lambda: tf.GPTNeoXConfig(**common, rotary_pct=0.25, hidden_dropout=dropout),  # type: ignore[call-arg]
         "bloom": lambda: tf.BloomConfig(
             vocab_size=vocab, hidden_size=d_model, n_layer=n_layers, n_head=n_heads, **special
         ),
@@ -143,6 +147,45 @@ def hf_config(
             num_attention_heads=n_heads, new_decoder_architecture=False, multi_query=True,
             parallel_attn=True, alibi=False, **special,
         ),
+    }  # fmt: skip
+
+
+def _llama_family_configs(
+    vocab: int,
+    d_model: int,
+    n_layers: int,
+    n_heads: int,
+    n_ctx: int,
+    dropout: float,
+) -> dict[str, Callable[[], PretrainedConfig]]:
+    """`hf_config`'s builders for the architectures that take the Llama family's keyword names
+    (GPT-NeoX, Llama, Mistral, Mixtral, Qwen, Gemma, Phi, OLMo, StableLM)."""
+    import transformers as tf
+
+    special = _SPECIAL_TOKENS
+    d_head = d_model // n_heads
+    kv = max(1, n_heads // 2)
+    # The Llama family's keyword names; most architectures below take these.
+    common: dict[str, Any] = {
+        "vocab_size": vocab,
+        "hidden_size": d_model,
+        "intermediate_size": 2 * d_model,
+        "num_hidden_layers": n_layers,
+        "num_attention_heads": n_heads,
+        "max_position_embeddings": n_ctx,
+        "attention_dropout": dropout,
+        **special,
+    }
+    gemma: dict[str, Any] = {
+        "num_key_value_heads": kv,
+        "head_dim": d_head,
+        "query_pre_attn_scalar": 12,
+    }
+    window = ["sliding_attention", "full_attention"] * n_layers
+    return {
+        # rotary_pct (GPT-NeoX) and partial_rotary_factor (Phi): legacy keys transformers 5's
+        # typed __init__ omits but still takes through **kwargs (4.x names them)
+        "gpt_neox": lambda: tf.GPTNeoXConfig(**common, rotary_pct=0.25, hidden_dropout=dropout),  # type: ignore[call-arg]
         "llama": lambda: tf.LlamaConfig(**common, num_key_value_heads=kv),
         "mistral": lambda: tf.MistralConfig(**common, num_key_value_heads=kv, sliding_window=4),
         "mixtral": lambda: tf.MixtralConfig(
@@ -167,9 +210,6 @@ def hf_config(
         "olmo2": lambda: tf.Olmo2Config(**common),
         "stablelm": lambda: tf.StableLmConfig(**common, num_key_value_heads=n_heads),
     }  # fmt: skip
-    if arch not in builders:
-        raise ValueError(f"unknown HF architecture {arch!r}: use one of {sorted(builders)}")
-    return builders[arch]()
 
 
 #: The architecture matrix: tiny random models of the architectures researchers study, each built

@@ -47,6 +47,8 @@ FLOORS: list[tuple[str, list[str]]] = [
             "ra_lens.metrics",
             "ra_lens.pairs",
             "ra_lens.nnsight.adapter",
+            "ra_lens.embedded_wheels",
+            "ra_lens.embedded_cache",
             "ra_lens.embedded",
             "ra_lens.smollm2",
             "ra_lens.gemma3",

@@ -39,6 +39,7 @@ from torch import Tensor
 from ra_lens._typing import Validated
 from ra_lens.checks import check_count
 from ra_lens.circuits.circuit import Circuit
+from ra_lens.circuits.graph import Graph
 from ra_lens.circuits.scores import EdgeScores
 from ra_lens.record import Recorded
 from ra_lens.timing import now
@@ -168,60 +169,18 @@ def refine(
     check_count(budget, "budget", len(sizes), why="the starting point takes one per fraction")
     start_time = now(clock)
     g = scores.graph
-    helps = scores.helps * g.real
-    owner = g.reader_owners.to(torch.float64)  # [reader, writer]
-    counts = [int(k * g.n_edges_ungrouped) for k in sizes]
-    if 0 in counts:
-        k = sizes[counts.index(0)]
-        raise ValueError(
-            f"fractions={list(fractions)!r}: {k:g} of this graph's {g.n_edges_ungrouped} "
-            "(ungrouped) edges is int(k * N) = 0 edges, an empty circuit whatever the scores; "
-            f"pass fractions >= {1 / g.n_edges_ungrouped:.3g}"
-        )
-    spent = 0
-
-    def rescored(multipliers: Tensor) -> EdgeScores:
-        # a reader's factor: the mean multiplier of the writers owning it (the query heads
-        # sharing a key/value head; none for logits: 1)
-        n_owners = owner.sum(1)
-        reader_factor = torch.where(
-            n_owners > 0, (owner @ multipliers) / n_owners.clamp_min(1), torch.ones_like(n_owners)
-        )
-        values = helps * multipliers[:, None] * reader_factor[None, :]
-        return EdgeScores(g, values, f"refined({scores.method})", "denoise")
-
-    def objective(multipliers: Tensor) -> float:
-        nonlocal spent
-        current = rescored(multipliers)
-        values = []
-        for n in counts:
-            result = evaluate(current.top(n, absolute=absolute, units="ungrouped"))
-            spent += 1
-            # typeshed's getattr overloads take an Any default for None (so: Any | None)
-            value = float(getattr(result, "value", result))  # type: ignore[arg-type]
-            if not math.isfinite(value):
-                # one NaN would make every later comparison False and the budget be spent
-                raise ValueError(
-                    f"evaluate ({evaluate!r}) returned {value} for the circuit of {n} edges: "
-                    "refine needs a finite faithfulness; check the evaluator (a custom metric "
-                    "or an overflow in float16 gives NaN)"
-                )
-            values.append(value)
-        if absolute:
-            return -sum(abs(1.0 - v) for v in values) / len(values)
-        return sum(values) / len(values)
-
+    objective = _Objective(scores, evaluate, _edge_counts(g, sizes, fractions), absolute)
     multipliers = torch.ones(len(g.writers), dtype=torch.float64)
     best = objective(multipliers)
     start = best
-    node_score = helps.abs().sum(1)
+    node_score = objective.helps.abs().sum(1)
     node_score[g.writer_index["input"]] = -1.0  # input is every circuit's source: never moved
     order = torch.argsort(node_score, descending=True, stable=True)[: min(candidates, len(g.writers) - 1)]  # fmt: skip
     steps: list[Step] = []
 
     def can_try() -> bool:
         out_of_time = budget_s is not None and now(clock) - start_time >= budget_s
-        return spent + len(counts) <= budget and not out_of_time
+        return objective.spent + len(objective.counts) <= budget and not out_of_time
 
     trials = [(w, factor) for w in order.tolist() for factor in (0.0, boost)]
     settled: set[int] = set()  # writers whose multiplier changed: their other trial is skipped
@@ -239,11 +198,71 @@ def refine(
             multipliers, best = trial, value
             settled.add(w)
     return Refinement(
-        scores=rescored(multipliers),
+        scores=objective.rescored(multipliers),
         multipliers=multipliers,
         start_objective=start,
         objective=best,
-        evaluations=spent,
+        evaluations=objective.spent,
         steps=steps,
         seconds=now(clock) - start_time,
     )
+
+
+def _edge_counts(g: Graph, sizes: list[float], fractions: Sequence[float]) -> list[int]:
+    """int(k * N) ungrouped edges for each fraction k; a ValueError where that is 0 edges."""
+    counts = [int(k * g.n_edges_ungrouped) for k in sizes]
+    if 0 in counts:
+        k = sizes[counts.index(0)]
+        raise ValueError(
+            f"fractions={list(fractions)!r}: {k:g} of this graph's {g.n_edges_ungrouped} "
+            "(ungrouped) edges is int(k * N) = 0 edges, an empty circuit whatever the scores; "
+            f"pass fractions >= {1 / g.n_edges_ungrouped:.3g}"
+        )
+    return counts
+
+
+class _Objective:
+    """The refinement's objective for a set of writer multipliers, counting the evaluations spent:
+    the mean faithfulness over the edge counts (signed ranking) or minus the mean |1 - f|
+    (absolute=True, the |score| ranking)."""
+
+    def __init__(
+        self, scores: EdgeScores, evaluate: Evaluate, counts: list[int], absolute: bool
+    ) -> None:
+        self.scores, self.evaluate, self.counts, self.absolute = scores, evaluate, counts, absolute
+        self.helps = scores.helps * scores.graph.real
+        self.owner = scores.graph.reader_owners.to(torch.float64)  # [reader, writer]
+        self.spent = 0
+
+    def rescored(self, multipliers: Float[Tensor, " writer"]) -> EdgeScores:
+        """Every edge's score (MIB's sign) times its writer's multiplier and its reader's."""
+        # a reader's factor: the mean multiplier of the writers owning it (the query heads
+        # sharing a key/value head; none for logits: 1)
+        n_owners = self.owner.sum(1)
+        reader_factor = torch.where(
+            n_owners > 0,
+            (self.owner @ multipliers) / n_owners.clamp_min(1),
+            torch.ones_like(n_owners),
+        )
+        values = self.helps * multipliers[:, None] * reader_factor[None, :]
+        return EdgeScores(self.scores.graph, values, f"refined({self.scores.method})", "denoise")
+
+    def __call__(self, multipliers: Float[Tensor, " writer"]) -> float:
+        current = self.rescored(multipliers)
+        values = []
+        for n in self.counts:
+            result = self.evaluate(current.top(n, absolute=self.absolute, units="ungrouped"))
+            self.spent += 1
+            # typeshed's getattr overloads take an Any default for None (so: Any | None)
+            value = float(getattr(result, "value", result))  # type: ignore[arg-type]
+            if not math.isfinite(value):
+                # one NaN would make every later comparison False and the budget be spent
+                raise ValueError(
+                    f"evaluate ({self.evaluate!r}) returned {value} for the circuit of {n} edges: "
+                    "refine needs a finite faithfulness; check the evaluator (a custom metric "
+                    "or an overflow in float16 gives NaN)"
+                )
+            values.append(value)
+        if self.absolute:
+            return -sum(abs(1.0 - v) for v in values) / len(values)
+        return sum(values) / len(values)

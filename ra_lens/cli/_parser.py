@@ -36,7 +36,16 @@ def build_parser() -> argparse.ArgumentParser:
         description="Reversed Attention (dL/d(QK^T), Katz & Wolf 2025) for TransformerLens models.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_maps_command(sub)
+    _add_patch_command(sub)
+    _add_rank_command(sub)
+    _add_attribute_command(sub)
+    _add_circuit_command(sub)
+    return parser
 
+
+def _add_maps_command(sub: Any) -> None:
+    """`ra-lens maps`: RA of every head for one prompt and target."""
     maps = sub.add_parser(
         "maps",
         help="RA of every head for one prompt and target: table, heat maps, circuitsvis page",
@@ -57,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     _common(maps)
     maps.set_defaults(run=maps_command._run_maps, out_files=maps_command.OUT_FILES)
 
+
+def _add_patch_command(sub: Any) -> None:
+    """`ra-lens patch`: attention patching on an ICL task."""
     patch = sub.add_parser(
         "patch",
         help="attention patching on an ICL task: accuracy against patching scale",
@@ -79,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     _common(patch)
     patch.set_defaults(run=_run_patch, out_files=patch_out_files)
 
+
+def _add_rank_command(sub: Any) -> None:
+    """`ra-lens rank`: head rankings against the baselines."""
     rank = sub.add_parser(
         "rank",
         help="rank heads by RA against causal mediation, activation and attribution patching",
@@ -110,6 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     _common(rank)
     rank.set_defaults(run=_run_rank, out_files=rank_out_files)
 
+
+def _add_attribute_command(sub: Any) -> None:
+    """`ra-lens attribute`: query/key/pattern attribution of every head."""
     attribute = sub.add_parser(
         "attribute",
         help="query/key/pattern attribution of every head for a clean/corrupted pair",
@@ -133,34 +151,10 @@ def build_parser() -> argparse.ArgumentParser:
     attribute.set_defaults(
         run=attribute_command._run_attribute, out_files=attribute_command.OUT_FILES
     )
-    _add_circuit_command(sub)
-    return parser
-
-
-def _common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="smollm2-135m", help=MODEL_HELP)
-    parser.add_argument(
-        "--backend",
-        default="auto",
-        choices=["auto", "bridge", "hooked"],
-        help="TransformerBridge (TL >= 3), HookedTransformer (TL 2.x) or auto: the bridge where "
-        "installed (auto)",
-    )
-    parser.add_argument("--out", type=Path, default=None, metavar="DIR", help="write plots here")
-    parser.add_argument(
-        "--json", default=None, metavar="FILE", help="write machine-readable results ('-': stdout)"
-    )
-
-
-def _task_args(parser: argparse.ArgumentParser) -> None:
-    from ra_lens import tasks
-
-    parser.add_argument(
-        "--task", required=True, help=f"ICL task, one of: {', '.join(tasks.available())}"
-    )
 
 
 def _add_circuit_command(sub: Any) -> None:
+    """`ra-lens circuit`: edge scores, a circuit and its faithfulness curve."""
     circuit = sub.add_parser(
         "circuit",
         help="edge scores over the component graph, a circuit and its faithfulness curve",
@@ -198,6 +192,20 @@ def _add_circuit_command(sub: Any) -> None:
     )
     circuit.add_argument("--selection", default="top", choices=["top", "greedy"])
     circuit.add_argument("--ablation", default="patching", choices=["patching", "mean", "zero"])
+    _circuit_size_args(circuit)
+    circuit.add_argument(
+        "--batch-size",
+        type=_positive_int,
+        default=8,
+        help="pairs per pass, for scoring and every faithfulness pass (8)",
+    )
+    _circuit_file_args(circuit)
+    _common(circuit)
+    circuit.set_defaults(run=circuit_command._run_circuit, out_files=circuit_command.OUT_FILES)
+
+
+def _circuit_size_args(circuit: argparse.ArgumentParser) -> None:
+    """`ra-lens circuit`'s choice of the circuit drawn and saved: --faithfulness or --edges."""
     size = circuit.add_mutually_exclusive_group()
     size.add_argument(
         "--faithfulness",
@@ -217,12 +225,10 @@ def _add_circuit_command(sub: Any) -> None:
         "counts them (ungrouped: a grouped key/value edge once per query head), fewer after "
         "pruning edges off every input-to-logits path",
     )
-    circuit.add_argument(
-        "--batch-size",
-        type=_positive_int,
-        default=8,
-        help="pairs per pass, for scoring and every faithfulness pass (8)",
-    )
+
+
+def _circuit_file_args(circuit: argparse.ArgumentParser) -> None:
+    """`ra-lens circuit`'s extra outputs: the MIB folder and the offline page."""
     circuit.add_argument(
         "--mib",
         type=Path,
@@ -240,8 +246,29 @@ def _add_circuit_command(sub: Any) -> None:
         help="write one self-contained offline HTML page: the circuits of the curve and the "
         "circuit saved, each head's attention pattern and RA on the first pairs",
     )
-    _common(circuit)
-    circuit.set_defaults(run=circuit_command._run_circuit, out_files=circuit_command.OUT_FILES)
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="smollm2-135m", help=MODEL_HELP)
+    parser.add_argument(
+        "--backend",
+        default="auto",
+        choices=["auto", "bridge", "hooked"],
+        help="TransformerBridge (TL >= 3), HookedTransformer (TL 2.x) or auto: the bridge where "
+        "installed (auto)",
+    )
+    parser.add_argument("--out", type=Path, default=None, metavar="DIR", help="write plots here")
+    parser.add_argument(
+        "--json", default=None, metavar="FILE", help="write machine-readable results ('-': stdout)"
+    )
+
+
+def _task_args(parser: argparse.ArgumentParser) -> None:
+    from ra_lens import tasks
+
+    parser.add_argument(
+        "--task", required=True, help=f"ICL task, one of: {', '.join(tasks.available())}"
+    )
 
 
 def _pair_source_args(parser: argparse.ArgumentParser, *, required: bool) -> None:

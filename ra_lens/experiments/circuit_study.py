@@ -15,8 +15,10 @@ pairs, the same resamples for every method, so paired differences between method
 their own interval. The per-pair metrics are saved, so every number recomputes from the JSON.
 Ground truth for head scores: each head's output patched from clean into the corrupted run
 (`head_patching`) on the first pairs of the `--truth-tasks`, against each method's head scores
-(its outgoing edges summed), Pearson r. The statistics, goals and tables are computed in
-`circuit_study_report`; this module builds the pairs, runs the methods and saves the metrics.
+(its outgoing edges summed), Pearson r. The pairs are built in `circuit_study_pairs`, the
+statistics, goals and tables computed in `circuit_study_report`, the flags read in
+`circuit_study_args`, the files written and checked in `circuit_study_saved`; this module holds
+the methods (`METHODS`, `ENSEMBLES`), runs them, measures their circuits and merges saved studies.
 
     python -m ra_lens.experiments.circuit_study --quick                      # tiny model, seconds
     python -m ra_lens.experiments.circuit_study --json docs/results/circuit_study.json \\
@@ -26,14 +28,12 @@ Ground truth for head scores: each head's output patched from clean into the cor
 
 from __future__ import annotations
 
-import argparse
 import json
-import random
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import Any, Literal
 
 import torch
 from jaxtyping import Float
@@ -42,21 +42,29 @@ from torch import Tensor
 from ra_lens import capture, circuits, timing
 from ra_lens.circuits.faithfulness import BASELINE
 from ra_lens.circuits.mib import MIB_FRACTIONS
+from ra_lens.experiments import circuit_study_args as study_args
+from ra_lens.experiments.circuit_study_measure import Measured, measure_method
 
-# The statistics live in circuit_study_report; fraction_columns, paired_difference re-exported.
+# The pairs live in circuit_study_pairs, the statistics in circuit_study_report; antonym_pairs,
+# fraction_columns, paired_difference re-exported.
+from ra_lens.experiments.circuit_study_pairs import TASKS, task_pairs
+from ra_lens.experiments.circuit_study_pairs import antonym_pairs as antonym_pairs
 from ra_lens.experiments.circuit_study_report import fraction_columns as fraction_columns
 from ra_lens.experiments.circuit_study_report import goals, markdown, summarise
 from ra_lens.experiments.circuit_study_report import paired_difference as paired_difference
-from ra_lens.files import check_writable, load_json, write_file
+from ra_lens.experiments.circuit_study_saved import (
+    load_saved,
+    merge_method,
+    save_study,
+    saved_selection,
+)
+from ra_lens.files import check_writable
 from ra_lens.progress import tqdm
 from ra_lens.ranking.node_patching import Job, patching_effects
 from ra_lens.ranking.statistics import pearson
-from ra_lens.tasks import format_prompt, ioi, load
+from ra_lens.tasks import ioi
 from ra_lens.tasks.ioi import PromptPair
 from ra_lens.types import HookedModel
-
-if TYPE_CHECKING:
-    from ra_lens.circuits.faithfulness import Ablation
 
 _MethodName = Literal["eap", "eap-ig", "exact", "exact-ig", "random", "ensemble"]
 
@@ -84,19 +92,12 @@ ENSEMBLES: dict[str, tuple[str, ...]] = {
     "ens-ig": ("eap-ig-5", "eap-ig-5-noise"),
     "ens-eap-ig-exact": ("eap", "eap-ig-5", "exact"),
 }
-TASKS: tuple[str, ...] = ("ioi", "country-capital", "antonym")
 ABLATIONS: tuple[str, ...] = ("patching", "mean")
 #: Edge counts reported beside the fractions, to compare with EAP-IG's own numbers (issue 22).
 EDGE_COUNTS: tuple[int, ...] = (100, 500, 2000)
-#: What `merge_saved` reads of a saved study's config and of each of its tasks.
-SAVED_CONFIG_KEYS: tuple[str, ...] = ("ablations", "fractions", "n_boot")
-SAVED_TASK_KEYS: tuple[str, ...] = ("n_pairs", "pairs", "sizes", "edge_counts", "reference", "methods")  # fmt: skip
-#: Antonym pairs: one fixed 3-shot context, the query swapped between clean and corrupted.
-ANTONYM_SHOTS = 3
 
 # --quick: a tiny random model and pairs its tokenizer writes with one-token words; its graph
 # (about 300 edges) is small, so the fractions are coarse and the edge counts small.
-QUICK_WORDS = ("b", "c", "d", "l", "o", "s", "t", "F", "I")
 QUICK_SETTINGS: dict[str, Any] = {
     "tasks": ["toy"],
     "n_pairs": 6,
@@ -125,56 +126,6 @@ FULL_SETTINGS: dict[str, Any] = {
     "truth_pairs": 8,
     "selection": "top",
 }
-
-
-# --------------------------------------------------------------------------------------------
-# tasks
-
-
-def antonym_pairs(model: HookedModel, n: int, *, seed: int = 0) -> list[PromptPair]:
-    """Antonym prompts with one fixed 3-shot context; the corrupted prompt asks about another word
-    whose prompt has the same token length, and whose (one-token) antonym is the wrong answer."""
-    rows = list(cast("tuple[tuple[str, str], ...]", load("antonym").pairs))  # a Task's pairs
-    random.Random(seed).shuffle(rows)
-    demos, rest = rows[:ANTONYM_SHOTS], rows[ANTONYM_SHOTS:]
-
-    def one_token(text: str) -> bool:
-        return model.to_tokens(text, prepend_bos=False).shape[1] == 1
-
-    by_length: dict[int, list[tuple[str, str]]] = {}
-    for x, y in rest:
-        if one_token(f" {y}"):
-            length = int(model.to_tokens(format_prompt(demos, x)).shape[1])
-            by_length.setdefault(length, []).append((x, y))
-    pairs = []
-    for group in by_length.values():
-        for (x, y), (x2, y2) in zip(group, group[1:] + group[:1]):
-            if y != y2 and x != x2:
-                clean, corrupted = format_prompt(demos, x), format_prompt(demos, x2)
-                pairs.append(PromptPair(clean, corrupted, f" {y}", f" {y2}", task="antonym"))
-    return pairs[:n]
-
-
-def toy_pairs(model: HookedModel, n: int) -> list[PromptPair]:
-    """--quick's pairs for the tiny tokenizer: "I like {x} and" against another word."""
-    pairs = [
-        PromptPair(f"I like {x} and", f"I like {y} and", " the", " of", task="toy")
-        for x, y in zip(QUICK_WORDS, QUICK_WORDS[1:] + QUICK_WORDS[:1])
-    ]
-    return ioi.usable(model, pairs)[:n]
-
-
-def task_pairs(model: HookedModel, task: str, n: int) -> list[PromptPair]:
-    """Up to n usable pairs of a task (fewer where the tokenizer leaves fewer)."""
-    if task == "ioi":
-        return ioi.usable(model, ioi.ioi_pairs(4 * n))[:n]
-    if task == "country-capital":
-        return ioi.capital_pairs(model, n)
-    if task == "antonym":
-        return antonym_pairs(model, n)
-    if task == "toy":
-        return toy_pairs(model, n)
-    raise ValueError(f"unknown task {task!r}: choose from {', '.join(TASKS)}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -229,6 +180,116 @@ def edge_sizes(n_edges: int, fractions: Sequence[float], counts: Sequence[int]) 
     return sorted(asked)
 
 
+class _Scored:
+    """Each method's scores on the training pairs and their seconds (wall, CPU), once; an
+    ensemble averages its members' scores (computed once) and its seconds are the sum of theirs."""
+
+    def __init__(
+        self,
+        model: HookedModel,
+        train: Sequence[PromptPair],
+        graph: circuits.Graph,
+        batch_size: int,
+    ) -> None:
+        self.model, self.graph, self.batch_size = model, graph, batch_size
+        self.clean, self.corrupted, self.metric = ioi.paired_batch(model, list(train))
+        self.scored: dict[str, tuple[circuits.EdgeScores, dict[str, float]]] = {}
+
+    def __call__(self, label: str) -> tuple[circuits.EdgeScores, dict[str, float]]:
+        if label in self.scored:
+            return self.scored[label]
+        method, steps, direction = METHODS[label]
+        spent: dict[str, float] = {}
+        result: circuits.EdgeScores
+        if method == "ensemble":
+            parts = [self(part) for part in ENSEMBLES[label]]
+            result = circuits.ensemble([part for part, _ in parts])
+            for key in ("attribute", "attribute_cpu"):
+                spent[key] = sum(times[key] for _, times in parts)
+        else:
+            with (
+                timing.timed(spent, "attribute"),
+                timing.timed(spent, "attribute_cpu", clock=time.process_time),
+            ):
+                if method == "random":
+                    result = random_scores(self.graph)
+                else:
+                    result = circuits.attribute(
+                        self.model, self.clean, self.corrupted, self.metric, method=method,
+                        steps=steps, direction=direction, batch_size=self.batch_size,
+                    )  # fmt: skip
+        self.scored[label] = (result, spent)
+        return self.scored[label]
+
+
+def _task_record(
+    pairs: Sequence[PromptPair],
+    train: Sequence[PromptPair],
+    graph: circuits.Graph,
+    sizes: list[int],
+    edge_counts: Sequence[int],
+    reference: dict[str, dict[str, list[float]]],
+) -> dict[str, Any]:
+    """The start of one task's JSON: its pairs, the graph's edges, the sizes asked for."""
+    return {
+        "n_pairs": len(pairs),
+        "pairs": [[p.clean, p.corrupted, p.answer, p.wrong] for p in pairs],
+        "train_pairs": [[p.clean, p.corrupted, p.answer, p.wrong] for p in train],
+        "n_edges_total": graph.n_edges_ungrouped,
+        "n_edges_grouped": graph.n_edges,
+        "units": "ungrouped",
+        "sizes": sizes,
+        "edge_counts": [c for c in edge_counts if c in sizes],
+        "reference": reference,
+        "methods": {},
+    }
+
+
+def _truth(
+    model: HookedModel, pairs: Sequence[PromptPair], truth_pairs: int
+) -> tuple[Float[Tensor, "layer head"], dict[str, Any]]:
+    """Head activation patching on the first `truth_pairs` pairs, and its record with its
+    seconds (each method's Pearson r to it is added by `_compare_heads`)."""
+    spans: dict[str, float] = {}
+    with timing.timed(spans, "truth"):
+        truth = head_patching(model, pairs[:truth_pairs])
+    record = {
+        "pairs": min(truth_pairs, len(pairs)),
+        "heads": truth.tolist(),
+        "seconds": spans["truth"],
+        "pearson": {},
+    }
+    return truth, record
+
+
+def _compare_heads(
+    model: HookedModel,
+    pairs: Sequence[PromptPair],
+    truth_pairs: int,
+    truth: Float[Tensor, "layer head"],
+    label: str,
+    scores: circuits.EdgeScores,
+    record: dict[str, Any],
+    batch_size: int,
+) -> None:
+    """The method's head node scores on the truth's pairs (an extra attribution when those are
+    fewer than the pairs) and their Pearson r to the truth, into `record` (the task's "truth").
+    An ensemble is left out: its scores are its members', compared on their own."""
+    method, steps, direction = METHODS[label]
+    if method == "ensemble":
+        return
+    subset = scores
+    if truth_pairs < len(pairs) and method != "random":
+        sub_clean, sub_corrupted, sub_metric = ioi.paired_batch(model, pairs[:truth_pairs])
+        subset = circuits.attribute(
+            model, sub_clean, sub_corrupted, sub_metric, method=method, steps=steps,
+            direction=direction, batch_size=batch_size,
+        )  # fmt: skip
+    heads = head_node_scores(subset)
+    record["pearson"][label] = pearson(heads, truth)
+    record.setdefault("head_scores", {})[label] = heads.tolist()
+
+
 def run_task(
     model: HookedModel,
     pairs: Sequence[PromptPair],
@@ -258,116 +319,25 @@ def run_task(
     method's head node scores on the same pairs ("head_scores", summed from their edge scores:
     an extra attribution when truth_pairs < the number of pairs) and Pearson r to the truth.
     """
-    clean, corrupted, metric = ioi.paired_batch(model, list(pairs))
-    scored_on = list(train) or list(pairs)
-    train_clean, train_corrupted, train_metric = ioi.paired_batch(model, scored_on)
+    measure = Measured(model, pairs, batch_size)
     graph = circuits.Graph.from_model(model)
+    score = _Scored(model, list(train) or list(pairs), graph, batch_size)
     sizes = edge_sizes(graph.n_edges_ungrouped, fractions, edge_counts)  # MIB's units
-    measured: dict[tuple[bytes, str], list[float]] = {}  # a circuit two methods share runs once
-    evaluators: dict[str, circuits.FaithfulnessEvaluator] = {}
-
-    def measure(circuit: circuits.Circuit, ablation: str) -> list[float]:
-        key = (circuit.edges.numpy().tobytes(), ablation)
-        if key not in measured:
-            if ablation not in evaluators:
-                evaluators[ablation] = circuits.FaithfulnessEvaluator(
-                    model, clean, corrupted, metric, batch_size=batch_size,
-                    ablation=cast("Ablation", ablation),  # the evaluator checks it
-                )  # fmt: skip
-            result = evaluators[ablation](circuit)
-            measured[key] = result.circuit_per_pair.tolist()
-            if circuit.n_edges == 0:
-                reference[ablation] = {
-                    "clean": result.clean_per_pair.tolist(),
-                    "corrupted": result.corrupted_per_pair.tolist(),
-                    "empty": measured[key],
-                }
-        return measured[key]
-
-    reference: dict[str, dict[str, list[float]]] = {}
     start = timing.now()
     for ablation in ablations:
         measure(circuits.Circuit.empty(graph), ablation)
-    out: dict[str, Any] = {
-        "n_pairs": len(pairs),
-        "pairs": [[p.clean, p.corrupted, p.answer, p.wrong] for p in pairs],
-        "train_pairs": [[p.clean, p.corrupted, p.answer, p.wrong] for p in train],
-        "n_edges_total": graph.n_edges_ungrouped,
-        "n_edges_grouped": graph.n_edges,
-        "units": "ungrouped",
-        "sizes": sizes,
-        "edge_counts": [c for c in edge_counts if c in sizes],
-        "reference": reference,
-        "methods": {},
-    }
+    out = _task_record(pairs, train, graph, sizes, edge_counts, measure.reference)
     truth = None
     if truth_pairs > 0:
-        spans: dict[str, float] = {}
-        with timing.timed(spans, "truth"):
-            truth = head_patching(model, pairs[:truth_pairs])
-        out["truth"] = {
-            "pairs": min(truth_pairs, len(pairs)),
-            "heads": truth.tolist(),
-            "seconds": spans["truth"],
-            "pearson": {},
-        }
-    scored: dict[str, tuple[circuits.EdgeScores, dict[str, float]]] = {}
-
-    def score(label: str) -> tuple[circuits.EdgeScores, dict[str, float]]:
-        """A method's scores on the training pairs and their seconds (wall, CPU), once."""
-        if label in scored:
-            return scored[label]
-        method, steps, direction = METHODS[label]
-        spent: dict[str, float] = {}
-        result: circuits.EdgeScores
-        if method == "ensemble":
-            parts = [score(part) for part in ENSEMBLES[label]]
-            result = circuits.ensemble([part for part, _ in parts])
-            for key in ("attribute", "attribute_cpu"):
-                spent[key] = sum(times[key] for _, times in parts)
-        else:
-            with (
-                timing.timed(spent, "attribute"),
-                timing.timed(spent, "attribute_cpu", clock=time.process_time),
-            ):
-                if method == "random":
-                    result = random_scores(graph)
-                else:
-                    result = circuits.attribute(
-                        model, train_clean, train_corrupted, train_metric, method=method,
-                        steps=steps, direction=direction, batch_size=batch_size,
-                    )  # fmt: skip
-        scored[label] = (result, spent)
-        return scored[label]
-
+        truth, out["truth"] = _truth(model, pairs, truth_pairs)
     for label in tqdm(methods, desc="methods", disable=not progress):
-        method, steps, direction = METHODS[label]
         scores, times = score(label)
+        if truth is not None:
+            _compare_heads(
+                model, pairs, truth_pairs, truth, label, scores, out["truth"], batch_size
+            )
         spent = dict(times)
-        if truth is not None and method != "ensemble":
-            subset = scores
-            if truth_pairs < len(pairs) and method != "random":
-                sub_clean, sub_corrupted, sub_metric = ioi.paired_batch(model, pairs[:truth_pairs])
-                subset = circuits.attribute(
-                    model, sub_clean, sub_corrupted, sub_metric, method=method, steps=steps,
-                    direction=direction, batch_size=batch_size,
-                )  # fmt: skip
-            heads = head_node_scores(subset)
-            out["truth"]["pearson"][label] = pearson(heads, truth)
-            out["truth"].setdefault("head_scores", {})[label] = heads.tolist()
-        pick = scores.top if selection == "top" else scores.greedy
-        by_abs = [pick(n, absolute=True, units="ungrouped") for n in sizes]
-        signed = [pick(n, absolute=False, units="ungrouped") for n in sizes]
-        with timing.timed(spent, "eval"):
-            out["methods"][label] = {
-                "seconds": spent["attribute"],
-                "cpu_seconds": spent["attribute_cpu"],
-                "n_edges": [c.n_edges_ungrouped for c in by_abs],
-                "circuit": {a: [measure(c, a) for c in by_abs] for a in ablations},
-                "signed_n_edges": [c.n_edges_ungrouped for c in signed],
-                "signed_circuit": {a: [measure(c, a) for c in signed] for a in ablations},
-            }
-        out["methods"][label]["eval_seconds"] = spent["eval"]
+        out["methods"][label] = measure_method(scores, measure, sizes, ablations, selection, spent)
         out["seconds"] = timing.now() - start
         if on_method is not None:
             on_method(out)
@@ -479,7 +449,7 @@ def merge_saved(studies: Sequence[dict[str, Any]]) -> dict[str, Any]:
     if not studies:
         raise ValueError("merge needs at least one saved study")
     keys = ("model", "n_pairs", "train_pairs", "batch_size", "n_boot", "fractions", "edge_counts", "selection")  # fmt: skip
-    configs = [dict(s["config"], selection=_selection(s["config"])) for s in studies]
+    configs = [dict(s["config"], selection=saved_selection(s["config"])) for s in studies]
     for other in configs[1:]:
         bad = [k for k in keys if other.get(k) != configs[0].get(k)]
         if bad:
@@ -496,7 +466,7 @@ def merge_saved(studies: Sequence[dict[str, Any]]) -> dict[str, Any]:
             for ablation, ref in task["reference"].items():
                 have["reference"].setdefault(ablation, ref)
             for label, result in task["methods"].items():
-                _merge_method(have["methods"], label, result, name)
+                merge_method(have["methods"], label, result, name)
             if "truth" in task and "truth" not in have:
                 have["truth"] = task["truth"]
     config = merged["config"]
@@ -512,68 +482,10 @@ def merge_saved(studies: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return merged
 
 
-def _selection(config: dict[str, Any]) -> str:
-    """ "top" or "greedy"; files written before `--selection` existed say "top (by |score|), ..."."""
-    return "greedy" if config.get("selection") == "greedy" else "top"
-
-
-def _merge_method(have: dict[str, Any], label: str, result: dict[str, Any], task: str) -> None:
-    """Pool one method's results into `have`: a method measured under other ablations in another
-    part adds those ablations (its circuits must be the same; the attribution seconds stay the
-    first part's)."""
-    if label not in have:
-        have[label] = json.loads(json.dumps(result))
-        return
-    if have[label]["n_edges"] != result["n_edges"] or have[label].get(
-        "signed_n_edges"
-    ) != result.get("signed_n_edges"):
-        raise ValueError(f"task {task!r}, method {label!r}: the parts chose different circuits")
-    for key in ("circuit", "signed_circuit"):
-        for ablation, values in result.get(key, {}).items():
-            have[label].setdefault(key, {}).setdefault(ablation, values)
-
-
-def _names(text: str, allowed: Sequence[str], what: str) -> list[str]:
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    bad = [n for n in names if n not in allowed]
-    if bad or not names:
-        raise ValueError(f"unknown {what} {', '.join(bad) or '(none)'}: choose from {', '.join(allowed)}")  # fmt: skip
-    return names
-
-
-def _save(study: dict[str, Any], json_path: Path | None, markdown_path: Path | None) -> None:
-    if json_path is not None:
-        write_file(json_path, json.dumps(study, indent=1), make_folders=True)
-    if markdown_path is not None:
-        write_file(markdown_path, markdown(study) + "\n", make_folders=True)
-
-
-def _load_saved(path: Path) -> dict[str, Any]:
-    """A study `--json` wrote, or a ValueError naming the file and what is wrong with it."""
-    what = "a saved study (a file circuit_study --json wrote)"
-    data = load_json(path, what)
-    if not (
-        isinstance(data, dict)
-        and isinstance(data.get("config"), dict)
-        and isinstance(data.get("tasks"), dict)
-    ):
-        raise ValueError(f"{path} is not {what}: it has no objects 'config' and 'tasks'")
-    lacking = [key for key in SAVED_CONFIG_KEYS if key not in data["config"]]
-    if lacking:
-        raise ValueError(f"{path} is not {what}: its config lacks {', '.join(lacking)}")
-    for name, task in data["tasks"].items():
-        if not isinstance(task, dict):
-            raise ValueError(f"{path} is not {what}: task {name!r} is not an object")
-        lacking = [key for key in SAVED_TASK_KEYS if key not in task]
-        if lacking:
-            raise ValueError(f"{path} is not {what}: task {name!r} lacks {', '.join(lacking)}")
-    return data
-
-
 def _merge(paths: list[Path]) -> dict[str, Any]:
     """The saved studies at `paths` merged (`merge_saved`); damage deeper in the files than
-    `_load_saved` checks is a ValueError too."""
-    studies = [_load_saved(path) for path in paths]
+    `load_saved` checks is a ValueError too."""
+    studies = [load_saved(path) for path in paths]
     try:
         return merge_saved(studies)
     except (KeyError, TypeError, IndexError, AttributeError) as error:
@@ -584,39 +496,8 @@ def _merge(paths: list[Path]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="circuit_study", description=__doc__.split("\n\n")[0] if __doc__ else None
-    )
-    parser.add_argument("--quick", action="store_true", help="tiny model and toy pairs: seconds")
-    parser.add_argument("--model", default="smollm2-135m", help="model for load_model")
-    parser.add_argument("--tasks", default=None, help=f"comma-separated ({','.join(TASKS)})")
-    parser.add_argument("--n-pairs", type=int, default=None, help="held-out pairs per task (32)")
-    parser.add_argument(
-        "--train-pairs", type=int, default=None,
-        help="pairs per task to score on, before the held-out ones (16; 0: score the held-out)",
-    )  # fmt: skip
-    parser.add_argument("--methods", default=None, help=f"comma-separated ({','.join(METHODS)})")
-    parser.add_argument("--ablations", default=None, help="patching,mean (both)")
-    parser.add_argument("--batch-size", type=int, default=None, help="pairs per pass (8)")
-    parser.add_argument("--n-boot", type=int, default=None, help="bootstrap resamples (1000)")
-    parser.add_argument(
-        "--truth-tasks", default=None, help="tasks with head activation patching (ioi); '' for none"
-    )
-    parser.add_argument("--truth-pairs", type=int, default=None, help="its pairs (8)")
-    parser.add_argument("--json", type=Path, default=None, metavar="FILE", help="write results")
-    parser.add_argument("--markdown", type=Path, default=None, metavar="FILE", help="write tables")
-    parser.add_argument(
-        "--merge", type=Path, nargs="+", default=None, metavar="JSON",
-        help="merge saved studies (run side by side) into --json / --markdown",
-    )  # fmt: skip
-    parser.add_argument(
-        "--selection", choices=("top", "greedy"), default=None,
-        help="circuits: top-n then pruned (top), or grown from the logits (greedy); both by "
-        "score (CPR) and by |score| (CMD)",
-    )  # fmt: skip
-    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
-    args = parser.parse_args(argv)
-    settings = dict(QUICK_SETTINGS if args.quick else FULL_SETTINGS)
+    description = __doc__.split("\n\n")[0] if __doc__ else None
+    args = study_args.parser(tuple(METHODS), description).parse_args(argv)
     try:
         # Refuse outputs that cannot be written now, not after the first method has run.
         for flag, path in (("--json", args.json), ("--markdown", args.markdown)):
@@ -624,45 +505,15 @@ def main(argv: list[str] | None = None) -> int:
                 check_writable(path, flag)
         if args.merge is not None:
             study = _merge(args.merge)
-            _save(study, args.json, args.markdown)
+            save_study(study, args.json, args.markdown)
             print(markdown(study))
             return 0
-        # explicit flags win over --quick
-        if args.tasks is not None:
-            settings["tasks"] = _names(args.tasks, (*TASKS, "toy"), "task")
-        if args.methods is not None:
-            settings["methods"] = _names(args.methods, tuple(METHODS), "method")
-        if args.ablations is not None:
-            settings["ablations"] = _names(args.ablations, ("patching", "mean", "zero"), "ablation")  # fmt: skip
-        if args.truth_tasks is not None:
-            settings["truth_tasks"] = (
-                _names(args.truth_tasks, (*TASKS, "toy"), "task") if args.truth_tasks else []
-            )
-        if args.selection is not None:
-            settings["selection"] = args.selection
-        for flag in ("n_pairs", "batch_size", "n_boot", "truth_pairs", "train_pairs"):
-            value = getattr(args, flag)
-            if value is not None:
-                if value < (0 if flag == "train_pairs" else 1):
-                    least = 0 if flag == "train_pairs" else 1
-                    raise ValueError(
-                        f"--{flag.replace('_', '-')} must be at least {least}, got {value}"
-                    )
-                settings[flag] = value
-        if args.quick:
-            from ra_lens.models import bridge_available
-            from ra_lens.toy_models import tiny_model
-
-            arch: Literal["llama", "hooked"] = "llama" if bridge_available() else "hooked"
-            model = tiny_model(arch, n_layers=2)
-            model_name = f"tiny-{arch} (random weights)"
-        else:
-            from ra_lens.models import load_model
-
-            model, model_name = load_model(args.model), args.model
+        base = QUICK_SETTINGS if args.quick else FULL_SETTINGS
+        settings = study_args.settings(args, base, tuple(METHODS))
+        model, model_name = study_args.study_model(args)
 
         def save(study: dict[str, Any]) -> None:
-            _save(study, args.json, args.markdown)
+            save_study(study, args.json, args.markdown)
 
         study = circuit_study(
             model, model_name=model_name, progress=not args.no_progress, on_task=save, **settings

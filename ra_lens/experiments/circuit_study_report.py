@@ -216,6 +216,17 @@ def _ci(entry: dict[str, Any], digits: int = 3) -> str:
 def markdown(study: dict[str, Any]) -> str:
     """The study's tables: per task x method CPR, CMD (95 % intervals), seconds, faithfulness at
     100/500/2,000 edges; the paired differences; the goals."""
+    lines = _header(study)
+    for ablation in study["config"]["ablations"]:
+        lines += _ablation_tables(study, ablation)
+    lines += _truth_table(study)
+    if study.get("goals"):
+        lines += _goal_lines(study["goals"])
+    return "\n".join(lines)
+
+
+def _header(study: dict[str, Any]) -> list[str]:
+    """The paragraph saying how the study ran: model, selection, resamples, fractions, runtime."""
     cfg = study["config"]
     chosen = (
         "grown from the logits (`EdgeScores.greedy`) then pruned"
@@ -227,7 +238,7 @@ def markdown(study: dict[str, Any]) -> str:
         "f @ n edges from the |score| ranking (MIB's); faithfulness normalised by the empty "
         "circuit under the ablation"
     )
-    lines = [
+    return [
         f"Model {cfg['model']}, {cfg['device']}; {chosen}; edge patching "
         f"(`circuits.faithfulness`); {cfg['n_boot']} bootstrap resamples over pairs, 95 % "
         f"percentile intervals; fractions {', '.join(f'{100 * k:g}%' for k in cfg['fractions'])}"
@@ -235,70 +246,85 @@ def markdown(study: dict[str, Any]) -> str:
         f" Study ran {study['runtime_seconds']:.0f} s.",
         "",
     ]
-    counts = [str(c) for c in cfg["edge_counts"]]
-    for ablation in cfg["ablations"]:
-        lines += [
-            f"### Ablation: {ablation}",
-            "",
-            "| task (pairs) | method | CPR (higher better) | CMD (lower better) | CPU s | "
-            + " | ".join(f"f @ {c} edges" for c in counts)
-            + " |",
-            "|---|---|---|---|---:|" + "---|" * len(counts),
+
+
+def _ablation_tables(study: dict[str, Any], ablation: str) -> list[str]:
+    """One ablation's table (task x method: CPR, CMD, CPU s, f at the edge counts) and its paired
+    CPR and CMD differences."""
+    counts = [str(c) for c in study["config"]["edge_counts"]]
+    lines = [
+        f"### Ablation: {ablation}",
+        "",
+        "| task (pairs) | method | CPR (higher better) | CMD (lower better) | CPU s | "
+        + " | ".join(f"f @ {c} edges" for c in counts)
+        + " |",
+        "|---|---|---|---|---:|" + "---|" * len(counts),
+    ]
+    for name, task in study["tasks"].items():
+        for label, entry in task["summary"]["methods"].items():
+            if ablation not in entry:
+                continue
+            e = entry[ablation]
+            at = [_ci(e["at_edges"][c], 2) if c in e["at_edges"] else "-" for c in counts]
+            lines.append(
+                f"| {name} ({_pair_counts(task)}) | {label} | {_ci(e['cpr'])} | {_ci(e['cmd'])}"
+                f" | {_cpu(task['methods'][label])} | " + " | ".join(at) + " |"
+            )
+    lines.append("")
+    for key, what in (("paired", "CPR"), ("paired_cmd", "CMD")):
+        rows = [
+            (name, pair, value)
+            for name, task in study["tasks"].items()
+            for pair, value in task["summary"].get(key, {}).get(ablation, {}).items()
         ]
-        for name, task in study["tasks"].items():
-            for label, entry in task["summary"]["methods"].items():
-                if ablation not in entry:
-                    continue
-                e = entry[ablation]
-                at = [_ci(e["at_edges"][c], 2) if c in e["at_edges"] else "-" for c in counts]
-                lines.append(
-                    f"| {name} ({_pair_counts(task)}) | {label} | {_ci(e['cpr'])} | {_ci(e['cmd'])}"
-                    f" | {_cpu(task['methods'][label])} | " + " | ".join(at) + " |"
-                )
-        lines.append("")
-        for key, what in (("paired", "CPR"), ("paired_cmd", "CMD")):
-            rows = [
-                (name, pair, value)
-                for name, task in study["tasks"].items()
-                for pair, value in task["summary"].get(key, {}).get(ablation, {}).items()
+        if rows:
+            lines += [
+                f"Paired {what} differences ({ablation}), same resamples:",
+                "",
+                f"| task | method - reference | {what} difference | {what} ratio |",
+                "|---|---|---|---|",
             ]
-            if rows:
-                lines += [
-                    f"Paired {what} differences ({ablation}), same resamples:",
-                    "",
-                    f"| task | method - reference | {what} difference | {what} ratio |",
-                    "|---|---|---|---|",
-                ]
-                lines += [f"| {n} | {k} | {_ci(v['difference'])} | {_ci(v['ratio'], 2)} |" for n, k, v in rows]  # fmt: skip
-                lines.append("")
+            lines += [f"| {n} | {k} | {_ci(v['difference'])} | {_ci(v['ratio'], 2)} |" for n, k, v in rows]  # fmt: skip
+            lines.append("")
+    return lines
+
+
+def _truth_table(study: dict[str, Any]) -> list[str]:
+    """Pearson r of each method's head scores to head activation patching, per task that ran it
+    (nothing where none did)."""
     truths = [(n, t["truth"]) for n, t in study["tasks"].items() if "truth" in t]
-    if truths:
-        lines += [
-            "Head scores (each head's outgoing edges summed) against head activation patching "
-            "(denoise, hook_z, all positions), Pearson r:",
-            "",
-            "| task (pairs patched) | " + " | ".join(truths[0][1]["pearson"]) + " |",
-            "|---|" + "---|" * len(truths[0][1]["pearson"]),
-        ]
-        for name, truth in truths:
-            values = " | ".join(f"{r:.3f}" for r in truth["pearson"].values())
-            lines.append(f"| {name} ({truth['pairs']}) | {values} |")
-        lines.append("")
-    if study.get("goals"):
-        lines += ["### Goals (patching)", ""]
-        for name, row in study["goals"].items():
-            parts = [f"method {row['method']} (best CPR: {row['best_cpr']})"]
-            if "cpr_ratio" in row:
-                met = "met" if row["cpr_ratio_met"] else "missed"
-                parts.append(f"CPR / {CPR_REFERENCE} {_ci(row['cpr_ratio'], 2)} (>= {CPR_RATIO_GOAL}: {met})")  # fmt: skip
-            if "cmd_difference" in row:
-                met = "met" if row["cmd_met"] else "missed"
-                parts.append(f"CMD - {CMD_REFERENCE} {_ci(row['cmd_difference'])} (<= 0: {met})")
-            if "cpu_share" in row:
-                met = "met" if row["cpu_share_met"] else "missed"
-                parts.append(f"CPU / {CPR_REFERENCE} {row['cpu_share']:.2f} (<= {CPU_SHARE_GOAL}: {met})")  # fmt: skip
-            lines.append(f"- {name}: " + "; ".join(parts))
-    return "\n".join(lines)
+    if not truths:
+        return []
+    lines = [
+        "Head scores (each head's outgoing edges summed) against head activation patching "
+        "(denoise, hook_z, all positions), Pearson r:",
+        "",
+        "| task (pairs patched) | " + " | ".join(truths[0][1]["pearson"]) + " |",
+        "|---|" + "---|" * len(truths[0][1]["pearson"]),
+    ]
+    for name, truth in truths:
+        values = " | ".join(f"{r:.3f}" for r in truth["pearson"].values())
+        lines.append(f"| {name} ({truth['pairs']}) | {values} |")
+    lines.append("")
+    return lines
+
+
+def _goal_lines(goals: dict[str, Any]) -> list[str]:
+    """Issue 29's goals per task (`goals`), met or missed."""
+    lines = ["### Goals (patching)", ""]
+    for name, row in goals.items():
+        parts = [f"method {row['method']} (best CPR: {row['best_cpr']})"]
+        if "cpr_ratio" in row:
+            met = "met" if row["cpr_ratio_met"] else "missed"
+            parts.append(f"CPR / {CPR_REFERENCE} {_ci(row['cpr_ratio'], 2)} (>= {CPR_RATIO_GOAL}: {met})")  # fmt: skip
+        if "cmd_difference" in row:
+            met = "met" if row["cmd_met"] else "missed"
+            parts.append(f"CMD - {CMD_REFERENCE} {_ci(row['cmd_difference'])} (<= 0: {met})")
+        if "cpu_share" in row:
+            met = "met" if row["cpu_share_met"] else "missed"
+            parts.append(f"CPU / {CPR_REFERENCE} {row['cpu_share']:.2f} (<= {CPU_SHARE_GOAL}: {met})")  # fmt: skip
+        lines.append(f"- {name}: " + "; ".join(parts))
+    return lines
 
 
 def _cpu(result: dict[str, Any]) -> str:

@@ -2,10 +2,10 @@
 baselines, then keep only the top (or bottom) p% of heads, ablate the rest (zero, or Todd et al.'s
 mean aligned at the last token), and measure held-out accuracy, with bootstrap intervals.
 
-Rankings live in a registry, `RANKINGS` (name -> `RankingSpec`): RA norm, its loss row, RA's
-inverse-temperature score, forward-pattern norm, random, layer index, causal mediation, its
-first-order estimate, Todd et al.'s indirect effect, activation patching with TransformerLens and
-attribution patching.
+Rankings live in a registry, `RANKINGS` (name -> `RankingSpec`, in `ranking_registry`): RA
+norm, its loss row, RA's inverse-temperature score, forward-pattern norm, random, layer index,
+causal mediation, its first-order estimate, Todd et al.'s indirect effect, activation patching
+with TransformerLens and attribution patching.
 
     >>> from ra_lens.experiments import head_ranking
     >>> result = head_ranking(model, "antonym", shots=5, n_prompts=25)     # doctest: +SKIP
@@ -16,7 +16,7 @@ attribution patching.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -28,157 +28,22 @@ from ra_lens import ranking as rk
 from ra_lens._typing import Validated
 from ra_lens.capture import HookedModel
 from ra_lens.checks import check_count
-from ra_lens.patching import HeadMeans, last_token_means
+
+# The registry lives in ranking_registry; its names stay importable from here.
+from ra_lens.experiments.ranking_registry import PAIRED as PAIRED
+from ra_lens.experiments.ranking_registry import RANKINGS as RANKINGS
+from ra_lens.experiments.ranking_registry import Inputs as Inputs
+from ra_lens.experiments.ranking_registry import RankingInputs as RankingInputs
+from ra_lens.experiments.ranking_registry import RankingSpec as RankingSpec
+from ra_lens.experiments.ranking_registry import check_rankings as check_rankings
+from ra_lens.experiments.ranking_registry import register as register
+from ra_lens.patching import last_token_means
 from ra_lens.progress import tqdm
 from ra_lens.ranking import AblationCurve, Interval
 from ra_lens.record import Recorded
 from ra_lens.tasks import Accuracy, Prompt, Task, shuffled_label_prompts, task_prompts
 from ra_lens.timing import timed
 from ra_lens.types import Scores
-
-
-@dataclass
-class RankingInputs:
-    """What a ranking may read: the ranking prompts, their shuffled-label twins, the means of
-    the ablation protocol (None = zero ablation) and run settings."""
-
-    model: HookedModel
-    texts: list[str]
-    targets: list[int]
-    seed: int
-    batch_size: int
-    progress: bool
-    means: HeadMeans | None = None
-    #: (clean, corrupted, targets) for the prompts whose shuffled twin has the same token length.
-    pairs: tuple[list[str], list[str], list[int]] | None = None
-    #: every ranking prompt's shuffled-label twin (any length), for the indirect effect.
-    shuffled: list[str] | None = None
-
-
-#: What a ranking reads: the ranking prompts; them and their shuffled-label twins; the clean /
-#: shuffled pairs of equal token length; the model's shape; the shape and the seed.
-Inputs = Literal["prompts", "shuffled", "pairs", "shape", "seeded"]
-
-
-@dataclass(frozen=True)
-class RankingSpec:
-    """One ranking in the registry: a library function and how head_ranking calls it.
-
-    Attributes:
-        name: the registry key.
-        function: a `ra_lens.ranking` function. "prompts": `f(model, texts, targets, *,
-            batch_size, progress, per_prompt, **options)`; "shuffled" and "pairs":
-            `f(model, clean, corrupted, targets, ...)`; "shape": `f(n_layers, n_heads)`;
-            "seeded": `f(n_layers, n_heads, seed)`.
-        description: one line for tables and help.
-        inputs: what it reads (see `Inputs`).
-        options: fixed keyword arguments (e.g. loss_row=True).
-        protocol: takes the ablation protocol's `means` (causal mediation ablates the way the
-            curves do).
-        per_prompt: asked for each prompt's scores, so that its Spearman interval resamples
-            its prompts; False keeps the ranking fixed in the interval.
-    """
-
-    name: str
-    function: Callable[..., Tensor]
-    description: str
-    inputs: Inputs = "prompts"
-    options: Mapping[str, Any] = field(default_factory=dict)
-    protocol: bool = False
-    per_prompt: bool = True
-
-    @property
-    def needs_labels(self) -> bool:
-        """Needs demonstrations to shuffle (skipped zero-shot)."""
-        return self.inputs in ("shuffled", "pairs")
-
-    @property
-    def paired(self) -> bool:
-        """Needs clean/shuffled-label prompt pairs of equal token length."""
-        return self.inputs == "pairs"
-
-    def compute(self, inputs: RankingInputs) -> Tensor:
-        """Float[Tensor, "batch layer head"] (per prompt) or Float[Tensor, "layer head"]."""
-        if self.inputs in ("shape", "seeded"):
-            shape = capture.model_shape(inputs.model)
-            seed = (inputs.seed,) if self.inputs == "seeded" else ()
-            return self.function(shape.n_layers, shape.n_heads, *seed, **self.options)
-        if self.inputs == "prompts":
-            data: tuple[Any, ...] = (inputs.texts, inputs.targets)
-        elif self.inputs == "shuffled":
-            data = (inputs.texts, inputs.shuffled, inputs.targets)
-        else:
-            assert inputs.pairs is not None, "a paired ranking ran without shuffled-label pairs"
-            data = inputs.pairs
-        options = dict(self.options, means=inputs.means) if self.protocol else self.options
-        return self.function(
-            inputs.model,
-            *data,
-            batch_size=inputs.batch_size,
-            progress=inputs.progress,
-            per_prompt=self.per_prompt,
-            **options,
-        )
-
-
-def register(registry: dict[str, RankingSpec], spec: RankingSpec) -> None:
-    """Add a ranking to a registry; a name already there is refused.
-
-    >>> registry = {}
-    >>> register(registry, RankingSpec("layer", rk.layer_ranking, "layer index", "shape"))
-    >>> register(registry, RankingSpec("layer", rk.layer_ranking, "again", "shape"))
-    Traceback (most recent call last):
-    ValueError: a ranking named 'layer' is already registered: choose another name
-    """
-    if spec.name in registry:
-        raise ValueError(
-            f"a ranking named {spec.name!r} is already registered: choose another name"
-        )
-    registry[spec.name] = spec
-
-
-#: Every ranking head_ranking knows, in the order it computes them ("ra" is the reference).
-RANKINGS: dict[str, RankingSpec] = {}
-for _spec in (
-    RankingSpec("ra", rk.ra_ranking, "RA, mean Frobenius norm"),
-    RankingSpec("ra_loss_row", rk.ra_ranking, "RA, loss row only", options={"loss_row": True}),
-    RankingSpec("ra_temperature", rk.temperature_ranking, "RA x QK^T (|dL/d inverse temperature|)"),
-    RankingSpec("forward", rk.forward_ranking, "forward-pattern norm"),
-    RankingSpec("random", rk.random_ranking, "random (seeded)", "seeded"),
-    RankingSpec("layer", rk.layer_ranking, "layer index", "shape"),
-    RankingSpec(
-        "causal_mediation",
-        rk.causal_mediation,
-        "causal mediation (ablate one head, p drop)",
-        protocol=True,
-    ),
-    RankingSpec(
-        "cm_first_order",
-        rk.first_order_mediation,
-        "causal mediation, first order (grad x (z - ablated))",
-        protocol=True,
-    ),
-    RankingSpec("indirect_effect", rk.indirect_effect, "indirect effect (Todd et al.)", "shuffled"),
-    # The two below stay fixed in their Spearman intervals, as in the published study.
-    RankingSpec(
-        "activation_patching",
-        rk.activation_patching,
-        "activation patching (transformer_lens.patching)",
-        "pairs",
-        per_prompt=False,
-    ),
-    RankingSpec("attribution_patching", rk.attribution_patching, "attribution patching", "pairs"),
-    RankingSpec(
-        "exact_qk_attribution",
-        rk.exact_qk_attribution,
-        "exact query/key attribution (AtP* QK fix)",
-        "pairs",
-        per_prompt=False,
-    ),
-):
-    register(RANKINGS, _spec)
-#: Rankings that need clean/corrupted prompt pairs of equal token length.
-PAIRED: frozenset[str] = frozenset(name for name, spec in RANKINGS.items() if spec.paired)
 
 
 @dataclass
@@ -363,23 +228,6 @@ def _json_float(value: float) -> float | None:
     return None if math.isnan(value) else value
 
 
-def check_rankings(names: Sequence[str]) -> list[str]:
-    """Known ranking names, de-duplicated in RANKINGS order, always with "ra"; or a ValueError
-    listing the names the registry knows.
-
-    >>> check_rankings(["forward", "random", "forward"])  # RANKINGS order, with "ra"
-    ['ra', 'forward', 'random']
-    >>> check_rankings(["nope"])  # doctest: +ELLIPSIS
-    Traceback (most recent call last):
-    ValueError: unknown ranking 'nope': choose from ra, ra_loss_row, ...
-    """
-    unknown = [n for n in names if n not in RANKINGS]
-    if unknown:
-        raise ValueError(f"unknown ranking {unknown[0]!r}: choose from {', '.join(RANKINGS)}")
-    chosen = set(names) | {"ra"}
-    return [n for n in RANKINGS if n in chosen]
-
-
 def head_ranking(
     model: HookedModel,
     task: str | Task,
@@ -444,17 +292,10 @@ def head_ranking(
     >>> torch.allclose(result.scores["ra"], rk.ra_ranking(model, [p.text for p in train], targets))
     True
     """
-    names = check_rankings(rankings)
-    fractions = rk.check_fractions(fractions)
-    for value, what in ((n_prompts, "n_prompts"), (n_means, "n_means"), (n_boot, "n_boot")):
-        check_count(value, what)
-    check_count(batch_size, "batch_size")
-    check_count(eval_batch_size, "eval_batch_size")
-    check_count(shots, "shots", minimum=0)
-    if n_test is not None:
-        check_count(n_test, "n_test")
-    if ablation not in ("zero", "mean"):
-        raise ValueError(f"unknown ablation {ablation!r}: choose 'zero' or 'mean'")
+    names, fractions = _checked(
+        rankings, fractions, n_prompts, n_means, n_boot, batch_size, eval_batch_size, shots,
+        n_test, ablation,
+    )  # fmt: skip
     shape = capture.model_shape(model)
     task = tasks.load(task) if isinstance(task, str) else task
     train_all, test = task_prompts(model, task, shots, seed=seed)
@@ -469,26 +310,9 @@ def head_ranking(
             f"{task.name} {shots}-shot from {len(train)}: reuse a result of the same cell"
         )
     notes: list[str] = []
-    texts = [p.text for p in train]
     targets = [tasks.answer_token(model, p.answer) for p in train]
-    inputs = RankingInputs(model, texts, targets, seed, batch_size, progress)
-
-    if shots == 0 and any(RANKINGS[n].needs_labels for n in names):
-        names = [n for n in names if not RANKINGS[n].needs_labels]
-        notes.append(
-            "zero-shot: no labels to shuffle, indirect effect and activation/attribution "
-            "patching skipped"
-        )
-    if any(RANKINGS[n].needs_labels for n in names):
-        inputs.shuffled = [p.text for p in shuffled_label_prompts(train, seed=seed)]
-        if PAIRED & set(names):
-            inputs.pairs = _patching_pairs(model, train, targets, seed)
-            if len(inputs.pairs[0]) < len(train):
-                notes.append(
-                    f"{len(train) - len(inputs.pairs[0])} of {len(train)} prompts changed token "
-                    "length when their labels were shuffled; activation/attribution patching "
-                    "use the rest"
-                )
+    inputs = RankingInputs(model, [p.text for p in train], targets, seed, batch_size, progress)
+    names = _label_inputs(inputs, names, train, shots, notes)
 
     # Todd et al.'s means: training prompts of every token length (the ranking prompts are
     # their equal-length subset), never a test prompt.
@@ -504,22 +328,7 @@ def head_ranking(
     seconds: dict[str, float] = {}
     with timed(seconds, "unablated"):  # also warms the model up before anything is timed
         unablated = evaluate([])
-
-    scores: dict[str, Scores] = {}
-    per_prompt: dict[str, Tensor] = {}
-    for name in names:
-        if reuse is not None and not RANKINGS[name].protocol and name in reuse.scores:
-            scores[name] = reuse.scores[name]
-            if name in reuse.per_prompt:
-                per_prompt[name] = reuse.per_prompt[name]
-            seconds[name] = reuse.seconds[name]
-            continue
-        with timed(seconds, name):
-            values = RANKINGS[name].compute(inputs)
-        if values.ndim == 3:
-            per_prompt[name] = values
-            values = values.double().mean(0).float()
-        scores[name] = values
+    scores, per_prompt = _rank(names, inputs, reuse, seconds)
 
     curves: dict[str, AblationCurve] = {}
     reverse_curves: dict[str, AblationCurve] = {}
@@ -556,6 +365,86 @@ def head_ranking(
         n_means=len(means_from),
         per_prompt=per_prompt,
     )
+
+
+def _checked(
+    rankings: Sequence[str],
+    fractions: Sequence[float],
+    n_prompts: int,
+    n_means: int,
+    n_boot: int,
+    batch_size: int,
+    eval_batch_size: int,
+    shots: int,
+    n_test: int | None,
+    ablation: str,
+) -> tuple[list[str], list[float]]:
+    """`head_ranking`'s arguments checked: the rankings to compute (`check_rankings`) and the
+    fractions (`ranking.check_fractions`); a ValueError naming the first bad one."""
+    names = check_rankings(rankings)
+    checked_fractions = rk.check_fractions(fractions)
+    for value, what in ((n_prompts, "n_prompts"), (n_means, "n_means"), (n_boot, "n_boot")):
+        check_count(value, what)
+    check_count(batch_size, "batch_size")
+    check_count(eval_batch_size, "eval_batch_size")
+    check_count(shots, "shots", minimum=0)
+    if n_test is not None:
+        check_count(n_test, "n_test")
+    if ablation not in ("zero", "mean"):
+        raise ValueError(f"unknown ablation {ablation!r}: choose 'zero' or 'mean'")
+    return names, checked_fractions
+
+
+def _label_inputs(
+    inputs: RankingInputs, names: list[str], train: list[Prompt], shots: int, notes: list[str]
+) -> list[str]:
+    """The rankings that can run: zero-shot drops those that shuffle labels (with a note);
+    the others get the shuffled-label twins into `inputs`, and the paired ones the twins of equal
+    token length (a note says how many prompts changed length). Returns the names kept."""
+    if shots == 0 and any(RANKINGS[n].needs_labels for n in names):
+        names = [n for n in names if not RANKINGS[n].needs_labels]
+        notes.append(
+            "zero-shot: no labels to shuffle, indirect effect and activation/attribution "
+            "patching skipped"
+        )
+    if any(RANKINGS[n].needs_labels for n in names):
+        inputs.shuffled = [p.text for p in shuffled_label_prompts(train, seed=inputs.seed)]
+        if PAIRED & set(names):
+            inputs.pairs = _patching_pairs(inputs.model, train, inputs.targets, inputs.seed)
+            if len(inputs.pairs[0]) < len(train):
+                notes.append(
+                    f"{len(train) - len(inputs.pairs[0])} of {len(train)} prompts changed token "
+                    "length when their labels were shuffled; activation/attribution patching "
+                    "use the rest"
+                )
+    return names
+
+
+def _rank(
+    names: list[str],
+    inputs: RankingInputs,
+    reuse: HeadRankingResult | None,
+    seconds: dict[str, float],
+) -> tuple[dict[str, Scores], dict[str, Tensor]]:
+    """Every ranking's scores (the per-prompt mean where it gives one per prompt) and its
+    per-prompt scores, each timed into `seconds`; a protocol-independent ranking of `reuse` is
+    taken over with its seconds."""
+    scores: dict[str, Scores] = {}
+    per_prompt: dict[str, Tensor] = {}
+    for name in names:
+        if reuse is not None and not RANKINGS[name].protocol and name in reuse.scores:
+            scores[name] = reuse.scores[name]
+            if name in reuse.per_prompt:
+                per_prompt[name] = reuse.per_prompt[name]
+            seconds[name] = reuse.seconds[name]
+            continue
+        with timed(seconds, name):
+            values = RANKINGS[name].compute(inputs)
+        if values.ndim == 3:
+            per_prompt[name] = values
+            values = values.double().mean(0).float()
+        scores[name] = values
+    return scores, per_prompt
 
 
 def _intervals(

@@ -1,4 +1,4 @@
-"""The head-ranking experiment's settings, zero-shot route and registry (experiments/head_ranking.py);
+"""The head-ranking experiment's settings and zero-shot route (experiments/head_ranking.py);
 the full run is in test_head_ranking_end_to_end.py."""
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from helpers import arch_or_hooked
 from ra_lens import ranking as rk
 from ra_lens import tasks
 from ra_lens.experiments import head_ranking
-from ra_lens.experiments.head_ranking import RANKINGS
 from ra_lens.tasks import task_prompts
 from ra_lens.toy_models import tiny_model
 
@@ -58,13 +57,3 @@ def test_head_ranking_zero_shot_skips_patching_and_mean_ablates(llama):
 def test_head_ranking_refuses_negative_counts(llama, setting, message):
     with pytest.raises(ValueError, match=message):
         head_ranking(llama, TOY, **{"shots": 1, "n_prompts": 4, **setting}, progress=False)
-
-
-def test_the_registry_lists_functions_and_refuses_duplicates():
-    from ra_lens.experiments.head_ranking import RankingSpec, register
-
-    assert all(spec.function.__name__ != "<lambda>" for spec in RANKINGS.values())
-    assert all(spec.name == name for name, spec in RANKINGS.items())
-    registry = dict(RANKINGS)
-    with pytest.raises(ValueError, match="'ra' is already registered"):
-        register(registry, RankingSpec("ra", rk.ra_ranking, "again"))

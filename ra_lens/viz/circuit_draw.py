@@ -42,6 +42,8 @@ if TYPE_CHECKING:
     from ra_lens.circuits.graph import Graph
     from ra_lens.circuits.scores import EdgeScores
 
+__all__ = ["draw_circuit", "draw_scores"]
+
 #: Edge colour per reader kind.
 COLORS = {"q": "#1f77b4", "k": "#2ca02c", "v": "#ff7f0e", "mlp": "#9467bd", "logits": "#444444"}
 _FILL = {"input": "#e0e0e0", "head": "#dbe9f6", "mlp": "#fdf1c7", "logits": "#e0e0e0"}

@@ -67,6 +67,9 @@ if TYPE_CHECKING:
     from ra_lens.circuits.graph import Graph, Units
     from ra_lens.result import ReversedAttention
 
+# The one function; the classes it takes and gives are named from this module.
+__all__ = ["render_page"]
+
 #: Circuits with more edges draw only this many (the largest |score|): a browser draws 5,000
 #: SVG paths in well under a second, and a denser picture is no longer readable anyway.
 MAX_DRAWN = 5000

@@ -272,8 +272,10 @@ def test_the_view_refuses_ra_it_cannot_show(setup: Any) -> None:
     with pytest.raises(ValueError, match='convention="qk"'):
         view.render_page(stops, ra=other)
     some = reversed_attention(s.model, s.clean, s.metric, keep="maps", layers=[0])
+    everything = [view.PageStop(s.scores.top(s.scores.graph.count()), "every edge")]
+    assert any(n.startswith("a1.") for n in everything[0].circuit.nodes)  # a head of layer 1
     with pytest.raises(ValueError, match="compute RA on the circuit's model, all layers"):
-        view.render_page(stops, ra=some)
+        view.render_page(everything, ra=some)
     with pytest.raises(ValueError, match="pass ra= or model= with clean= and metric=, not both"):
         scores_page(s.scores, ra=norms, model=s.model)
     with pytest.raises(ValueError, match="stops is empty"):

@@ -410,25 +410,22 @@ def _curve(curve: FaithfulnessCurve | None) -> CurveEntry | None:
     CPR (the area under its faithfulness), the |score| ranking with CMD (the area of |1 - f|)."""
     if curve is None:
         return None
-    signed = RankingCurve(
-        label="signed score",
-        area_name="CPR",
-        area=_num(curve.cpr),
-        sizes=list(curve.sizes),
-        values=[_num(v) for v in curve.signed_values],
-        n_edges=list(curve.signed_n_edges),
+    both = (
+        ("signed", "signed score", "CPR", curve.cpr, curve.signed_values, curve.signed_n_edges),
+        ("abs", "|score|", "CMD", curve.cmd, curve.abs_values, curve.abs_n_edges),
     )
-    by_abs = RankingCurve(
-        label="|score|",
-        area_name="CMD",
-        area=_num(curve.cmd),
-        sizes=list(curve.sizes),
-        values=[_num(v) for v in curve.abs_values],
-        n_edges=list(curve.abs_n_edges),
-    )
-    return CurveEntry(
-        cpr=_num(curve.cpr), cmd=_num(curve.cmd), rankings={"signed": signed, "abs": by_abs}
-    )
+    rankings = {
+        ranking: RankingCurve(
+            label=label,
+            area_name=area_name,
+            area=_num(area),
+            sizes=list(curve.sizes),
+            values=[_num(v) for v in values],
+            n_edges=list(n_edges),
+        )
+        for ranking, label, area_name, area, values, n_edges in both
+    }
+    return CurveEntry(cpr=_num(curve.cpr), cmd=_num(curve.cmd), rankings=rankings)
 
 
 def _ra_entries(

@@ -257,6 +257,8 @@ def render_page(
     graph = stops[0].circuit.graph
     if any(stop.circuit.graph != graph for stop in stops):
         raise ValueError(f"the stops' circuits are of different graphs: pass circuits of {graph}")
+    if start is not None and not 0 <= start < len(stops):
+        raise ValueError(f"start={start}: pass the index of one of the {len(stops)} stops")
     if max_drawn < 1:
         raise ValueError(f"max_drawn={max_drawn}: draw at least one edge")
     if not math.isfinite(target):

@@ -280,3 +280,5 @@ def test_the_view_refuses_ra_it_cannot_show(setup: Any) -> None:
         scores_page(s.scores, ra=norms, model=s.model)
     with pytest.raises(ValueError, match="stops is empty"):
         view.render_page([])
+    with pytest.raises(ValueError, match="start=1: pass the index of one of the 1 stops"):
+        view.render_page(stops, start=1)

@@ -28,8 +28,11 @@ from typing import Any
 import torch
 
 from ra_lens import circuits
-from ra_lens.circuits.browser import browser_missing, console_errors, headless_chromium, open_page
 from ra_lens.files import write_file
+
+# The headless browser lives with the tests (tests/browser.py), outside the package.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from browser import browser_missing, console_errors, headless_chromium, open_page  # noqa: E402
 
 
 def setting(tiny: bool) -> tuple[Any, str, list[Any]]:

@@ -16,7 +16,7 @@ Everything runs on the embedded SmolLM2-135M-Instruct on the CPU, through the pu
   `python -m ra_lens.experiments.ranking_study` writes (README: how it ran, on a GPU); no model.
 - circuit_page.png: the page of `ra-lens circuit --html` for IOI (4 pairs, "exact" edge scores,
   the faithfulness curve at MIB's fractions, a 150-edge circuit), one head open, screenshot by
-  headless Chromium (`ra_lens.circuits.browser`; a few minutes).
+  headless Chromium (`tests/browser.py`; a few minutes).
 """
 
 from __future__ import annotations
@@ -227,11 +227,15 @@ def circuit_study(out: Path, source: Path = CIRCUIT_JSON) -> list[Path]:
 def circuit_page(model: Any, out: Path) -> list[Path]:
     """A screenshot of the circuit page, as `ra-lens circuit --html` writes it, with the head of
     the largest |node score| in the circuit open (found through the page's search box)."""
+    import sys
     import tempfile
 
     from ra_lens import circuits
-    from ra_lens.circuits.browser import console_errors, headless_chromium, open_page
     from ra_lens.tasks import ioi
+
+    # the headless browser lives with the tests (tests/browser.py), outside the package
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from browser import console_errors, headless_chromium, open_page
 
     pairs = ioi.usable(model, ioi.ioi_pairs(40))[:4]
     clean, corrupted, metric = ioi.paired_batch(model, pairs)

@@ -32,9 +32,9 @@ ROOT = Path(__file__).resolve().parents[1]
 #: Files the wheel must carry (glob patterns inside it) and the sdist must carry (beside the package).
 WHEEL_FILES = (
     "ra_lens/py.typed",
-    "ra_lens/circuits/page_assets/page.html",
-    "ra_lens/circuits/page_assets/page.css",
-    "ra_lens/circuits/page_assets/page.js",
+    "ra_lens/viz/page_assets/page.html",
+    "ra_lens/viz/page_assets/page.css",
+    "ra_lens/viz/page_assets/page.js",
     "ra_lens/tasks/data/antonym.json",
     "ra_lens/smollm2.py",
     "ra_lens/gemma3.py",
@@ -53,7 +53,7 @@ top = [(layer, head, round(value, 4)) for layer, head, value in ra.top_heads(3)]
 assert top == [(23, 4, 0.0697), (23, 3, 0.0279), (23, 5, 0.0219)], top
 assert logits.shape[-1] == model.cfg.d_vocab, logits.shape
 assert len(ra_lens.tasks.available()) == 8 and len(ra_lens.tasks.load("antonym")) == 141
-assets = importlib.resources.files("ra_lens.circuits").joinpath("page_assets")
+assets = importlib.resources.files("ra_lens.viz").joinpath("page_assets")
 assert all(assets.joinpath(name).is_file() for name in ("page.html", "page.css", "page.js"))
 assert importlib.resources.files("ra_lens").joinpath("py.typed").is_file()
 print("ten lines ok:", ra_lens.__file__, top)

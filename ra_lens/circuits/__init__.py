@@ -16,11 +16,11 @@ from ra_lens.circuits.mib import (
     mib_circuits,
 )
 from ra_lens.circuits.nodes import NodeScores, attribute_nodes
-from ra_lens.circuits.page import CircuitPage
 from ra_lens.circuits.refine import Refinement, refine
 from ra_lens.circuits.scores import EdgeScores
 from ra_lens.circuits.smallest import SmallestCircuit, smallest_circuit
 from ra_lens.circuits.stability import pair_scores, stable
+from ra_lens.viz.circuit_page import CircuitPage
 
 __all__ = [
     "ChosenCircuits",

@@ -33,7 +33,7 @@ from ra_lens.types import HookedModel, MetricFn, Tokens
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-    from ra_lens.circuits.page import CircuitPage
+    from ra_lens.viz.circuit_page import CircuitPage
 
 
 @dataclass(eq=False)
@@ -230,9 +230,10 @@ class Circuit:
     def plot(
         self, save: str | Path | None = None, *, title: str | None = None, max_width: float = 4.0
     ) -> Figure:
-        """A picture of the circuit (see `draw.py`), also written to `save` when given (PNG, SVG
-        or PDF by suffix); `max_width`: line width of the edge with the largest |score|."""
-        from ra_lens.circuits.draw import draw_circuit
+        """A picture of the circuit (see `ra_lens.viz.circuit_draw`), also written to `save` when
+        given (PNG, SVG or PDF by suffix); `max_width`: line width of the edge with the largest
+        |score|."""
+        from ra_lens.viz.circuit_draw import draw_circuit
 
         return draw_circuit(self, save, title=title, max_width=max_width)
 
@@ -311,10 +312,11 @@ class Circuit:
         n_pairs: int = 3,
         title: str | None = None,
     ) -> CircuitPage:
-        """One self-contained offline HTML page of this circuit (see `page.py`; to walk circuits
-        of several sizes use `EdgeScores.to_html`). With `model`, `clean` and `metric`, a click on
-        a head shows its attention pattern and RA on each of the first `n_pairs` clean prompts.
-        Written to `path` when given; the returned page shows inline in Jupyter."""
+        """One self-contained offline HTML page of this circuit (see `ra_lens.viz.circuit_page`;
+        to walk circuits of several sizes use `EdgeScores.to_html`). With `model`, `clean` and
+        `metric`, a click on a head shows its attention pattern and RA (`circuits.page.heads_ra`)
+        on each of the first `n_pairs` clean prompts. Written to `path` when given; the returned
+        page shows inline in Jupyter."""
         from ra_lens.circuits.page import circuit_page
 
         page = circuit_page(

@@ -384,8 +384,8 @@ class EdgeScores:
     def plot(self, save: str | Path | None = None, *, k: int = 20) -> Figure:
         """The k edges with the largest |score| as bars, in MIB's sign (`helps`); `save` also
         writes the figure (png, pdf, svg by suffix). Returns the figure."""
-        from ra_lens.circuits.draw import draw_scores
         from ra_lens.viz import save_figure
+        from ra_lens.viz.circuit_draw import draw_scores
 
         return save_figure(draw_scores(self, k), save)
 

@@ -196,17 +196,21 @@ def _write_files(run: _Run) -> None:
             scores, args.mib, circuits=True, selection=args.selection, chosen=run.chosen
         )
     if args.html is not None:
-        scores.to_html(
-            args.html,
+        from ra_lens.circuits.page import heads_ra, scores_page
+
+        # the heads' RA is computed here and handed to the page, which only draws
+        ra = heads_ra(run.model, run.clean, run.metric, graph=scores.graph)
+        page = scores_page(
+            scores,
             curve=curve,
             circuit=circuit,
             faithfulness=kept.value,
-            model=run.model,
-            clean=run.clean,
+            ra=ra,
             metric=run.metric,
             title=f"{args.model}: {args.method} circuits, {len(run.pairs)} pairs ({run.source})",
             chosen=run.chosen,
         )
+        page.save(args.html)
         run.files.append(args.html)
     for f in run.files:
         _say(args, f"wrote {f}")

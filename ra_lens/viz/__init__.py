@@ -6,7 +6,12 @@
   (`scale_sweep`, `ablation_curves`, `ablation_curves_pair`);
 - `pages`: interactive circuitsvis HTML (`circuitsvis_heads`, `attribution_edges_page`);
 - `attribution`: `AttentionAttribution` scores, edges and estimates (`attribution_heatmaps`,
-  `top_edges_on_tokens`, `estimate_scatter`).
+  `top_edges_on_tokens`, `estimate_scatter`);
+- `circuit_draw`: a circuit layer by layer and the edges with the largest scores (`draw_circuit`,
+  `draw_scores`: what `Circuit.plot` and `EdgeScores.plot` draw);
+- `circuit_page`: the offline interactive page of circuits (`render_page` of
+  `circuit_page.PageStop`s into a `circuit_page.CircuitPage`: what `EdgeScores.to_html`, `Circuit.to_html` and `ra-lens circuit --html` write,
+  once `ra_lens.circuits.page` has chosen the circuits and computed the heads' RA).
 
 Every figure function builds a fresh `matplotlib.figure.Figure` (never through pyplot, so
 nothing is shown, nothing global is left open and nothing of the caller's is closed) and returns
@@ -29,6 +34,8 @@ says what its colours mean. The causal (upper) triangle is masked and drawn grey
 
 from ra_lens.viz._base import save_figure, visible_token
 from ra_lens.viz.attribution import attribution_heatmaps, estimate_scatter, top_edges_on_tokens
+from ra_lens.viz.circuit_draw import draw_circuit, draw_scores
+from ra_lens.viz.circuit_page import render_page
 from ra_lens.viz.curves import ablation_curves, ablation_curves_pair, named_bars, scale_sweep
 from ra_lens.viz.maps import head_norm_heatmaps, head_pair, ranking_maps, top_heads_grid
 from ra_lens.viz.pages import attribution_edges_page, circuitsvis_heads
@@ -39,11 +46,14 @@ __all__ = [
     "attribution_edges_page",
     "attribution_heatmaps",
     "circuitsvis_heads",
+    "draw_circuit",
+    "draw_scores",
     "estimate_scatter",
     "head_norm_heatmaps",
     "head_pair",
     "named_bars",
     "ranking_maps",
+    "render_page",
     "save_figure",
     "scale_sweep",
     "top_edges_on_tokens",

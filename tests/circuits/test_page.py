@@ -1,6 +1,6 @@
 """The circuit page's two rankings (ra_lens/circuits/page.py): both of MIB's curves, each with its
 own area, the circuits of each ranking for the size control to walk, and what the "smallest
-circuit reaching a faithfulness" box reads. (tests/circuits/test_circuit_page_browser.py checks
+circuit reaching a faithfulness" box reads. (tests/viz/test_circuit_page_browser.py checks
 what the browser draws from them.)"""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from helpers import page_setup
 
 from ra_lens import circuits
 from ra_lens.circuits.page import TARGET, circuit_page, scores_page
-from tests.circuits.test_circuit_page import payload
+from tests.viz.test_circuit_page import payload
 
 
 @pytest.fixture(scope="module")

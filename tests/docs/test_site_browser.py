@@ -15,9 +15,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from browser import browser_missing, console_errors, headless_chromium, requests
 from docs_site import build_site, mkdocs_missing
-
-from ra_lens.circuits.browser import browser_missing, console_errors, headless_chromium, requests
 
 _MISSING = browser_missing() or mkdocs_missing()
 pytestmark = pytest.mark.skipif(_MISSING is not None, reason=f"cannot open the site: {_MISSING}")

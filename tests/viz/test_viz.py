@@ -293,9 +293,9 @@ def test_all_lists_every_public_function():
     """`viz.__all__` is exactly the public functions of its modules, each importable from viz."""
     import inspect
 
-    from ra_lens.viz import _base, attribution, curves, maps, pages
+    from ra_lens.viz import _base, attribution, circuit_draw, circuit_page, curves, maps, pages
 
-    modules = (_base, attribution, curves, maps, pages)
+    modules = (_base, attribution, circuit_draw, circuit_page, curves, maps, pages)
     for module in modules:
         defined = {
             name

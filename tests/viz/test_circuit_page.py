@@ -1,7 +1,9 @@
-"""The circuit page's contents, without a browser: self-contained, its circuits the scores'
-circuits at every size, its heads' pattern and RA those of `reversed_attention` on each pair, the
-model left as found, and `ra-lens circuit --html` writing the same page as the API.
-(tests/circuits/test_circuit_page_browser.py opens it in headless Chromium.)"""
+"""The circuit page's contents (ra_lens/viz/circuit_page.py), without a browser: self-contained,
+its JSON the typed payload, its circuits the scores' circuits at every size, its heads' pattern
+and RA those of `reversed_attention` on each pair (computed by the caller and handed over, never
+by the view), the model left as found, and `ra-lens circuit --html` writing the same page as the
+API.
+(tests/viz/test_circuit_page_browser.py opens it in headless Chromium.)"""
 
 from __future__ import annotations
 
@@ -17,8 +19,9 @@ import torch
 from helpers import PAGE_PAIRS, arch_or_hooked, page_setup, snapshot
 
 from ra_lens import circuits, reversed_attention
-from ra_lens.circuits.page import CircuitPage, circuit_page, scores_page
+from ra_lens.circuits.page import CircuitPage, circuit_page, heads_ra, scores_page
 from ra_lens.cli import main
+from ra_lens.viz import circuit_page as view
 
 
 @pytest.fixture(scope="module")
@@ -220,3 +223,62 @@ def test_per_pair_scores_of_the_shown_pairs(setup: Any) -> None:
             assert value == pytest.approx(
                 (i + 1) * float(s.scores.scores[w, r]), rel=1e-3, abs=1e-12
             )
+
+
+def test_the_json_is_the_typed_payload(page: CircuitPage) -> None:
+    """Every key page.js reads is a field of the payload's TypedDicts, and nothing else."""
+    data = payload(page.html)
+
+    def keys(typed: Any) -> set[str]:
+        return set(typed.__required_keys__)
+
+    assert set(data) == keys(view.PagePayload)
+    assert set(data["graph"]) == keys(view.GraphEntry)
+    assert set(data["edges"]) == keys(view.EdgesEntry)
+    assert all(set(stop) == keys(view.StopEntry) for stop in data["stops"])
+    assert set(data["curve"]) == keys(view.CurveEntry)
+    assert all(set(c) == keys(view.RankingCurve) for c in data["curve"]["rankings"].values())
+    assert all(set(p) == keys(view.PairEntry) for p in data["pairs"])
+    assert all(set(h) == keys(view.HeadEntry) for h in data["heads"].values())
+
+
+def test_ra_handed_over_is_the_ra_computed_for_it(setup: Any) -> None:
+    """The page draws the RA it is given: heads_ra's, passed as ra=, gives the page that
+    model=, clean=, metric= give; a plain callable metric (not cut to rows) gets every prompt."""
+    s = setup
+    ra = heads_ra(s.model, s.clean, s.metric, n_pairs=2, graph=s.scores.graph)
+    assert ra.keep == "maps" and ra.tokens.shape[0] == 2
+    assert ra.tokens.shape[1] == int(ra.lengths.max())  # the two prompts' width, padding cut
+    given = payload(scores_page(s.scores, ra=ra, metric=s.metric).html)
+    computed = payload(
+        scores_page(s.scores, model=s.model, clean=s.clean, metric=s.metric, n_pairs=2).html
+    )
+    assert given == computed and len(given["pairs"]) == 2
+    assert given["metric"] == "M = logit(answer) - logit(wrong)"
+
+    def plain(logits: torch.Tensor) -> torch.Tensor:
+        return s.metric(logits)
+
+    assert heads_ra(s.model, s.clean, plain, n_pairs=1).tokens.shape[0] == len(s.pairs)
+
+
+def test_the_view_refuses_ra_it_cannot_show(setup: Any) -> None:
+    s = setup
+    stops = [view.PageStop(s.circuit, "the circuit")]
+    norms = reversed_attention(s.model, s.clean, s.metric, keep="norms")
+    with pytest.raises(ValueError, match='keep="maps"'):
+        view.render_page(stops, ra=norms)
+    other = reversed_attention(s.model, s.clean, s.metric, keep="maps", convention="pattern")
+    with pytest.raises(ValueError, match='convention="qk"'):
+        view.render_page(stops, ra=other)
+    some = reversed_attention(s.model, s.clean, s.metric, keep="maps", layers=[0])
+    everything = [view.PageStop(s.scores.top(s.scores.graph.count()), "every edge")]
+    assert any(n.startswith("a1.") for n in everything[0].circuit.nodes)  # a head of layer 1
+    with pytest.raises(ValueError, match="compute RA on the circuit's model, all layers"):
+        view.render_page(everything, ra=some)
+    with pytest.raises(ValueError, match="pass ra= or model= with clean= and metric=, not both"):
+        scores_page(s.scores, ra=norms, model=s.model)
+    with pytest.raises(ValueError, match="stops is empty"):
+        view.render_page([])
+    with pytest.raises(ValueError, match="start=1: pass the index of one of the 1 stops"):
+        view.render_page(stops, start=1)

@@ -11,7 +11,10 @@ beside and a little above its layer's heads, still reads upwards into its reader
 says the reader kind, its width |score| relative to the largest in the circuit (both in the
 legend), and a dashed line a negative score.
 
-    >>> from ra_lens.circuits import Circuit
+A view on the ground floor: it draws the circuits and scores it is given and names their classes
+for type hints only (`Circuit.plot` and `EdgeScores.plot` import it when called).
+
+    >>> from ra_lens.circuits import Circuit, Graph
     >>> g = Graph(n_layers=2, n_heads=2, n_kv_heads=2, d_model=8)
     >>> c = Circuit.from_edges(g, ["input->a0.h1<q>", "a0.h1->a1.h0<k>", "a1.h0->logits"])
     >>> fig = draw_circuit(c)  # draw_circuit(c, "circuit.png") also writes it
@@ -31,13 +34,15 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
 from matplotlib.path import Path as CurvePath
 
-from ra_lens.circuits.graph import Graph
-from ra_lens.circuits.mib import mib_sign
+from ra_lens.viz._base import save_figure
 
 # Circuits import their drawing; the drawing names them for type hints only.
 if TYPE_CHECKING:
     from ra_lens.circuits.circuit import Circuit
+    from ra_lens.circuits.graph import Graph
     from ra_lens.circuits.scores import EdgeScores
+
+__all__ = ["draw_circuit", "draw_scores"]
 
 #: Edge colour per reader kind.
 COLORS = {"q": "#1f77b4", "k": "#2ca02c", "v": "#ff7f0e", "mlp": "#9467bd", "logits": "#444444"}
@@ -108,8 +113,6 @@ def draw_circuit(
         or f"{circuit.n_edges} edges, {len(nodes)} nodes ({g.n_layers} layers x {g.n_heads} heads)",
         fontsize=9,
     )
-    from ra_lens.viz import save_figure
-
     return save_figure(fig, path)
 
 
@@ -117,7 +120,7 @@ def draw_scores(scores: EdgeScores, k: int = 20) -> Figure:
     """The k edges with the largest |score| as horizontal bars, largest on top, in MIB's sign
     (positive: the edge helps the metric), coloured by reader kind as in `draw_circuit`.
 
-    >>> from ra_lens.circuits import EdgeScores
+    >>> from ra_lens.circuits import EdgeScores, Graph
     >>> g = Graph(n_layers=1, n_heads=2, n_kv_heads=2, d_model=8)
     >>> s = torch.zeros(len(g.writers), len(g.readers))
     >>> s[g.edge_index("a0.h1->logits")] = 2.0
@@ -126,11 +129,12 @@ def draw_scores(scores: EdgeScores, k: int = 20) -> Figure:
     'a0.h1->logits'
     """
     top = scores.top_edges(k)[::-1]
-    sign = mib_sign(scores.direction)
+    helps = scores.helps  # MIB's sign, chosen by the scores
     fig = Figure(figsize=(6, max(2.0, 0.25 * len(top) + 1)), layout="constrained")
     ax = fig.add_subplot()
     colors = [COLORS[scores.graph.reader(name.split("->")[1]).kind] for name, _ in top]
-    ax.barh(range(len(top)), [sign * value for _, value in top], color=colors)
+    values = [float(helps[scores.graph.edge_index(name)]) for name, _ in top]
+    ax.barh(range(len(top)), values, color=colors)
     ax.set_yticks(range(len(top)), [name for name, _ in top], fontsize=7)
     ax.axvline(0.0, color="grey", lw=0.8)
     ax.set_xlabel("score, MIB's sign (> 0: the edge helps)")

@@ -1,4 +1,4 @@
-"""circuit.png (ra_lens/circuits/draw.py): every edge enters its reader's box from below with an
+"""circuit.png (ra_lens/viz/circuit_draw.py): every edge enters its reader's box from below with an
 arrowhead, from its writer (an MLP's edges read upwards too), and the legend says what an
 edge's width is."""
 
@@ -9,7 +9,7 @@ import torch
 from matplotlib.patches import FancyArrowPatch
 
 from ra_lens.circuits import Circuit, Graph
-from ra_lens.circuits.draw import _BOX_H, _PORT, draw_circuit
+from ra_lens.viz.circuit_draw import _BOX_H, _PORT, draw_circuit
 
 EDGES = ["input->a0.h0<q>", "a0.h0->m0", "m0->a1.h0<v>", "m0->a1.h3<q>", "m0->a1.h1<k>",
          "a1.h0->m1", "m1->logits", "a1.h3->logits", "input->m0"]  # fmt: skip

@@ -11,16 +11,16 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import page_setup
-
-from ra_lens import reversed_attention
-from ra_lens.circuits.browser import (
+from browser import (
     browser_missing,
     console_errors,
     headless_chromium,
     open_page,
     requests,
 )
+from helpers import page_setup
+
+from ra_lens import reversed_attention
 
 _MISSING = browser_missing()
 pytestmark = pytest.mark.skipif(_MISSING is not None, reason=f"no headless browser: {_MISSING}")

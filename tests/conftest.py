@@ -12,7 +12,9 @@ import pytest
 #: The one rule for ``slow``: a test that runs a whole script or pipeline end to end (a benchmark,
 #: the ranking study, the head-ranking experiment), each also covered piece by piece by faster
 #: tests, lives in a file named ``test_*_end_to_end.py``, and every test there is marked ``slow``
-#: so that ``make test-fast`` leaves it out.
+#: so that ``make test-fast`` leaves it out. The one other kind of ``slow`` test starts another
+#: process that takes tens of seconds (the site build, a fresh Python server, the other
+#: environment's Python) and is marked where it is written.
 SLOW_FILE_SUFFIX = "_end_to_end.py"
 
 

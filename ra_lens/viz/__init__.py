@@ -3,7 +3,8 @@
 - `maps`: layer x head heat maps of head norms or any per-head scores, and one head's forward
   pattern beside its RA map (`head_norm_heatmaps`, `head_pair`, `top_heads_grid`, `ranking_maps`);
 - `curves`: accuracy against the patching scale or the fraction of heads kept
-  (`scale_sweep`, `ablation_curves`, `ablation_curves_pair`);
+  (`scale_sweep`, `ablation_curves`, `ablation_curves_pair`), circuit stability against size
+  (`stability_curve`);
 - `pages`: interactive circuitsvis HTML (`circuitsvis_heads`, `attribution_edges_page`);
 - `attribution`: `AttentionAttribution` scores, edges and estimates (`attribution_heatmaps`,
   `top_edges_on_tokens`, `estimate_scatter`);
@@ -36,7 +37,13 @@ from ra_lens.viz._base import save_figure, visible_token
 from ra_lens.viz.attribution import attribution_heatmaps, estimate_scatter, top_edges_on_tokens
 from ra_lens.viz.circuit_draw import draw_circuit, draw_scores
 from ra_lens.viz.circuit_page import render_page
-from ra_lens.viz.curves import ablation_curves, ablation_curves_pair, named_bars, scale_sweep
+from ra_lens.viz.curves import (
+    ablation_curves,
+    ablation_curves_pair,
+    named_bars,
+    scale_sweep,
+    stability_curve,
+)
 from ra_lens.viz.maps import head_norm_heatmaps, head_pair, ranking_maps, top_heads_grid
 from ra_lens.viz.pages import attribution_edges_page, circuitsvis_heads
 
@@ -56,6 +63,7 @@ __all__ = [
     "render_page",
     "save_figure",
     "scale_sweep",
+    "stability_curve",
     "top_edges_on_tokens",
     "top_heads_grid",
     "visible_token",

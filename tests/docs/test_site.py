@@ -48,6 +48,7 @@ def _home(package: str, name: str) -> set[str]:
     return paths
 
 
+@pytest.mark.slow  # builds the whole site (mkdocs, about a minute)
 @needs_mkdocs
 def test_every_public_name_has_an_api_entry(site: Path) -> None:
     entries = documented(site)
@@ -61,6 +62,7 @@ def test_every_public_name_has_an_api_entry(site: Path) -> None:
     assert missing == [], f"public names without an API entry (docs/api/*.md): {missing}"
 
 
+@pytest.mark.slow  # builds the whole site (mkdocs, about a minute)
 @needs_mkdocs
 def test_every_page_is_built_with_its_figures(site: Path) -> None:
     for page in ("index", "getting-started", "concepts/ra", "concepts/circuits", "api/ra_lens",

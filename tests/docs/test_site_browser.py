@@ -19,7 +19,10 @@ from browser import browser_missing, console_errors, headless_chromium, requests
 from docs_site import build_site, mkdocs_missing
 
 _MISSING = browser_missing() or mkdocs_missing()
-pytestmark = pytest.mark.skipif(_MISSING is not None, reason=f"cannot open the site: {_MISSING}")
+pytestmark = [
+    pytest.mark.skipif(_MISSING is not None, reason=f"cannot open the site: {_MISSING}"),
+    pytest.mark.slow,  # builds the whole site and drives a browser
+]
 
 PAGES = {
     "home": ("index.html", "Reversed Attention for TransformerLens"),

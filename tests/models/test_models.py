@@ -497,6 +497,7 @@ torch.save({"tokens": tokens, "logits": logits, "model": type(model).__name__,
 """
 
 
+@pytest.mark.slow  # starts the other environment's Python
 def test_cache_written_here_loads_in_the_other_environment(
     cache: Path, tiny_cache: list[Path], other_env_python: str, tmp_path: Path
 ) -> None:

@@ -60,6 +60,7 @@ def assert_same(got: Any, ref: Any, keep: str) -> None:
     assert (got.maps is None) == (keep != "maps") and (got.rows is None) == (keep != "rows")
 
 
+@pytest.mark.slow  # starts a fresh Python server process (20-50 s)
 @pytest.mark.parametrize("keep", ["norms", "rows", "maps"])
 def test_remote_local_equals_the_local_run_on_a_gqa_toy(keep: str) -> None:
     model, hf = gqa_toy()
@@ -92,6 +93,7 @@ def test_remote_local_equals_the_local_run_on_smollm2(keep: str) -> None:
     assert_same(got, ref, keep)
 
 
+@pytest.mark.slow  # starts a fresh Python server process (20-50 s)
 def test_the_server_process_cannot_import_ra_lens() -> None:
     """Without ra-lens shipped by value the request needs ra_lens by reference, and the server
     process refuses it, as NDIF would (ra-lens is not installed there)."""
@@ -139,6 +141,7 @@ def hosted_stand_in(monkeypatch: Any) -> tuple[Any, Any]:
     return model, hf
 
 
+@pytest.mark.slow  # starts a fresh Python server process (20-50 s)
 def test_remote_true_sends_the_request_remote_local_runs(monkeypatch: Any) -> None:
     """The request remote=True would POST (RemoteBackend's own serialization, keyed by the
     model's Hub id, eager attention in its env) run by the stand-in server gives the local

@@ -96,7 +96,7 @@ class CircuitStability(Recorded):
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: the sizes, the pairwise means, the to-full means and 95 % ranges."""
         low, high = self._to_full_range()
-        return json_ready(
+        report: dict[str, Any] = json_ready(
             {
                 "method": self.method,
                 "ranking": "abs" if self.absolute else "signed",
@@ -113,6 +113,7 @@ class CircuitStability(Recorded):
                 "stable_bar": STABLE_JACCARD,
             }
         )
+        return report
 
     def _to_full_range(self) -> tuple[Tensor, Tensor]:
         return (

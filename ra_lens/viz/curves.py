@@ -20,7 +20,13 @@ from ra_lens.viz._base import ArrayLike, PathLike, _legend, _new_figure, _numpy,
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
-__all__ = ["ablation_curves", "ablation_curves_pair", "named_bars", "scale_sweep", "stability_curve"]
+__all__ = [
+    "ablation_curves",
+    "ablation_curves_pair",
+    "named_bars",
+    "scale_sweep",
+    "stability_curve",
+]
 
 
 def _check_curves(x: np.ndarray, curves: Mapping[str, ArrayLike]) -> dict[str, np.ndarray]:

@@ -18,11 +18,13 @@ share, score / r; either way the r copies add up to the edge's score, so MIB's r
 copies never sees r copies of the whole (see `EdgeScores.top(units="ungrouped")`, which ranks
 the same way).
 
-Reading a file back (`read_json`): with `kv="strict"` (default) a key/value edge is in the
-circuit when it is in_graph on all query heads of its group and out when on none; a file where
-the heads of a group disagree is refused, naming the first such edge (a file EAP-IG wrote for an
-ungrouped copy of the model can disagree: pass `kv="any"` to keep an edge in_graph on any head
-of its group, or `kv="all"` to keep only those in_graph on all of them). A key/value edge's
+Reading a file back (`read_json`): with `kv="copies"` (default) each query head's copy of a
+key/value edge is in the circuit as the file says: where the heads of a group disagree (a file
+EAP-IG or `EdgeScores.top(n, own_copies=True)` wrote) the circuit is per copy
+(`Circuit.ungrouped_edges`), and edge patching gives each query head its own key and value, as
+EAP-IG's evaluator does; where they agree it is the grouped circuit. `kv="strict"` refuses a file
+whose groups disagree, naming the first such edge; `kv="any"` keeps an edge (for all its copies)
+in_graph on any head of its group, `kv="all"` only those in_graph on all of them. A key/value edge's
 score is the sum of its copies' scores (the score written, read back), and on a grouped-query
 model each copy's score is kept as read (`Circuit.ungrouped_scores`). Edges missing from the
 file are out of the circuit with score 0; unknown names, a mismatched `cfg` or a damaged file
@@ -59,7 +61,7 @@ from ra_lens.files import load_json, write_file
 if TYPE_CHECKING:
     from ra_lens.circuits.circuit import Circuit
 
-KvRule = Literal["strict", "any", "all"]
+KvRule = Literal["copies", "strict", "any", "all"]
 
 
 class CircuitFields(TypedDict):
@@ -69,6 +71,7 @@ class CircuitFields(TypedDict):
     scores: Tensor
     node_scores: Tensor | None
     ungrouped_scores: Tensor | None
+    ungrouped_edges: Tensor | None
 
 
 def ungrouped_readers(graph: Graph) -> list[tuple[str, int]]:
@@ -124,8 +127,8 @@ def read_fields(path: str | Path, g: Graph, *, kv: KvRule = "strict") -> Circuit
     """The fields of the `Circuit` an EAP-IG graph JSON file describes on graph `g` (`edges`,
     `scores`, `node_scores`, `ungrouped_scores`): `Circuit.from_json` builds the circuit from
     them. See the module docstring for key/value edges."""
-    if kv not in ("strict", "any", "all"):
-        raise ValueError(f"kv={kv!r}: expected 'strict', 'any' or 'all'")
+    if kv not in ("copies", "strict", "any", "all"):
+        raise ValueError(f"kv={kv!r}: expected 'copies', 'strict', 'any' or 'all'")
     data = _load(Path(path))
     _check_cfg(path, data["cfg"], g)
 
@@ -167,6 +170,8 @@ def read_fields(path: str | Path, g: Graph, *, kv: KvRule = "strict") -> Circuit
         "scores": scores,
         "node_scores": node_scores,
         "ungrouped_scores": copies,
+        # Circuit keeps them only where the heads of a group disagree
+        "ungrouped_edges": in_graph & g.real[:, g.ungrouped_target] if kv == "copies" else None,
     }
 
 

@@ -383,7 +383,9 @@ class Circuit:
         return page
 
 
-def _any_copy(graph: Graph, copies: Bool[Tensor, "writer ureader"]) -> Bool[Tensor, "writer reader"]:
+def _any_copy(
+    graph: Graph, copies: Bool[Tensor, "writer ureader"]
+) -> Bool[Tensor, "writer reader"]:
     """Each edge of `graph` that holds at least one of its ungrouped copies."""
     counts = torch.zeros(graph.real.shape, dtype=torch.long)
     return counts.index_add_(1, graph.ungrouped_target, copies.to(torch.long)) > 0

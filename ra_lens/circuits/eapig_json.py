@@ -10,8 +10,9 @@ carries none); node "score" only when the circuit carries node scores. EAP-IG's 
 grouped-query attention: it has `<k>`/`<v>` readers per QUERY head. A key/value edge of a
 grouped-query model (`a0.h1->a3.h2<k>` on key/value head 2) is therefore written on every query
 head of its group (`a0.h1->a3.h{2r..2r+r-1}<k>`, r = n_heads / n_kv_heads) with the same
-in_graph, so EAP-IG and MIB, which load the file as an ungrouped model, patch exactly the
-key/value inputs this circuit patches. Each copy carries its own score where the circuit has
+in_graph (each copy's own in_graph in a per-copy circuit, `Circuit.ungrouped_edges`), so EAP-IG
+and MIB, which load the file as an ungrouped model, patch exactly the key/value inputs this
+circuit patches. Each copy carries its own score where the circuit has
 per-query-head scores (`Circuit.ungrouped_scores`, from `attribute`: the part of the edge's score
 that goes through that query head, what EAP-IG scores on its ungrouped model), else an equal
 share, score / r; either way the r copies add up to the edge's score, so MIB's ranking over the
@@ -109,11 +110,12 @@ def write_json(circuit: Circuit, path: str | Path) -> None:
     nodes["logits"] = {"in_graph": True}  # EAP-IG's logits node is always in its graph
     edges: dict[str, dict[str, Any]] = {}
     readers = ungrouped_readers(g)
-    real, chosen, values = g.real.tolist(), circuit.edges.tolist(), ungrouped.tolist()
+    # each query head's copy in_graph as the circuit holds it (all alike unless per copy)
+    real, chosen, values = g.real.tolist(), circuit.copies.tolist(), ungrouped.tolist()
     for w, writer in enumerate(g.writers):
         for u, (reader, r) in enumerate(readers):
             if real[w][r]:
-                edges[f"{writer}->{reader}"] = {"score": values[w][u], "in_graph": chosen[w][r]}
+                edges[f"{writer}->{reader}"] = {"score": values[w][u], "in_graph": chosen[w][u]}
     cfg = {
         "n_layers": g.n_layers,
         "n_heads": g.n_heads,

@@ -9,8 +9,8 @@ input). Writers' outputs are read where TransformerLens exposes them: `input` at
   with the layer's own norm and weights and put in at `hook_q` (`hook_k`, `hook_v`), before any
   rotary embedding, so the model rotates and attends as usual;
 - an MLP's input: `blocks.{l}.ln2.hook_in` on TransformerBridge (it feeds ln2 only), or
-  `blocks.{l}.hook_mlp_in` on HookedTransformer (switched on with `set_use_hook_mlp_in` for the
-  duration of the pass and switched back);
+  `blocks.{l}.hook_mlp_in` on HookedTransformer (`ModelFacts.mlp_in`; switched on by
+  `enable_mlp_in` and back by `capture.preserved_state`);
 - the logits' input: the last block's `hook_resid_post` (it feeds ln_final only).
 
 Post-norm blocks (Gemma-2, Gemma-3, OLMo-2) add N(a) to the residual, a = sum_h o_h the heads'
@@ -40,8 +40,7 @@ forward pass, and is used only for circuits whose copies of some edge differ.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,12 +51,8 @@ from torch import Tensor
 from ra_lens import capture
 from ra_lens.capture import RESID_PRE, HookedModel
 from ra_lens.circuits.graph import Graph
-from ra_lens.contract import BlockLayout, ModelFacts, model_facts
-
-MLP_OUT = "blocks.{}.hook_mlp_out"
-RESID_POST = "blocks.{}.hook_resid_post"
-BRIDGE_MLP_IN = "blocks.{}.ln2.hook_in"
-HOOKED_MLP_IN = "blocks.{}.hook_mlp_in"
+from ra_lens.contract import LN2_IN, MLP_OUT, RESID_POST, BlockLayout, ModelFacts, model_facts
+from ra_lens.state import CLAIMS
 
 
 @dataclass(repr=False)
@@ -78,15 +73,15 @@ class LayerWeights:
     # Post-norm blocks: the norm after the attention (the HuggingFace module: calling it fires
     # no TransformerLens hook); None in pre-norm blocks.
     post_attn: Any = None
+    # The hook where the MLP's input is rewritten (`ModelFacts.mlp_in`).
+    mlp_in: str = ""
 
 
-def layer_weights(
-    model: HookedModel, layer: int, layout: BlockLayout | None = None
-) -> LayerWeights:
+def layer_weights(model: HookedModel, layer: int, facts: ModelFacts | None = None) -> LayerWeights:
     """Read one layer's weights the same way in both worlds: HookedTransformer keeps grouped
     k/v weights as `_W_K`/`_W_V` (`W_K` repeats them per query head), TransformerBridge as `W_K`
-    per key/value head; a missing bias is zero. `layout`: the layer's `BlockLayout` where the
-    caller has read it (`contract.model_facts`), else read here."""
+    per key/value head; a missing bias is zero. `facts`: the model's `contract.model_facts`
+    where the caller has read them (once per call), else read here."""
     block = model.blocks[layer]
     attn = block.attn
 
@@ -102,7 +97,8 @@ def layer_weights(
         return value
 
     W_Q, W_K, W_V = weight("W_Q"), weight("W_K"), weight("W_V")
-    layout = capture.block_layout(model, layer) if layout is None else layout
+    facts = model_facts(model) if facts is None else facts
+    layout = facts.layouts[layer]
     return LayerWeights(
         ln1=layout.pre_norm or torch.nn.Identity(),  # OLMo-2: no pre-norm
         W_Q=W_Q,
@@ -114,6 +110,7 @@ def layer_weights(
         W_O=weight("W_O"),
         post_attn=layout.post_attn_norm,
         layout=layout,
+        mlp_in=facts.mlp_in[layer],
     )
 
 
@@ -166,42 +163,22 @@ def _check_post_norm(model: HookedModel, layer: int) -> None:
         )
 
 
-def mlp_in_hook(
-    model: HookedModel, layer: int, points: Any = None, layout: BlockLayout | None = None
-) -> str:
-    """The hook point that sees the MLP's input before its norm, and feeds nothing else
-    (`points`: model.hook_dict, which a bridge rebuilds on every access, read once; `layout`:
-    the layer's `BlockLayout`, read here when not given): a bridge's ln2.hook_in, its
-    mlp.hook_in where the block has no pre-norm (OLMo-2), or HookedTransformer's hook_mlp_in."""
-    points = model.hook_dict if points is None else points
-    if BRIDGE_MLP_IN.format(layer) in points:
-        return BRIDGE_MLP_IN.format(layer)
-    bare = capture.MLP_IN.format(layer)
-    if bare not in points:
-        return HOOKED_MLP_IN.format(layer)
-    layout = capture.block_layout(model, layer) if layout is None else layout
-    if layout.post_attn_norm is not None:
-        return bare
-    return HOOKED_MLP_IN.format(layer)
-
-
-@contextlib.contextmanager
-def mlp_in_enabled(model: HookedModel) -> Iterator[None]:
-    """HookedTransformer fires `hook_mlp_in` only with cfg.use_hook_mlp_in; switch it on for
-    the block and restore the flag (TransformerBridge uses ln2.hook_in and needs nothing)."""
+def enable_mlp_in(model: HookedModel) -> None:
+    """HookedTransformer fires `hook_mlp_in` only with cfg.use_hook_mlp_in: switch it on, inside
+    `capture.preserved_state`, which gives the flag back as found (on an error too);
+    TransformerBridge uses ln2.hook_in and needs nothing."""
     if (
-        BRIDGE_MLP_IN.format(0) in model.hook_dict
+        LN2_IN.format(0) in model.hook_dict
         or not hasattr(model, "set_use_hook_mlp_in")
         or getattr(model.cfg, "attn_only", False)
     ):
-        yield
         return
-    before = bool(getattr(model.cfg, "use_hook_mlp_in", False))
+    if model not in CLAIMS:
+        raise RuntimeError(
+            "enable_mlp_in switches cfg.use_hook_mlp_in on for a call: run it inside "
+            "capture.preserved_state(model), which switches it back"
+        )
     model.set_use_hook_mlp_in(True)
-    try:
-        yield
-    finally:
-        model.set_use_hook_mlp_in(before)
 
 
 # repr=False: TransformerLens formats a hook's repr when adding it, and a repr of the
@@ -377,7 +354,6 @@ class EdgeRun:
         g = self.graph
         # Attention-only models have no MLPs: their m{l} writers output zero (z hook below).
         self.attn_only = bool(getattr(model.cfg, "attn_only", False))
-        points = model.hook_dict
         hooks: list[tuple[str, Any]] = [(RESID_PRE.format(0), self._input_hook)]
         for layer in range(g.n_layers):
             hooks += [
@@ -394,8 +370,7 @@ class EdgeRun:
                 if layout.mlp_reads_attn_norm:  # give it its own
                     mlp_in = (capture.MLP_IN.format(layer), self._renorm_hook(layer))
                 else:
-                    reader = mlp_in_hook(model, layer, points, layout)
-                    mlp_in = (reader, self._subtract_hook(layer, "mlp"))
+                    mlp_in = (self.weights[layer].mlp_in, self._subtract_hook(layer, "mlp"))
                 hooks += [mlp_in, (MLP_OUT.format(layer), self._mlp_out_hook)]
         hooks.append((RESID_POST.format(g.n_layers - 1), self._subtract_hook(g.n_layers, "logits")))
         return hooks

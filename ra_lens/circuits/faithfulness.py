@@ -239,10 +239,10 @@ class FaithfulnessEvaluator:
         self._metrics = [pairs.metric_rows(metric, rows, n) for rows in self._rows]
         clean_values, corrupted_values = [], []
         self._references: list[Tensor] = []
-        with capture.preserved_state(model), torch.no_grad(), _edges.mlp_in_enabled(model):
+        with capture.preserved_state(model), torch.no_grad():
+            _edges.enable_mlp_in(model)
             self._weights = [
-                _edges.layer_weights(model, la, facts.layouts[la])
-                for la in range(self.graph.n_layers)
+                _edges.layer_weights(model, la, facts) for la in range(self.graph.n_layers)
             ]
             for rows, part_metric in zip(self._rows, self._metrics, strict=True):
                 clean_part = self._clean.rows(rows)
@@ -274,7 +274,8 @@ class FaithfulnessEvaluator:
         """The metric per pair with the edges in `mask` patched (`copy_mask`: per copy, the
         key/value copies' edges): one forward pass per batch (`group` slots per copy)."""
         model, parts = self.model, []
-        with capture.preserved_state(model), torch.no_grad(), _edges.mlp_in_enabled(model):
+        with capture.preserved_state(model), torch.no_grad():
+            _edges.enable_mlp_in(model)
             batches = zip(self._rows, self._metrics, self._references, strict=True)
             for rows, part_metric, reference in tqdm(
                 list(batches), desc="faithfulness", disable=not progress

@@ -243,6 +243,7 @@ def run_task(
     on_method: Any = None,
     truth_pairs: int = 0,
     selection: str = "top",
+    own_copies: bool = False,
 ) -> dict[str, Any]:
     """Score on `train` (the held-out `pairs` themselves when empty), choose, and measure on
     `pairs`: the raw per-pair metrics of one task, JSON-ready.
@@ -267,7 +268,7 @@ def run_task(
     evaluators: dict[str, circuits.FaithfulnessEvaluator] = {}
 
     def measure(circuit: circuits.Circuit, ablation: str) -> list[float]:
-        key = (circuit.edges.numpy().tobytes(), ablation)
+        key = (circuit.copies.numpy().tobytes(), ablation)  # per copy where it is
         if key not in measured:
             if ablation not in evaluators:
                 evaluators[ablation] = circuits.FaithfulnessEvaluator(
@@ -356,8 +357,8 @@ def run_task(
             out["truth"]["pearson"][label] = pearson(heads, truth)
             out["truth"].setdefault("head_scores", {})[label] = heads.tolist()
         pick = scores.top if selection == "top" else scores.greedy
-        by_abs = [pick(n, absolute=True, units="ungrouped") for n in sizes]
-        signed = [pick(n, absolute=False, units="ungrouped") for n in sizes]
+        by_abs = [pick(n, absolute=True, units="ungrouped", own_copies=own_copies) for n in sizes]
+        signed = [pick(n, absolute=False, units="ungrouped", own_copies=own_copies) for n in sizes]
         with timing.timed(spent, "eval"):
             out["methods"][label] = {
                 "seconds": spent["attribute"],
@@ -396,6 +397,7 @@ def circuit_study(
     truth_tasks: Sequence[str] = (),
     truth_pairs: int = 8,
     selection: str = "top",
+    own_copies: bool = False,
 ) -> dict[str, Any]:
     """Run every task; `on_task(study)` after each method of each task (to save partial
     results). Each task's first `train_pairs` pairs are scored and the next `n_pairs` (held out)
@@ -418,6 +420,7 @@ def circuit_study(
             "fractions": list(fractions),
             "edge_counts": list(edge_counts),
             "selection": selection,
+            "own_copies": own_copies,
             "units": "ungrouped",
             "faithfulness_baseline": BASELINE,
             "cpr_from": "signed ranking (largest score)",
@@ -464,6 +467,7 @@ def circuit_study(
                 on_method=keep,
                 truth_pairs=truth_pairs if name in truth_tasks else 0,
                 selection=selection,
+                own_copies=own_copies,
             )
         )
     study["runtime_seconds"] = timing.now() - start
@@ -478,8 +482,11 @@ def merge_saved(studies: Sequence[dict[str, Any]]) -> dict[str, Any]:
     parts' (they may have run one after another)."""
     if not studies:
         raise ValueError("merge needs at least one saved study")
-    keys = ("model", "n_pairs", "train_pairs", "batch_size", "n_boot", "fractions", "edge_counts", "selection")  # fmt: skip
-    configs = [dict(s["config"], selection=_selection(s["config"])) for s in studies]
+    keys = ("model", "n_pairs", "train_pairs", "batch_size", "n_boot", "fractions", "edge_counts", "selection", "own_copies")  # fmt: skip
+    configs = [
+        dict(s["config"], selection=_selection(s["config"]), own_copies=bool(s["config"].get("own_copies")))
+        for s in studies
+    ]  # fmt: skip
     for other in configs[1:]:
         bad = [k for k in keys if other.get(k) != configs[0].get(k)]
         if bad:
@@ -614,6 +621,10 @@ def main(argv: list[str] | None = None) -> int:
         help="circuits: top-n then pruned (top), or grown from the logits (greedy); both by "
         "score (CPR) and by |score| (CMD)",
     )  # fmt: skip
+    parser.add_argument(
+        "--own-copies", action="store_true",
+        help="per-copy circuits: each query head's key/value copy chosen and patched on its own",
+    )  # fmt: skip
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
     settings = dict(QUICK_SETTINGS if args.quick else FULL_SETTINGS)
@@ -640,6 +651,8 @@ def main(argv: list[str] | None = None) -> int:
             )
         if args.selection is not None:
             settings["selection"] = args.selection
+        if args.own_copies:
+            settings["own_copies"] = True
         for flag in ("n_pairs", "batch_size", "n_boot", "truth_pairs", "train_pairs"):
             value = getattr(args, flag)
             if value is not None:

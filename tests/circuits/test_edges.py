@@ -12,6 +12,8 @@ import pytest
 import torch
 from helpers import has_bridge, hook_count, hooked_toy
 
+from ra_lens import capture
+from ra_lens.circuits import _edges
 from ra_lens.circuits.circuit import Circuit
 from ra_lens.circuits.faithfulness import FaithfulnessEvaluator
 from ra_lens.circuits.graph import Graph
@@ -131,3 +133,41 @@ def test_copies_that_agree_are_the_grouped_circuit():
     mask = graph.real & ~edges
     by_copy = evaluate._circuit_values(mask, copy_mask=mask[:, graph.ungrouped_target])
     assert float((by_copy - evaluate(grouped).circuit_per_pair).abs().max()) < 1e-12
+
+
+# ------------------------------------------------------------ what edge patching reads of a model
+
+
+@pytest.mark.skipif(has_bridge(), reason="HookedTransformer's cfg.use_hook_mlp_in (TL 2)")
+def test_the_mlp_input_switch_is_given_back_by_preserved_state():
+    model = hooked_toy()
+    assert not model.cfg.use_hook_mlp_in
+    with pytest.raises(ValueError, match="inside"), capture.preserved_state(model):
+        _edges.enable_mlp_in(model)
+        assert model.cfg.use_hook_mlp_in
+        raise ValueError("an error inside the call")
+    assert not model.cfg.use_hook_mlp_in  # as found
+    with pytest.raises(RuntimeError, match="inside capture.preserved_state"):
+        _edges.enable_mlp_in(model)
+    assert not model.cfg.use_hook_mlp_in
+    # a failing faithfulness call (a metric without one value per prompt) leaves it as found
+    bad = lambda logits, lengths=None: logits.sum()  # noqa: E731
+    with pytest.raises(ValueError):
+        FaithfulnessEvaluator(model, CLEAN, CORRUPTED, bad)
+    assert not model.cfg.use_hook_mlp_in
+
+
+def test_the_mlp_reader_hook_is_read_once_per_call(monkeypatch):
+    from ra_lens import contract
+
+    model = _bridge_twins("llama")[0] if has_bridge() else _hooked_twins()[0]
+    facts = contract.model_facts(model)
+    expected = "blocks.{}.ln2.hook_in" if has_bridge() else "blocks.{}.hook_mlp_in"
+    assert facts.mlp_in == tuple(expected.format(la) for la in range(model.cfg.n_layers))
+    evaluate = FaithfulnessEvaluator(model, CLEAN, CORRUPTED, METRIC)
+    reads = []
+    real = contract.model_facts
+    monkeypatch.setattr(contract, "model_facts", lambda m: reads.append(1) or real(m))
+    monkeypatch.setattr(_edges, "model_facts", contract.model_facts)
+    evaluate(Circuit.empty(evaluate.graph))  # every MLP input patched: no model re-read
+    assert reads == []

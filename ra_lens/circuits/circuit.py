@@ -191,7 +191,7 @@ class Circuit:
         """Only the edges on a path from `input` to `logits` (see the module docstring); a
         per-copy circuit is pruned on the ungrouped graph, as EAP-IG prunes."""
         g = self.graph
-        extras = dict(
+        extras: dict[str, Any] = dict(
             scores=self.scores,
             node_scores=self.node_scores,
             ungrouped_scores=self.ungrouped_scores,
@@ -210,7 +210,7 @@ class Circuit:
             return a if a is not None and b is not None and torch.equal(a, b) else None
 
         scores = same(self.scores, other.scores)
-        extras = dict(
+        extras: dict[str, Any] = dict(
             scores=scores,
             node_scores=same(self.node_scores, other.node_scores),
             ungrouped_scores=None

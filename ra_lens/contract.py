@@ -42,6 +42,10 @@ K_IN = "blocks.{}.attn.k.hook_in"
 RESID_PRE = "blocks.{}.hook_resid_pre"
 POST_ATTN_IN = "blocks.{}.ln1_post.hook_in"  # TransformerBridge: input of a post-attention norm
 MLP_IN = "blocks.{}.mlp.hook_in"  # TransformerBridge: what the MLP itself receives
+LN2_IN = "blocks.{}.ln2.hook_in"  # TransformerBridge: the MLP's input before its norm
+HOOKED_MLP_IN = "blocks.{}.hook_mlp_in"  # HookedTransformer, with cfg.use_hook_mlp_in
+MLP_OUT = "blocks.{}.hook_mlp_out"
+RESID_POST = "blocks.{}.hook_resid_post"
 
 
 @runtime_checkable
@@ -544,11 +548,15 @@ def block_layout(model: HookedModel, layer: int) -> BlockLayout:
 @dataclass(frozen=True)
 class ModelFacts:
     """What one call needs to know of a model, read once (`model_facts`) and handed down:
-    its `ModelShape`, and per layer its `AttentionFacts` and `BlockLayout`."""
+    its `ModelShape`, and per layer its `AttentionFacts`, `BlockLayout` and `mlp_in`, the hook
+    that sees the MLP's input before its norm and feeds nothing else (edge patching rewrites
+    it): a bridge's ln2.hook_in, its mlp.hook_in in a post-norm block without one (OLMo-2),
+    else HookedTransformer's hook_mlp_in."""
 
     shape: ModelShape
     attention: tuple[AttentionFacts, ...]
     layouts: tuple[BlockLayout, ...]
+    mlp_in: tuple[str, ...] = ()
 
 
 def model_facts(model: HookedModel) -> ModelFacts:
@@ -560,8 +568,16 @@ def model_facts(model: HookedModel) -> ModelFacts:
     """
     shape = model_shape(model)
     layers = range(shape.n_layers)
+    layouts = tuple(block_layout(model, layer) for layer in layers)
+    points = model.hook_dict  # a bridge rebuilds it on every access: read once
+    mlp_in = []
+    for layer, layout in zip(layers, layouts):
+        if LN2_IN.format(layer) in points:
+            mlp_in.append(LN2_IN.format(layer))
+        elif MLP_IN.format(layer) in points and layout.post_attn_norm is not None:
+            mlp_in.append(MLP_IN.format(layer))
+        else:
+            mlp_in.append(HOOKED_MLP_IN.format(layer))
     return ModelFacts(
-        shape,
-        tuple(attention_facts(model, layer) for layer in layers),
-        tuple(block_layout(model, layer) for layer in layers),
+        shape, tuple(attention_facts(model, layer) for layer in layers), layouts, tuple(mlp_in)
     )

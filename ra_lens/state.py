@@ -72,11 +72,13 @@ def require_autograd() -> None:
 
 @contextlib.contextmanager
 def restored(model: HookedModel) -> Iterator[None]:
-    """Run in eval mode (`modules_in_eval`); afterwards restore requires_grad flags and every
-    parameter's .grad as found. No claim and no liveness: `capture.preserved_state` adds those."""
+    """Run in eval mode (`modules_in_eval`); afterwards restore requires_grad flags, every
+    parameter's .grad and the config switches ra-lens turns on for a call (`CFG_SWITCHES`) as
+    found. No claim and no liveness: `capture.preserved_state` adds those."""
     params = list(model.parameters())
     flags = [p.requires_grad for p in params]
     grads = [p.grad for p in params]
+    switches = {k: getattr(model.cfg, k) for k in CFG_SWITCHES if hasattr(model.cfg, k)}
     try:
         with modules_in_eval(model):
             yield
@@ -84,6 +86,13 @@ def restored(model: HookedModel) -> Iterator[None]:
         for p, flag, grad in zip(params, flags, grads):
             p.requires_grad_(flag)
             p.grad = grad
+        for key, value in switches.items():
+            setattr(model.cfg, key, value)
+
+
+#: Config switches a call may turn on (HookedTransformer's hook_mlp_in, for edge patching) and
+#: `restored` gives back.
+CFG_SWITCHES: tuple[str, ...] = ("use_hook_mlp_in",)
 
 
 @contextlib.contextmanager

@@ -9,8 +9,8 @@ input). Writers' outputs are read where TransformerLens exposes them: `input` at
   with the layer's own norm and weights and put in at `hook_q` (`hook_k`, `hook_v`), before any
   rotary embedding, so the model rotates and attends as usual;
 - an MLP's input: `blocks.{l}.ln2.hook_in` on TransformerBridge (it feeds ln2 only), or
-  `blocks.{l}.hook_mlp_in` on HookedTransformer (switched on with `set_use_hook_mlp_in` for the
-  duration of the pass and switched back);
+  `blocks.{l}.hook_mlp_in` on HookedTransformer (`ModelFacts.mlp_in`; switched on by
+  `enable_mlp_in` and back by `capture.preserved_state`);
 - the logits' input: the last block's `hook_resid_post` (it feeds ln_final only).
 
 Post-norm blocks (Gemma-2, Gemma-3, OLMo-2) add N(a) to the residual, a = sum_h o_h the heads'
@@ -25,12 +25,22 @@ one writer.
 delta_r = sum over the writers w in `mask[:, r]` of (w's output in this run - `reference[w]`)
 (edge patching), plus `leaf[r]` (a zero tensor whose gradient is dM/d input_r) when gradients are
 wanted. Readers with nothing to change keep the model's own value bit for bit.
+
+Per-copy patching (`copy_mask` [writer, ureader], EAP-IG's ungrouped readers): on a grouped-query
+model query head h then reads its own key and value, computed from its own patched input (its
+copy's delta) through ln1, W_K/W_V and whatever the model does after hook_k/hook_v (rotary, q/k
+norms), as on EAP-IG's ungrouped model. The model's attention shares a key/value head among its
+group, so the batch runs in `group` slots (`expand`): in slot j every key/value head g holds the
+copy of query head g * group + j, and at hook_z each head's z is taken from its own slot (head h
+from slot h % group) and handed to every slot. Everything else is the same in all slots: the
+residual stream is reset to slot 0's at each block, q and the other readers are patched alike,
+and writers, metric and logits are read from slot 0 (`first_slot`). It costs `group` times the
+forward pass, and is used only for circuits whose copies of some edge differ.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,12 +51,8 @@ from torch import Tensor
 from ra_lens import capture
 from ra_lens.capture import RESID_PRE, HookedModel
 from ra_lens.circuits.graph import Graph
-from ra_lens.contract import BlockLayout, ModelFacts, model_facts
-
-MLP_OUT = "blocks.{}.hook_mlp_out"
-RESID_POST = "blocks.{}.hook_resid_post"
-BRIDGE_MLP_IN = "blocks.{}.ln2.hook_in"
-HOOKED_MLP_IN = "blocks.{}.hook_mlp_in"
+from ra_lens.contract import LN2_IN, MLP_OUT, RESID_POST, BlockLayout, ModelFacts, model_facts
+from ra_lens.state import CLAIMS
 
 
 @dataclass(repr=False)
@@ -67,15 +73,15 @@ class LayerWeights:
     # Post-norm blocks: the norm after the attention (the HuggingFace module: calling it fires
     # no TransformerLens hook); None in pre-norm blocks.
     post_attn: Any = None
+    # The hook where the MLP's input is rewritten (`ModelFacts.mlp_in`).
+    mlp_in: str = ""
 
 
-def layer_weights(
-    model: HookedModel, layer: int, layout: BlockLayout | None = None
-) -> LayerWeights:
+def layer_weights(model: HookedModel, layer: int, facts: ModelFacts | None = None) -> LayerWeights:
     """Read one layer's weights the same way in both worlds: HookedTransformer keeps grouped
     k/v weights as `_W_K`/`_W_V` (`W_K` repeats them per query head), TransformerBridge as `W_K`
-    per key/value head; a missing bias is zero. `layout`: the layer's `BlockLayout` where the
-    caller has read it (`contract.model_facts`), else read here."""
+    per key/value head; a missing bias is zero. `facts`: the model's `contract.model_facts`
+    where the caller has read them (once per call), else read here."""
     block = model.blocks[layer]
     attn = block.attn
 
@@ -91,7 +97,8 @@ def layer_weights(
         return value
 
     W_Q, W_K, W_V = weight("W_Q"), weight("W_K"), weight("W_V")
-    layout = capture.block_layout(model, layer) if layout is None else layout
+    facts = model_facts(model) if facts is None else facts
+    layout = facts.layouts[layer]
     return LayerWeights(
         ln1=layout.pre_norm or torch.nn.Identity(),  # OLMo-2: no pre-norm
         W_Q=W_Q,
@@ -103,6 +110,7 @@ def layer_weights(
         W_O=weight("W_O"),
         post_attn=layout.post_attn_norm,
         layout=layout,
+        mlp_in=facts.mlp_in[layer],
     )
 
 
@@ -155,42 +163,22 @@ def _check_post_norm(model: HookedModel, layer: int) -> None:
         )
 
 
-def mlp_in_hook(
-    model: HookedModel, layer: int, points: Any = None, layout: BlockLayout | None = None
-) -> str:
-    """The hook point that sees the MLP's input before its norm, and feeds nothing else
-    (`points`: model.hook_dict, which a bridge rebuilds on every access, read once; `layout`:
-    the layer's `BlockLayout`, read here when not given): a bridge's ln2.hook_in, its
-    mlp.hook_in where the block has no pre-norm (OLMo-2), or HookedTransformer's hook_mlp_in."""
-    points = model.hook_dict if points is None else points
-    if BRIDGE_MLP_IN.format(layer) in points:
-        return BRIDGE_MLP_IN.format(layer)
-    bare = capture.MLP_IN.format(layer)
-    if bare not in points:
-        return HOOKED_MLP_IN.format(layer)
-    layout = capture.block_layout(model, layer) if layout is None else layout
-    if layout.post_attn_norm is not None:
-        return bare
-    return HOOKED_MLP_IN.format(layer)
-
-
-@contextlib.contextmanager
-def mlp_in_enabled(model: HookedModel) -> Iterator[None]:
-    """HookedTransformer fires `hook_mlp_in` only with cfg.use_hook_mlp_in; switch it on for
-    the block and restore the flag (TransformerBridge uses ln2.hook_in and needs nothing)."""
+def enable_mlp_in(model: HookedModel) -> None:
+    """HookedTransformer fires `hook_mlp_in` only with cfg.use_hook_mlp_in: switch it on, inside
+    `capture.preserved_state`, which gives the flag back as found (on an error too);
+    TransformerBridge uses ln2.hook_in and needs nothing."""
     if (
-        BRIDGE_MLP_IN.format(0) in model.hook_dict
+        LN2_IN.format(0) in model.hook_dict
         or not hasattr(model, "set_use_hook_mlp_in")
         or getattr(model.cfg, "attn_only", False)
     ):
-        yield
         return
-    before = bool(getattr(model.cfg, "use_hook_mlp_in", False))
+    if model not in CLAIMS:
+        raise RuntimeError(
+            "enable_mlp_in switches cfg.use_hook_mlp_in on for a call: run it inside "
+            "capture.preserved_state(model), which switches it back"
+        )
     model.set_use_hook_mlp_in(True)
-    try:
-        yield
-    finally:
-        model.set_use_hook_mlp_in(before)
 
 
 # repr=False: TransformerLens formats a hook's repr when adding it, and a repr of the
@@ -207,6 +195,9 @@ class EdgeRun:
         mask: Bool[Tensor, "writer reader"]: the edges to patch (graph.real and not in the circuit).
         leaves: add a zero leaf per reader whose gradient is dM/d(its input).
         input_value: replace the embeddings (`input`'s output) with this tensor (the IG path).
+        copy_mask: Bool[Tensor, "writer ureader"] or None: per-copy patching (module docstring):
+            the edges to patch into each query head's copy of a key/value input (`mask`'s
+            key/value columns are then not read); the batch must be `expand`ed.
     """
 
     graph: Graph
@@ -231,6 +222,32 @@ class EdgeRun:
     # attribute splits a key/value head's gradient among its query heads from them.
     kv_inputs: dict[tuple[int, str], tuple[Tensor, Tensor]] = field(default_factory=dict)
     _post_row_cache: dict[int, slice] | None = None
+    copy_mask: Tensor | None = None
+    # copy_mask: each layer's deltas of the key/value copies, keyed by ungrouped reader index
+    _copy_deltas: dict[int, dict[int, Tensor]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.copy_mask is not None and (self.leaves or self.input_value is not None):
+            raise ValueError("per-copy patching (copy_mask) takes neither leaves nor input_value")
+
+    # ---- slots (per-copy patching)
+
+    @property
+    def slots(self) -> int:
+        """Copies of the batch in one pass: `group` with per-copy patching, else 1."""
+        return self.graph.group if self.copy_mask is not None else 1
+
+    def expand(self, tokens: Tensor) -> Tensor:
+        """The batch as the model must run it: `slots` copies, slot-major."""
+        return tokens if self.slots == 1 else tokens.repeat(self.slots, *[1] * (tokens.dim() - 1))
+
+    def first_slot(self, value: Tensor) -> Tensor:
+        """Slot 0's rows of a batch-first tensor (the logits of the expanded batch)."""
+        return value if self.slots == 1 else value[: value.shape[0] // self.slots]
+
+    def _spread(self, value: Tensor) -> Tensor:
+        """A slot's batch handed to every slot."""
+        return value if self.slots == 1 else value.repeat(self.slots, *[1] * (value.dim() - 1))
 
     # ---- writers
 
@@ -273,7 +290,8 @@ class EdgeRun:
             needed = cols.any(0)
             if bool(needed.any()):
                 picked = [r for r, need in zip(readers, needed.tolist()) if need]
-                out = dict(zip(picked, self._patched_sum(cols[:, needed], picked).to(like)))
+                real = self.graph.real[:n, picked]
+                out = dict(zip(picked, self._patched_sum(cols[:, needed], real).to(like)))
         if self.leaves:
             block = like.new_zeros((len(readers), *like.shape)).requires_grad_(True)
             self.leaf[readers[0]] = block
@@ -281,9 +299,24 @@ class EdgeRun:
                 out[r] = out[r] - block[i] if r in out else -block[i]
         return out
 
-    def _patched_sum(self, cols: Tensor, readers: list[int]) -> Tensor:
+    def _copy_delta(self, layer: int, like: Tensor) -> dict[int, Tensor]:
+        """ungrouped reader index -> delta [batch pos d_model] of this layer's key/value copies
+        with a patched edge (`copy_mask`)."""
+        assert self.copy_mask is not None
+        g, n = self.graph, self._writer_count()
+        first = layer * (3 * g.n_heads + 1) + g.n_heads  # the k copies, then the v copies
+        copies = list(range(first, first + 2 * g.n_heads))
+        cols = self.copy_mask[:n, copies]
+        needed = cols.any(0)
+        if not bool(needed.any()):
+            return {}
+        picked = [u for u, need in zip(copies, needed.tolist()) if need]
+        real = g.real[:n, g.ungrouped_target[picked]]
+        return dict(zip(picked, self._patched_sum(cols[:, needed], real).to(like)))
+
+    def _patched_sum(self, cols: Tensor, real: Tensor) -> Tensor:
         """[readers batch pos d_model]: sum of the diffs of the writers in cols (writers so far x
-        readers). A small circuit patches almost every edge, so when the circuit's own edges are
+        readers; `real`: which of those are edges). A small circuit patches almost every edge, so when the circuit's own edges are
         fewer the sum is taken as (all writers' diffs) - (the circuit's): the cost follows the
         smaller side."""
         assert self._diffs is not None and self._diff_total is not None
@@ -298,7 +331,6 @@ class EdgeRun:
                 patched = self._weighted(cols[rows], offset=rows.start).to(a)
                 total = total + (norm(a)[None] - norm(a[None] - patched)).to(total)
             return total
-        real = self.graph.real[: cols.shape[0], readers]
         kept = real & ~cols
         if bool(real.all()) and int(kept.sum()) < int(cols.sum()):
             return self._diff_total[None] - self._weighted(kept)
@@ -322,7 +354,6 @@ class EdgeRun:
         g = self.graph
         # Attention-only models have no MLPs: their m{l} writers output zero (z hook below).
         self.attn_only = bool(getattr(model.cfg, "attn_only", False))
-        points = model.hook_dict
         hooks: list[tuple[str, Any]] = [(RESID_PRE.format(0), self._input_hook)]
         for layer in range(g.n_layers):
             hooks += [
@@ -339,8 +370,7 @@ class EdgeRun:
                 if layout.mlp_reads_attn_norm:  # give it its own
                     mlp_in = (capture.MLP_IN.format(layer), self._renorm_hook(layer))
                 else:
-                    reader = mlp_in_hook(model, layer, points, layout)
-                    mlp_in = (reader, self._subtract_hook(layer, "mlp"))
+                    mlp_in = (self.weights[layer].mlp_in, self._subtract_hook(layer, "mlp"))
                 hooks += [mlp_in, (MLP_OUT.format(layer), self._mlp_out_hook)]
         hooks.append((RESID_POST.format(g.n_layers - 1), self._subtract_hook(g.n_layers, "logits")))
         return hooks
@@ -348,14 +378,21 @@ class EdgeRun:
     def _input_hook(self, value: Tensor, hook: Any) -> Tensor:
         if self.input_value is not None:
             value = self.input_value.to(value.device, value.dtype)
-        self._add_writers(value[None])
+        self._add_writers(self.first_slot(value)[None])
         return value
 
-    def _resid_hook(self, layer: int) -> Callable[[Tensor, Any], None]:
-        def hook(value: Tensor, hook: Any) -> None:
-            self.resid[layer] = value
+    def _resid_hook(self, layer: int) -> Callable[[Tensor, Any], Tensor | None]:
+        def hook(value: Tensor, hook: Any) -> Tensor | None:
+            base = self.first_slot(value)
+            self.resid[layer] = base
             readers = self._readers_of(layer)[:-1]  # the MLP reads after this layer's heads
-            self._deltas[layer] = self._delta(readers, value)
+            if self.copy_mask is None:
+                self._deltas[layer] = self._delta(readers, base)
+                return None
+            # per copy: the key/value readers are patched copy by copy, in their slots
+            self._deltas[layer] = self._delta(readers[: self.graph.n_heads], base)
+            self._copy_deltas[layer] = self._copy_delta(layer, base)
+            return self._spread(base)  # every slot starts the block from slot 0's stream
 
         return hook
 
@@ -365,20 +402,17 @@ class EdgeRun:
         first = {"q": 0, "k": n_q, "v": n_q + n_kv}[kind]
 
         def hook(value: Tensor, hook: Any) -> Tensor:
+            if self.copy_mask is not None:
+                return self._slot_qkv(layer, kind, value)
             deltas = self._deltas[layer]
             base = self._readers_of(layer)[0] + first
             heads = [h for h in range(value.shape[2]) if base + h in deltas]
             if not heads:
                 return value
-            w = self.weights[layer]
-            W, b = {"q": (w.W_Q, w.b_Q), "k": (w.W_K, w.b_K), "v": (w.W_V, w.b_V)}[kind]
             x = self.resid[layer]
             inputs = torch.stack([x - deltas[base + h] for h in heads])  # [h batch pos d]
-            normed = w.ln1(inputs)
+            new = self._project(layer, kind, heads, inputs, value)
             index = torch.tensor(heads, device=value.device)
-            new = torch.einsum("hbpd,hde->bphe", normed, W[index].to(normed.dtype)) + b[index].to(
-                normed.dtype
-            )
             if self.leaves and kind != "q":
                 self.kv_inputs[(layer, kind)] = (inputs, new)
             out = value.clone()
@@ -387,20 +421,65 @@ class EdgeRun:
 
         return hook
 
-    def _z_hook(self, layer: int) -> Callable[[Tensor, Any], None]:
-        def hook(value: Tensor, hook: Any) -> None:
+    def _project(
+        self, layer: int, kind: str, heads: list[int], inputs: Tensor, like: Tensor
+    ) -> Tensor:
+        """[batch pos len(heads) d_head]: ln1(inputs[i]) @ W[heads[i]] + b[heads[i]] for the
+        `kind` ("q", "k", "v") weights; inputs [len(heads) batch pos d_model]."""
+        w = self.weights[layer]
+        W, b = {"q": (w.W_Q, w.b_Q), "k": (w.W_K, w.b_K), "v": (w.W_V, w.b_V)}[kind]
+        normed = w.ln1(inputs)
+        index = torch.tensor(heads, device=like.device)
+        return torch.einsum("hbpd,hde->bphe", normed, W[index].to(normed.dtype)) + b[index].to(
+            normed.dtype
+        )
+
+    def _slot_qkv(self, layer: int, kind: str, value: Tensor) -> Tensor:
+        """Per-copy patching's hook_q/k/v (module docstring): q patched alike in every slot;
+        in slot j, key/value head g holds query head g * group + j's copy."""
+        g, x = self.graph, self.resid[layer]
+        slots = value.view(self.slots, -1, *value.shape[1:])
+        out = slots[:1].expand_as(slots).clone()  # slot 0's values everywhere
+        if kind == "q":
+            deltas = self._deltas[layer]
+            heads = [h for h in range(g.n_heads) if self._readers_of(layer)[0] + h in deltas]
+            if heads:
+                base = self._readers_of(layer)[0]
+                inputs = torch.stack([x - deltas[base + h] for h in heads])
+                new = self._project(layer, "q", heads, inputs, value)
+                out[:, :, :, heads] = new.to(value.dtype)[None]
+            return out.view_as(value)
+        deltas = self._copy_deltas[layer]
+        first = layer * (3 * g.n_heads + 1) + (g.n_heads if kind == "k" else 2 * g.n_heads)
+        found = [(h, first + h) for h in range(g.n_heads) if first + h in deltas]
+        if found:
+            kv_heads = [h // g.group for h, _ in found]
+            inputs = torch.stack([x - deltas[u] for _, u in found])
+            new = self._project(layer, kind, kv_heads, inputs, value).to(value.dtype)
+            for i, (h, _) in enumerate(found):
+                out[h % g.group, :, :, h // g.group] = new[:, :, i]
+        return out.view_as(value)
+
+    def _z_hook(self, layer: int) -> Callable[[Tensor, Any], Tensor | None]:
+        def hook(value: Tensor, hook: Any) -> Tensor | None:
+            z = value
+            if self.slots > 1:  # each head's z from its own slot (module docstring)
+                heads = torch.arange(value.shape[2], device=value.device)
+                slots = value.view(self.slots, -1, *value.shape[1:])
+                z = slots[heads % self.graph.group, :, :, heads].permute(1, 2, 0, 3)
             W_O = self.weights[layer].W_O.to(value.dtype)
-            self._add_writers(torch.einsum("bphe,hed->hbpd", value, W_O))
+            self._add_writers(torch.einsum("bphe,hed->hbpd", z, W_O))
             if self.attn_only:
                 self._add_writers(
-                    torch.zeros_like(value[None, :, :, 0, :1]).expand(1, -1, -1, W_O.shape[-1])
+                    torch.zeros_like(z[None, :, :, 0, :1]).expand(1, -1, -1, W_O.shape[-1])
                 )
+            return None if self.slots == 1 else self._spread(z.contiguous())
 
         return hook
 
     def _post_in_hook(self, layer: int) -> Callable[[Tensor, Any], None]:
         def hook(value: Tensor, hook: Any) -> None:
-            self.post_input[layer] = value.detach()
+            self.post_input[layer] = self.first_slot(value).detach()
 
         return hook
 
@@ -430,7 +509,7 @@ class EdgeRun:
         return self._post_row_cache
 
     def _mlp_out_hook(self, value: Tensor, hook: Any) -> None:
-        self._add_writers(value[None])
+        self._add_writers(self.first_slot(value)[None])
 
     def _renorm_hook(self, layer: int) -> Callable[[Tensor, Any], Tensor]:
         """A parallel block whose MLP reads the attention's norm (GPT-J, Phi, Falcon): the MLP's
@@ -438,18 +517,19 @@ class EdgeRun:
 
         def hook(value: Tensor, hook: Any) -> Tensor:
             (reader,) = self._readers_of(layer)[-1:]
-            deltas = self._delta([reader], value)
+            deltas = self._delta([reader], self.first_slot(value))
             if reader not in deltas:
                 return value
-            return self.weights[layer].ln1(self.resid[layer] - deltas[reader]).to(value.dtype)
+            new = self.weights[layer].ln1(self.resid[layer] - deltas[reader]).to(value.dtype)
+            return self._spread(new)
 
         return hook
 
     def _subtract_hook(self, layer: int, kind: str) -> Callable[[Tensor, Any], Tensor]:
         def hook(value: Tensor, hook: Any) -> Tensor:
             (reader,) = self._readers_of(layer)[-1:]
-            deltas = self._delta([reader], value)
-            return value - deltas[reader] if reader in deltas else value
+            deltas = self._delta([reader], self.first_slot(value))
+            return value - self._spread(deltas[reader]) if reader in deltas else value
 
         return hook
 

@@ -131,11 +131,9 @@ def attribute(
     total = torch.zeros(len(graph.writers), len(graph.readers), dtype=torch.float64)
     kv_total: Tensor | None = None  # [writer layer kv head]: per query head, grouped-query only
     bar = tqdm(total=len(rows_list) * n_steps, desc=f"attribute {method}", disable=not progress)
-    with capture.preserved_state(model), _edges.mlp_in_enabled(model):
-        weights = [
-            _edges.layer_weights(model, layer, facts.layouts[layer])
-            for layer in range(graph.n_layers)
-        ]
+    with capture.preserved_state(model):
+        _edges.enable_mlp_in(model)
+        weights = [_edges.layer_weights(model, layer, facts) for layer in range(graph.n_layers)]
         for rows in rows_list:
             part_metric = pairs.metric_rows(metric, rows, n)
             base, other = base_b.rows(rows), other_b.rows(rows)

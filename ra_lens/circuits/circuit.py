@@ -11,11 +11,29 @@ edges of the circuit. A writer is reached when it is `input` or one of its reade
 incoming edge from a reached writer; a head's readers are its `<q>` and the `<k>`/`<v>` of its
 key/value head (shared by the query heads of a group on a grouped-query model). A reader leads to
 `logits` when it is `logits` or belongs to a writer with an outgoing edge to a reader that does.
+
+Per-copy circuits (grouped-query models): `ungrouped_edges` [writer, ureader] says which query
+heads' copies of each key/value edge are in the circuit, as EAP-IG's ungrouped graph holds them
+(`EdgeScores.top(n, own_copies=True)`, or an EAP-IG file whose groups disagree). `edges` then
+holds a key/value edge when ANY of its copies is in; edge patching gives each query head its own
+key and value (`faithfulness`), and pruning runs on the ungrouped graph as EAP-IG's `prune`
+(query head h's copy of a key/value input belongs to head h alone). A circuit whose copies of
+every edge agree holds `ungrouped_edges=None`: it is the grouped circuit, patched as one unit.
+
+    >>> g = Graph(n_layers=1, n_heads=2, n_kv_heads=1, d_model=8)
+    >>> u = torch.zeros(len(g.writers), len(g.ungrouped_readers), dtype=torch.bool)
+    >>> names = [name for name, _ in g.ungrouped_readers]
+    >>> for w, r in [("input", "a0.h0<k>"), ("input", "a0.h0<q>"), ("a0.h0", "logits")]:
+    ...     u[g.writer_index[w], names.index(r)] = True
+    >>> c = Circuit.from_copies(g, u)  # head 0's copy of the key input, not head 1's
+    >>> c.edge_names, c.n_edges_ungrouped, c.per_copy
+    (['input->a0.h0<q>', 'input->a0.h0<k>', 'a0.h0->logits'], 3, True)
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,15 +61,18 @@ class Circuit:
     Optional: `scores` [writer, reader] (the edge scores it was chosen from, written to files),
     `node_scores` [writer] and `ungrouped_scores` [writer, ureader] (each query head's copy of a
     key/value edge with its own score, `EdgeScores.ungrouped_scores`; written to files instead
-    of equal shares). Set operations (`|`, `&`, `-`) act on edges and do not prune (a union
-    of pruned circuits is pruned; call `.prune()` after `&` or `-` if needed); the result keeps
-    the scores only when both sides carry the same ones. `==` compares graph and edges."""
+    of equal shares), `ungrouped_edges` [writer, ureader] (per-copy membership, module
+    docstring; build with `from_copies`). Set operations (`|`, `&`, `-`) act on edges (on each
+    copy when either side is per copy) and do not prune (a union of pruned circuits is pruned;
+    call `.prune()` after `&` or `-` if needed); the result keeps the scores only when both
+    sides carry the same ones. `==` compares graph, edges and copies."""
 
     graph: Graph
     edges: Bool[Tensor, "writer reader"]
     scores: Float[Tensor, "writer reader"] | None = field(default=None, repr=False)
     node_scores: Float[Tensor, " writer"] | None = field(default=None, repr=False)
     ungrouped_scores: Float[Tensor, "writer ureader"] | None = field(default=None, repr=False)
+    ungrouped_edges: Bool[Tensor, "writer ureader"] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         shape = (len(self.graph.writers), len(self.graph.readers))
@@ -77,6 +98,40 @@ class Circuit:
             if self.scores is None:
                 raise ValueError("ungrouped_scores need the grouped scores they add up to")
             check_copies(self.graph, self.ungrouped_scores, self.scores)
+        if self.ungrouped_edges is not None:
+            self.ungrouped_edges = _checked_copies(self.graph, self.edges, self.ungrouped_edges)
+
+    @classmethod
+    def from_copies(
+        cls,
+        graph: Graph,
+        ungrouped_edges: Bool[Tensor, "writer ureader"],
+        *,
+        prune: bool = False,
+        **fields: Any,
+    ) -> Circuit:
+        """The circuit of these ungrouped edges (EAP-IG's layout, `graph.ungrouped_readers`):
+        `edges` holds an edge when any of its copies is in. prune=True first keeps the copies
+        on a path from input to logits in EAP-IG's ungrouped graph (as its `prune`). `fields`:
+        scores, node_scores, ungrouped_scores."""
+        copies = ungrouped_edges.detach().cpu().to(torch.bool)
+        if prune:
+            copies = _on_a_path(copies, ungrouped_owners(graph), graph)
+        return cls(graph, _any_copy(graph, copies), ungrouped_edges=copies, **fields)
+
+    @property
+    def per_copy(self) -> bool:
+        """True when the query heads of some group hold different copies of a key/value edge
+        (`ungrouped_edges`), so that patching gives each query head its own key and value."""
+        return self.ungrouped_edges is not None
+
+    @property
+    def copies(self) -> Bool[Tensor, "writer ureader"]:
+        """Membership of every edge of EAP-IG's ungrouped graph: `ungrouped_edges`, or each
+        edge's copies as the grouped edge (every copy in or every copy out)."""
+        if self.ungrouped_edges is not None:
+            return self.ungrouped_edges
+        return self.edges[:, self.graph.ungrouped_target]
 
     @classmethod
     def full(cls, graph: Graph) -> Circuit:
@@ -109,7 +164,9 @@ class Circuit:
     @property
     def n_edges_ungrouped(self) -> int:
         """Edges in the circuit counted in EAP-IG's ungrouped graph (MIB's count): a key/value
-        edge once per query head of its group, as it is written to files."""
+        edge once per query head of its group that holds it, as it is written to files."""
+        if self.ungrouped_edges is not None:
+            return int(self.ungrouped_edges.sum())
         return int((self.edges.long() * self.graph.copies[None, :]).sum())
 
     def count(self, units: Validated[Units] = "ungrouped") -> int:
@@ -131,33 +188,17 @@ class Circuit:
         return names + (["logits"] if self.edges[:, -1].any() else [])
 
     def prune(self) -> Circuit:
-        """Only the edges on a path from `input` to `logits` (see the module docstring)."""
+        """Only the edges on a path from `input` to `logits` (see the module docstring); a
+        per-copy circuit is pruned on the ungrouped graph, as EAP-IG prunes."""
         g = self.graph
-        owner = g.reader_owners.to(torch.float64)
-        edges = self.edges.to(torch.float64)
-        # Reachability over a DAG of depth <= 2 * n_layers + 2 steps; iterate to the fixpoint.
-        reached = torch.zeros(len(g.writers), dtype=torch.float64)
-        reached[g.writer_index["input"]] = 1
-        leads = torch.zeros(len(g.readers), dtype=torch.float64)
-        leads[g.reader_index["logits"]] = 1
-        for _ in range(2 * g.n_layers + 3):
-            readers_hit = (reached @ edges) > 0
-            new_reached = ((owner.T @ readers_hit.to(torch.float64)) > 0).to(torch.float64)
-            new_reached[g.writer_index["input"]] = 1
-            writers_live = (edges @ leads) > 0
-            new_leads = ((owner @ writers_live.to(torch.float64)) > 0).to(torch.float64)
-            new_leads[g.reader_index["logits"]] = 1
-            if torch.equal(new_reached, reached) and torch.equal(new_leads, leads):
-                break
-            reached, leads = new_reached, new_leads
-        keep = self.edges & (reached > 0)[:, None] & (leads > 0)[None, :]
-        return Circuit(
-            g,
-            keep,
+        extras: dict[str, Any] = dict(
             scores=self.scores,
             node_scores=self.node_scores,
             ungrouped_scores=self.ungrouped_scores,
         )
+        if self.ungrouped_edges is not None:
+            return Circuit.from_copies(g, self.ungrouped_edges, prune=True, **extras)
+        return Circuit(g, _on_a_path(self.edges, g.reader_owners, g), **extras)
 
     def _combine(self, other: Circuit, op: Callable[[Tensor, Tensor], Tensor]) -> Circuit:
         if other.graph != self.graph:
@@ -169,15 +210,16 @@ class Circuit:
             return a if a is not None and b is not None and torch.equal(a, b) else None
 
         scores = same(self.scores, other.scores)
-        return Circuit(
-            self.graph,
-            op(self.edges, other.edges),
+        extras: dict[str, Any] = dict(
             scores=scores,
             node_scores=same(self.node_scores, other.node_scores),
             ungrouped_scores=None
             if scores is None
             else same(self.ungrouped_scores, other.ungrouped_scores),
         )
+        if self.per_copy or other.per_copy:
+            return Circuit.from_copies(self.graph, op(self.copies, other.copies), **extras)
+        return Circuit(self.graph, op(self.edges, other.edges), **extras)
 
     def __or__(self, other: Circuit) -> Circuit:
         return self._combine(other, lambda a, b: a | b)
@@ -191,7 +233,11 @@ class Circuit:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Circuit):
             return NotImplemented
-        return self.graph == other.graph and torch.equal(self.edges, other.edges)
+        return (
+            self.graph == other.graph
+            and torch.equal(self.edges, other.edges)
+            and torch.equal(self.copies, other.copies)
+        )
 
     __hash__ = None  # type: ignore[assignment]  # mutable tensors inside
 
@@ -215,7 +261,7 @@ class Circuit:
         path: str | Path,
         model_or_graph: Validated[HookedModel | Graph],
         *,
-        kv: Literal["strict", "any", "all"] = "strict",
+        kv: Literal["copies", "strict", "any", "all"] = "copies",
     ) -> Circuit:
         """Read a circuit from an EAP-IG graph JSON file for this model (see `eapig_json.py`)."""
         from ra_lens.circuits.eapig_json import read_fields
@@ -266,7 +312,13 @@ class Circuit:
                 for w, r in where
             ],
             "node_scores": None if self.node_scores is None else self.node_scores.tolist(),
+            **({"ungrouped_edges": self._copy_names()} if self.per_copy else {}),
         }
+
+    def _copy_names(self) -> list[str]:
+        """The names of the ungrouped edges in a per-copy circuit (EAP-IG's names)."""
+        g, readers = self.graph, self.graph.ungrouped_readers
+        return [f"{g.writers[w]}->{readers[u][0]}" for w, u in torch.nonzero(self.copies).tolist()]
 
     def table(self) -> str:
         """A Markdown table of the circuit's edges with their scores, in graph order."""
@@ -331,3 +383,76 @@ class Circuit:
         if path is not None:
             page.save(path)
         return page
+
+
+def _any_copy(
+    graph: Graph, copies: Bool[Tensor, "writer ureader"]
+) -> Bool[Tensor, "writer reader"]:
+    """Each edge of `graph` that holds at least one of its ungrouped copies."""
+    counts = torch.zeros(graph.real.shape, dtype=torch.long)
+    return counts.index_add_(1, graph.ungrouped_target, copies.to(torch.long)) > 0
+
+
+def _checked_copies(
+    graph: Graph, edges: Tensor, copies: Tensor
+) -> Bool[Tensor, "writer ureader"] | None:
+    """`copies` (a circuit's `ungrouped_edges`) checked against the graph and `edges`; None
+    when every group agrees (the circuit is then the grouped one: module docstring)."""
+    shape = (len(graph.writers), len(graph.ungrouped_readers))
+    if tuple(copies.shape) != shape or copies.dtype != torch.bool:
+        raise ValueError(
+            f"ungrouped_edges must be a bool tensor of shape {shape} ([writer, ureader], in the "
+            f"order of graph.ungrouped_readers), got {copies.dtype} {tuple(copies.shape)}"
+        )
+    copies = copies.detach().cpu()
+    stray = copies & ~graph.real[:, graph.ungrouped_target]
+    if stray.any():
+        w, u = torch.nonzero(stray)[0].tolist()
+        raise ValueError(
+            f"{int(stray.sum())} entries of ungrouped_edges are not edges of the graph, e.g. "
+            f"{graph.writers[w]}->{graph.ungrouped_readers[u][0]}"
+        )
+    if not torch.equal(_any_copy(graph, copies), edges):
+        raise ValueError(
+            "edges must hold each edge with at least one copy in ungrouped_edges and no other: "
+            "build the circuit with Circuit.from_copies(graph, ungrouped_edges)"
+        )
+    grouped = edges[:, graph.ungrouped_target]
+    return None if torch.equal(grouped, copies) else copies
+
+
+@functools.cache
+def ungrouped_owners(graph: Graph) -> Bool[Tensor, "ureader writer"]:
+    """owner[u, w]: ungrouped reader u is an input of writer w, as in EAP-IG's graph (query head
+    h's copy of a key/value input belongs to head h alone). Computed once per graph."""
+    owner = torch.zeros(len(graph.ungrouped_readers), len(graph.writers), dtype=torch.bool)
+    for u, (name, _) in enumerate(graph.ungrouped_readers):
+        if name != "logits":
+            writer = name.split("<")[0]  # a{l}.h{h} (q, k, v of head h) or m{l}
+            owner[u, graph.writer_index[writer]] = True
+    return owner
+
+
+def _on_a_path(
+    edges: Bool[Tensor, "writer reader"], owner: Bool[Tensor, "reader writer"], graph: Graph
+) -> Bool[Tensor, "writer reader"]:
+    """The edges on a path from `input` to `logits` (the last reader), `owner[r, w]` saying
+    which writer each reader feeds (module docstring)."""
+    owners = owner.to(torch.float64)
+    flow = edges.to(torch.float64)
+    # Reachability over a DAG of depth <= 2 * n_layers + 2 steps; iterate to the fixpoint.
+    reached = torch.zeros(len(graph.writers), dtype=torch.float64)
+    reached[graph.writer_index["input"]] = 1
+    leads = torch.zeros(edges.shape[1], dtype=torch.float64)
+    leads[-1] = 1  # logits
+    for _ in range(2 * graph.n_layers + 3):
+        readers_hit = (reached @ flow) > 0
+        new_reached = ((owners.T @ readers_hit.to(torch.float64)) > 0).to(torch.float64)
+        new_reached[graph.writer_index["input"]] = 1
+        writers_live = (flow @ leads) > 0
+        new_leads = ((owners @ writers_live.to(torch.float64)) > 0).to(torch.float64)
+        new_leads[-1] = 1
+        if torch.equal(new_reached, reached) and torch.equal(new_leads, leads):
+            break
+        reached, leads = new_reached, new_leads
+    return edges & (reached > 0)[:, None] & (leads > 0)[None, :]

@@ -71,6 +71,8 @@ class FaithfulnessCurve:
         abs_n_edges: edges in those circuits after pruning, in `units`.
         units: "ungrouped" (MIB's count) or "grouped" (this graph's edges).
         method, selection, ablation: how the circuits were chosen and measured.
+        own_copies: per-copy circuits (each query head's copy of a key/value edge chosen and
+            patched on its own, `EdgeScores.top(own_copies=True)`) instead of grouped ones.
         baseline: what faithfulness is normalised by (the empty circuit under `ablation`).
         seconds: time spent measuring each size (both rankings).
     """
@@ -87,6 +89,7 @@ class FaithfulnessCurve:
     ablation: str = "patching"
     baseline: str = BASELINE
     seconds: list[float] = field(default_factory=list)
+    own_copies: bool = False
 
     def __post_init__(self) -> None:
         lengths = {
@@ -159,7 +162,9 @@ class FaithfulnessCurve:
         ):
             rows.append(f"| {100 * k:g} | {ns} | {vs:.4f} | {na} | {va:.4f} |")
         rows.append(
-            f"\n{self.units} edges, {self.n_total} in all; ablation {self.ablation}; "
+            f"\n{self.units} edges, {self.n_total} in all"
+            f"{' (each key/value copy on its own)' if self.own_copies else ''}; "
+            f"ablation {self.ablation}; "
             f"faithfulness normalised by the {self.baseline}\nCPR {self.cpr:.4f} (signed "
             f"ranking, higher is better), CMD {self.cmd:.4f} (|score| ranking, lower is better)"
         )
@@ -251,6 +256,7 @@ def faithfulness_curve(
     progress: bool = False,
     evaluate: Callable[..., Any] | None = None,
     chosen: ChosenCircuits | None = None,
+    own_copies: bool = False,
 ) -> FaithfulnessCurve:
     """Faithfulness of the circuits `scores` picks at each size, by both rankings, as MIB
     measures them (module docstring).
@@ -270,6 +276,9 @@ def faithfulness_curve(
             corrupted, metric, ablation=ablation)` returning a result with `.value` or a float.
         chosen: circuits already chosen from these scores by `selection` (`mib.ChosenCircuits`):
             the curve takes them and keeps those it chooses, for the page and the export.
+        own_copies: in ungrouped units, choose each query head's copy of a key/value edge by
+            its own score and keep it on its own (`EdgeScores.top(own_copies=True)`): per-copy
+            circuits, patched copy by copy as EAP-IG's evaluator patches them.
 
     Returns:
         FaithfulnessCurve with `.cpr` (signed ranking) and `.cmd` (|score| ranking). A circuit
@@ -282,6 +291,8 @@ def faithfulness_curve(
         raise ValueError(f"selection={selection!r}: expected 'top' or 'greedy'")
     if units not in UNITS:
         raise ValueError(f"units={units!r}: expected one of {UNITS}")
+    if own_copies and units != "ungrouped":
+        raise ValueError("own_copies=True chooses key/value copies, which only ungrouped units count: pass units='ungrouped'")  # fmt: skip
     from ra_lens.timing import timed
 
     fractions = check_fractions(MIB_FRACTIONS if sizes is None else sizes)
@@ -296,7 +307,7 @@ def faithfulness_curve(
         def evaluate(model: HookedModel, circuit: Circuit, *args: Any, **kwargs: Any) -> Any:
             return evaluator(circuit)
 
-    chosen = chosen_for(scores, chosen, selection)
+    chosen = chosen_for(scores, chosen, selection, own_copies)
     signed = chosen.at(fractions, absolute=False, units=units)
     by_abs = chosen.at(fractions, absolute=True, units=units)
     done: dict[bytes, float] = {}
@@ -305,7 +316,7 @@ def faithfulness_curve(
         span: dict[str, float] = {}
         with timed(span, "size"):
             for circuit in pair:
-                key = circuit.edges.numpy().tobytes()
+                key = _key(circuit)
                 if key not in done:
                     result = evaluate(model, circuit, clean, corrupted, metric, ablation=ablation)
                     done[key] = float(getattr(result, "value", result))
@@ -318,7 +329,7 @@ def faithfulness_curve(
         seconds.append(span["size"])
 
     def value(circuit: Circuit) -> float:
-        return done[circuit.edges.numpy().tobytes()]
+        return done[_key(circuit)]
 
     return FaithfulnessCurve(
         sizes=fractions,
@@ -332,4 +343,11 @@ def faithfulness_curve(
         selection=selection,
         ablation=ablation,
         seconds=seconds,
+        own_copies=chosen.own_copies,
     )
+
+
+def _key(circuit: Circuit) -> bytes:
+    """What tells two circuits apart: their edges, and each key/value copy of a per-copy one."""
+    copies = circuit.ungrouped_edges
+    return circuit.edges.numpy().tobytes() + (b"" if copies is None else copies.numpy().tobytes())

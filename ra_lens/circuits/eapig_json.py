@@ -10,19 +10,22 @@ carries none); node "score" only when the circuit carries node scores. EAP-IG's 
 grouped-query attention: it has `<k>`/`<v>` readers per QUERY head. A key/value edge of a
 grouped-query model (`a0.h1->a3.h2<k>` on key/value head 2) is therefore written on every query
 head of its group (`a0.h1->a3.h{2r..2r+r-1}<k>`, r = n_heads / n_kv_heads) with the same
-in_graph, so EAP-IG and MIB, which load the file as an ungrouped model, patch exactly the
-key/value inputs this circuit patches. Each copy carries its own score where the circuit has
+in_graph (each copy's own in_graph in a per-copy circuit, `Circuit.ungrouped_edges`), so EAP-IG
+and MIB, which load the file as an ungrouped model, patch exactly the key/value inputs this
+circuit patches. Each copy carries its own score where the circuit has
 per-query-head scores (`Circuit.ungrouped_scores`, from `attribute`: the part of the edge's score
 that goes through that query head, what EAP-IG scores on its ungrouped model), else an equal
 share, score / r; either way the r copies add up to the edge's score, so MIB's ranking over the
 copies never sees r copies of the whole (see `EdgeScores.top(units="ungrouped")`, which ranks
 the same way).
 
-Reading a file back (`read_json`): with `kv="strict"` (default) a key/value edge is in the
-circuit when it is in_graph on all query heads of its group and out when on none; a file where
-the heads of a group disagree is refused, naming the first such edge (a file EAP-IG wrote for an
-ungrouped copy of the model can disagree: pass `kv="any"` to keep an edge in_graph on any head
-of its group, or `kv="all"` to keep only those in_graph on all of them). A key/value edge's
+Reading a file back (`read_json`): with `kv="copies"` (default) each query head's copy of a
+key/value edge is in the circuit as the file says: where the heads of a group disagree (a file
+EAP-IG or `EdgeScores.top(n, own_copies=True)` wrote) the circuit is per copy
+(`Circuit.ungrouped_edges`), and edge patching gives each query head its own key and value, as
+EAP-IG's evaluator does; where they agree it is the grouped circuit. `kv="strict"` refuses a file
+whose groups disagree, naming the first such edge; `kv="any"` keeps an edge (for all its copies)
+in_graph on any head of its group, `kv="all"` only those in_graph on all of them. A key/value edge's
 score is the sum of its copies' scores (the score written, read back), and on a grouped-query
 model each copy's score is kept as read (`Circuit.ungrouped_scores`). Edges missing from the
 file are out of the circuit with score 0; unknown names, a mismatched `cfg` or a damaged file
@@ -59,7 +62,7 @@ from ra_lens.files import load_json, write_file
 if TYPE_CHECKING:
     from ra_lens.circuits.circuit import Circuit
 
-KvRule = Literal["strict", "any", "all"]
+KvRule = Literal["copies", "strict", "any", "all"]
 
 
 class CircuitFields(TypedDict):
@@ -69,6 +72,7 @@ class CircuitFields(TypedDict):
     scores: Tensor
     node_scores: Tensor | None
     ungrouped_scores: Tensor | None
+    ungrouped_edges: Tensor | None
 
 
 def ungrouped_readers(graph: Graph) -> list[tuple[str, int]]:
@@ -106,11 +110,12 @@ def write_json(circuit: Circuit, path: str | Path) -> None:
     nodes["logits"] = {"in_graph": True}  # EAP-IG's logits node is always in its graph
     edges: dict[str, dict[str, Any]] = {}
     readers = ungrouped_readers(g)
-    real, chosen, values = g.real.tolist(), circuit.edges.tolist(), ungrouped.tolist()
+    # each query head's copy in_graph as the circuit holds it (all alike unless per copy)
+    real, chosen, values = g.real.tolist(), circuit.copies.tolist(), ungrouped.tolist()
     for w, writer in enumerate(g.writers):
         for u, (reader, r) in enumerate(readers):
             if real[w][r]:
-                edges[f"{writer}->{reader}"] = {"score": values[w][u], "in_graph": chosen[w][r]}
+                edges[f"{writer}->{reader}"] = {"score": values[w][u], "in_graph": chosen[w][u]}
     cfg = {
         "n_layers": g.n_layers,
         "n_heads": g.n_heads,
@@ -124,8 +129,8 @@ def read_fields(path: str | Path, g: Graph, *, kv: KvRule = "strict") -> Circuit
     """The fields of the `Circuit` an EAP-IG graph JSON file describes on graph `g` (`edges`,
     `scores`, `node_scores`, `ungrouped_scores`): `Circuit.from_json` builds the circuit from
     them. See the module docstring for key/value edges."""
-    if kv not in ("strict", "any", "all"):
-        raise ValueError(f"kv={kv!r}: expected 'strict', 'any' or 'all'")
+    if kv not in ("copies", "strict", "any", "all"):
+        raise ValueError(f"kv={kv!r}: expected 'copies', 'strict', 'any' or 'all'")
     data = _load(Path(path))
     _check_cfg(path, data["cfg"], g)
 
@@ -167,6 +172,8 @@ def read_fields(path: str | Path, g: Graph, *, kv: KvRule = "strict") -> Circuit
         "scores": scores,
         "node_scores": node_scores,
         "ungrouped_scores": copies,
+        # Circuit keeps them only where the heads of a group disagree
+        "ungrouped_edges": in_graph & g.real[:, g.ungrouped_target] if kv == "copies" else None,
     }
 
 

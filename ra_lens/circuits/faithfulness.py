@@ -4,8 +4,10 @@ One forward pass on the clean prompts in which every reader r reads
     its input in this run - sum over its incoming edges w -> r NOT in the circuit of
     (w's output in this run - w's output on the corrupted prompt),
 each reader on its own (the query of head 3 and of head 5 of one layer can differ; on a
-grouped-query model a `<k>`/`<v>` edge patches that key/value head's input). See `_edges.py`
-for the hooks.
+grouped-query model a `<k>`/`<v>` edge patches that key/value head's input, for all the query
+heads of its group; a per-copy circuit, `Circuit.ungrouped_edges`, patches each query head's copy
+of it with that copy's own edges, as EAP-IG's evaluator does on its ungrouped model). See
+`_edges.py` for the hooks.
 
 Faithfulness, one definition everywhere in ra-lens (`faithfulness`, `FaithfulnessEvaluator`,
 `faithfulness_curve`, `ra-lens circuit`, the circuit study), MIB's (`evaluate_area_under_curve`
@@ -237,10 +239,10 @@ class FaithfulnessEvaluator:
         self._metrics = [pairs.metric_rows(metric, rows, n) for rows in self._rows]
         clean_values, corrupted_values = [], []
         self._references: list[Tensor] = []
-        with capture.preserved_state(model), torch.no_grad(), _edges.mlp_in_enabled(model):
+        with capture.preserved_state(model), torch.no_grad():
+            _edges.enable_mlp_in(model)
             self._weights = [
-                _edges.layer_weights(model, la, facts.layouts[la])
-                for la in range(self.graph.n_layers)
+                _edges.layer_weights(model, la, facts) for la in range(self.graph.n_layers)
             ]
             for rows, part_metric in zip(self._rows, self._metrics, strict=True):
                 clean_part = self._clean.rows(rows)
@@ -264,19 +266,26 @@ class FaithfulnessEvaluator:
         self.empty_per_pair = self._circuit_values(self.graph.real)
 
     def _circuit_values(
-        self, mask: Bool[Tensor, "writer reader"], progress: bool = False
+        self,
+        mask: Bool[Tensor, "writer reader"],
+        progress: bool = False,
+        copy_mask: Bool[Tensor, "writer ureader"] | None = None,
     ) -> Float[Tensor, " pair"]:
-        """The metric per pair with the edges in `mask` patched: one forward pass per batch."""
+        """The metric per pair with the edges in `mask` patched (`copy_mask`: per copy, the
+        key/value copies' edges): one forward pass per batch (`group` slots per copy)."""
         model, parts = self.model, []
-        with capture.preserved_state(model), torch.no_grad(), _edges.mlp_in_enabled(model):
+        with capture.preserved_state(model), torch.no_grad():
+            _edges.enable_mlp_in(model)
             batches = zip(self._rows, self._metrics, self._references, strict=True)
             for rows, part_metric, reference in tqdm(
                 list(batches), desc="faithfulness", disable=not progress
             ):
                 clean_part = self._clean.rows(rows)
-                patched = _edges.EdgeRun(self.graph, self._weights, reference=reference, mask=mask)
+                patched = _edges.EdgeRun(
+                    self.graph, self._weights, reference=reference, mask=mask, copy_mask=copy_mask
+                )
                 with model.hooks(fwd_hooks=patched.hooks(model)):
-                    logits = model(clean_part.tokens)
+                    logits = patched.first_slot(model(patched.expand(clean_part.tokens)))
                 parts.append(pairs.metric_values(part_metric, logits, clean_part))
         return torch.cat(parts).detach().double().cpu()
 
@@ -284,7 +293,10 @@ class FaithfulnessEvaluator:
         """Faithfulness of one circuit: one forward pass per batch of pairs."""
         graph = _check_circuit(self.model, circuit)
         mask = graph.real & ~circuit.edges.to(torch.bool).cpu()
-        circuit_values = self._circuit_values(mask, progress)
+        copy_mask = None
+        if circuit.ungrouped_edges is not None:  # per copy (the module docstring)
+            copy_mask = graph.real[:, graph.ungrouped_target] & ~circuit.ungrouped_edges
+        circuit_values = self._circuit_values(mask, progress, copy_mask)
         clean_v, empty_v = self.clean_per_pair, self.empty_per_pair
         clean_m, empty_m = float(clean_v.mean()), float(empty_v.mean())
         circuit_m = float(circuit_values.mean())

@@ -22,7 +22,7 @@ from ra_lens.types import HookedModel
 
 
 def read_json(
-    path: str | Path, model_or_graph: Validated[HookedModel | Graph], *, kv: KvRule = "strict"
+    path: str | Path, model_or_graph: Validated[HookedModel | Graph], *, kv: KvRule = "copies"
 ) -> Circuit:
     """The circuit an EAP-IG graph JSON file describes, on the graph of `model_or_graph` (a
     TransformerLens model or a `Graph`); see `eapig_json.py` for key/value edges."""

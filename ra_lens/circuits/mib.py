@@ -91,6 +91,9 @@ class ChosenCircuits:
 
     scores: EdgeScores
     selection: Selection = "top"
+    #: choose each query head's copy of a key/value edge on its own (per-copy circuits,
+    #: `EdgeScores.top(own_copies=True)`), in ungrouped units
+    own_copies: bool = False
     _kept: dict[tuple[int, bool, str], Circuit] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -104,7 +107,8 @@ class ChosenCircuits:
         key = (n, absolute, units)
         if key not in self._kept:
             choose = self.scores.top if self.selection == "top" else self.scores.greedy
-            self._kept[key] = choose(n, absolute=absolute, units=units)
+            own = self.own_copies and units == "ungrouped"
+            self._kept[key] = choose(n, absolute=absolute, units=units, own_copies=own)
         return self._kept[key]
 
     def at(
@@ -118,15 +122,22 @@ class ChosenCircuits:
         return [self.pick(int(k * total), absolute=absolute, units=units) for k in fractions]
 
 
-def chosen_for(scores: EdgeScores, chosen: ChosenCircuits | None, selection: str) -> ChosenCircuits:
-    """`chosen` when it holds circuits of these `scores` by `selection`, a new (empty) one when
-    None; circuits of other scores or another selection are refused."""
+def chosen_for(
+    scores: EdgeScores, chosen: ChosenCircuits | None, selection: str, own_copies: bool = False
+) -> ChosenCircuits:
+    """`chosen` when it holds circuits of these `scores` by `selection` (and `own_copies`), a
+    new (empty) one when None; circuits of other scores or another selection are refused."""
     if chosen is None:
-        return ChosenCircuits(scores, cast("Selection", selection))  # checked there
-    if chosen.scores is not scores or chosen.selection != selection:
+        return ChosenCircuits(scores, cast("Selection", selection), own_copies)  # checked there
+    if (
+        chosen.scores is not scores
+        or chosen.selection != selection
+        or chosen.own_copies != own_copies
+    ):
         raise ValueError(
-            f"chosen holds {chosen.selection} circuits of {chosen.scores!r}, asked for "
-            f"{selection} circuits of {scores!r}: pass the ChosenCircuits of these scores"
+            f"chosen holds {chosen.selection} circuits (own_copies={chosen.own_copies}) of "
+            f"{chosen.scores!r}, asked for {selection} circuits (own_copies={own_copies}) of "
+            f"{scores!r}: pass the ChosenCircuits of these scores"
         )
     return chosen
 

@@ -21,13 +21,19 @@ Sizes in ungrouped units (`units="ungrouped"`, what MIB counts on a grouped-quer
 grouped key/value edge stands for `group` edges of EAP-IG's ungrouped graph, one per query head of
 its group: patching the key (value) input that query head h alone reads. `attribute` scores each
 copy itself (`EdgeScores.ungrouped_scores`: the part of the shared input's score that goes through
-head h, so the copies add up to the grouped score); files for EAP-IG and MIB carry those. Edge
-patching here patches a key/value head's input for all its query heads at once, as one unit whose
-effect is the grouped score, so the ungrouped ranking gives each copy an equal share, score /
-group, by default (`own_copies=True` ranks each copy by its own score), and a circuit of n
-ungrouped edges keeps a grouped edge when ALL its copies are among the n best: the kept circuit
-never spends more than n ungrouped edges (a group cut by the boundary is left out, at most
-group - 1 edges unspent). Without grouped-query attention both units agree.
+head h, so the copies add up to the grouped score); files for EAP-IG and MIB carry those. Two
+ways to choose:
+
+- equal shares (default): each copy enters the ungrouped ranking with score / group, and a
+  circuit of n ungrouped edges keeps a grouped edge when ALL its copies are among the n best (a
+  group cut by the boundary is left out, at most group - 1 edges unspent). The circuit is
+  grouped: a key/value edge is patched for all its query heads at once.
+- own copies (`own_copies=True`): each copy is ranked by its own score, exactly as EAP-IG's
+  `apply_topn` / `apply_greedy` rank its ungrouped graph, and kept on its own: the circuit is
+  per copy (`Circuit.ungrouped_edges`), pruned as EAP-IG prunes, and edge patching gives each
+  query head its own key and value (`faithfulness`), as EAP-IG's evaluator does.
+
+Without grouped-query attention both units and both ways agree.
 
     >>> gqa = Graph(n_layers=1, n_heads=2, n_kv_heads=1, d_model=8)
     >>> s = torch.zeros(len(gqa.writers), len(gqa.readers))
@@ -41,6 +47,9 @@ group - 1 edges unspent). Without grouped-query attention both units agree.
     3
     >>> kv.top(4, units="ungrouped").n_edges_ungrouped  # + input->a0.h0<q> (2.0)
     4
+    >>> own = kv.top(3, units="ungrouped", own_copies=True)  # head 1 writes nowhere: pruned
+    >>> own.per_copy, own.n_edges_ungrouped, own.to_dict()["ungrouped_edges"]
+    (True, 2, ['input->a0.h0<k>', 'a0.h0->logits'])
 """
 
 from __future__ import annotations
@@ -61,7 +70,7 @@ from torch import Tensor
 from ra_lens._typing import Validated
 from ra_lens.checks import check_count
 from ra_lens.circuits.checks import check_copies, check_extras, check_finite, split_fields
-from ra_lens.circuits.circuit import Circuit
+from ra_lens.circuits.circuit import Circuit, ungrouped_owners
 from ra_lens.circuits.graph import UNITS, Graph, Units
 from ra_lens.circuits.mib import mib_sign
 from ra_lens.types import HookedModel, MetricFn, Tokens
@@ -143,15 +152,19 @@ class EdgeScores:
         keys = keys.abs() if absolute else keys
         return keys.masked_fill(~self.graph.real, float("-inf"))
 
-    def _circuit(self, edges: Bool[Tensor, "writer reader"]) -> Circuit:
+    def _circuit(
+        self, edges: Bool[Tensor, "writer reader"], copies: Tensor | None = None
+    ) -> Circuit:
+        """The pruned circuit of `edges`, or of the ungrouped edges `copies` (per copy)."""
         ungrouped = self.ungrouped_scores
-        return Circuit(
-            self.graph,
-            edges,
+        extras: dict[str, Any] = dict(
             scores=self.scores.detach().cpu(),
             node_scores=self.node_scores,
             ungrouped_scores=None if ungrouped is None else ungrouped.detach().cpu(),
-        ).prune()
+        )
+        if copies is not None:
+            return Circuit.from_copies(self.graph, copies, prune=True, **extras)
+        return Circuit(self.graph, edges, **extras).prune()
 
     def _ungrouped_keys(self, absolute: bool, own: bool) -> Float[Tensor, "writer ureader"]:
         """The ranking key of each ungrouped edge (own=False: equal shares); -inf where there
@@ -162,6 +175,13 @@ class EdgeScores:
         )
         keys = keys.abs() if absolute else keys
         return keys.masked_fill(~g.real[:, g.ungrouped_target], float("-inf"))
+
+    def _check_own(self, own_copies: bool, units: str) -> None:
+        if own_copies and units != "ungrouped":
+            raise ValueError(
+                "own_copies=True chooses each query head's copy of a key/value edge on its own, "
+                "which only ungrouped units count: pass units='ungrouped'"
+            )
 
     def _check_count(self, n: Validated[int], units: Validated[Units] = "ungrouped") -> None:
         if units not in UNITS:
@@ -188,12 +208,12 @@ class EdgeScores:
         units="ungrouped" (default, as every curve and MIB count): n counts edges of EAP-IG's
         ungrouped graph; units="grouped" counts this graph's edges (a key/value edge once). Each
         key/value edge enters the ranking once per query head of its group with an equal share of
-        its score (own_copies=True: each copy's own score, `ungrouped_helps`), and is kept when all
-        its copies are among the n best. Equal shares are the default because the circuit patches
-        a grouped edge as one unit, whose effect is the sum of its copies: ranked by its weakest
-        copy it is nearly always cut (on SmolLM2 IOI, eap denoise, own copies give CPR 0.38 /
-        CMD 0.24 against 1.33 / 0.07 with shares)."""
+        its score, and is kept when all its copies are among the n best (a grouped circuit).
+        own_copies=True ranks each copy by its own score (`ungrouped_helps`) and keeps each copy
+        on its own, as EAP-IG's `apply_topn` on its ungrouped graph: a per-copy circuit
+        (module docstring); it needs units="ungrouped"."""
         self._check_count(n, units)
+        self._check_own(own_copies, units)
         if units == "grouped":
             order = torch.argsort(self._keys(absolute).flatten(), descending=True, stable=True)
             edges = torch.zeros(self.graph.real.numel(), dtype=torch.bool)
@@ -206,6 +226,8 @@ class EdgeScores:
         order = torch.argsort(ukeys.flatten(), descending=True, stable=True)
         picked = torch.zeros(ukeys.numel(), dtype=torch.long)
         picked[order[:n]] = 1
+        if own_copies:
+            return self._circuit(g.real, copies=picked.view_as(ukeys) > 0)
         index = g.ungrouped_target.expand(len(g.writers), -1)
         n_picked = torch.zeros(g.real.shape, dtype=torch.long).scatter_add(
             1, index, picked.view_as(ukeys)
@@ -240,46 +262,25 @@ class EdgeScores:
         Ties go to the edge earlier in graph order.
 
         units="ungrouped": n counts ungrouped edges; a key/value edge is ranked by its share,
-        score / group (own_copies=True: by its weakest copy, as `top` then keeps it only when all
-        its copies make the cut), and costs `group` edges; growing stops when the best
-        candidate no longer fits (its copies would be cut by the boundary)."""
+        score / group, and costs `group` edges; growing stops when the best candidate no longer
+        fits (its copies would be cut by the boundary). own_copies=True grows EAP-IG's ungrouped
+        graph itself: each copy is a candidate with its own score and cost 1 (a head's incoming
+        candidates are then its `<q>` and its own copies of `<k>` and `<v>`), giving a per-copy
+        circuit (see `top`)."""
         self._check_count(n, units)
+        self._check_own(own_copies, units)
         g = self.graph
-        keys = self._keys(absolute)
-        cost = [1] * len(g.readers)
-        if units == "ungrouped":
-            index = g.ungrouped_target.expand(len(g.writers), -1)
-            keys = torch.full_like(keys, math.inf).scatter_reduce(
-                1, index, self._ungrouped_keys(absolute, own_copies), "amin"
-            )
-            cost = g.copies.tolist()
-        owner = g.reader_owners
-        heap: list[tuple[float, int, int]] = []
-        seen_readers: set[int] = set()
-
-        def push_into(reader: int) -> None:
-            if reader in seen_readers:
-                return
-            seen_readers.add(reader)
-            for w in torch.nonzero(g.real[:, reader]).flatten().tolist():
-                heapq.heappush(heap, (-float(keys[w, reader]), w, reader))
-
-        push_into(g.reader_index["logits"])
-        edges = torch.zeros_like(g.real)
-        writers_in = {g.writer_index["input"]}
-        budget = n
-        while heap and budget > 0:
-            _, w, r = heap[0]
-            if cost[r] > budget:
-                break
-            heapq.heappop(heap)
-            budget -= cost[r]
-            edges[w, r] = True
-            if w not in writers_in:
-                writers_in.add(w)
-                for reader in torch.nonzero(owner[:, w]).flatten().tolist():
-                    push_into(reader)
-        return self._circuit(edges)
+        if own_copies:
+            keys = self._ungrouped_keys(absolute, own=True)
+            real, owner = g.real[:, g.ungrouped_target], ungrouped_owners(g)
+            cost = [1] * real.shape[1]
+        else:
+            keys, real, owner = self._keys(absolute), g.real, g.reader_owners
+            cost = [1] * len(g.readers)
+            if units == "ungrouped":  # each copy's equal share; -inf off the graph stays
+                keys, cost = keys / g.copies[None, :], g.copies.tolist()
+        edges = _grow(keys, real, owner, cost, n, g.writer_index["input"])
+        return self._circuit(g.real, copies=edges) if own_copies else self._circuit(edges)
 
     def to_html(
         self,
@@ -414,3 +415,41 @@ class EdgeScores:
         from ra_lens.circuits import _store
 
         return _store.load(cls, path)
+
+
+def _grow(
+    keys: Float[Tensor, "writer reader"],
+    real: Bool[Tensor, "writer reader"],
+    owner: Bool[Tensor, "reader writer"],
+    cost: list[int],
+    budget: int,
+    input_writer: int,
+) -> Bool[Tensor, "writer reader"]:
+    """EAP-IG's greedy growth from the logits (the last reader), `EdgeScores.greedy`: the best
+    candidate by `keys` while its `cost` fits the `budget`; a new writer's incoming edges (into
+    the readers it owns) become candidates. Ties go to the edge earlier in graph order."""
+    heap: list[tuple[float, int, int]] = []
+    seen_readers: set[int] = set()
+
+    def push_into(reader: int) -> None:
+        if reader in seen_readers:
+            return
+        seen_readers.add(reader)
+        for w in torch.nonzero(real[:, reader]).flatten().tolist():
+            heapq.heappush(heap, (-float(keys[w, reader]), w, reader))
+
+    push_into(real.shape[1] - 1)
+    edges = torch.zeros_like(real)
+    writers_in = {input_writer}
+    while heap and budget > 0:
+        _, w, r = heap[0]
+        if cost[r] > budget:
+            break
+        heapq.heappop(heap)
+        budget -= cost[r]
+        edges[w, r] = True
+        if w not in writers_in:
+            writers_in.add(w)
+            for reader in torch.nonzero(owner[:, w]).flatten().tolist():
+                push_into(reader)
+    return edges

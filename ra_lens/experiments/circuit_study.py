@@ -304,6 +304,7 @@ def run_task(
     on_method: Any = None,
     truth_pairs: int = 0,
     selection: str = "top",
+    own_copies: bool = False,
 ) -> dict[str, Any]:
     """Score on `train` (the held-out `pairs` themselves when empty), choose, and measure on
     `pairs`: the raw per-pair metrics of one task, JSON-ready.
@@ -337,7 +338,15 @@ def run_task(
                 model, pairs, truth_pairs, truth, label, scores, out["truth"], batch_size
             )
         spent = dict(times)
-        out["methods"][label] = measure_method(scores, measure, sizes, ablations, selection, spent)
+        out["methods"][label] = measure_method(
+            scores,
+            measure,
+            sizes,
+            ablations,
+            selection,
+            spent,
+            own_copies=own_copies,
+        )
         out["seconds"] = timing.now() - start
         if on_method is not None:
             on_method(out)
@@ -366,6 +375,7 @@ def circuit_study(
     truth_tasks: Sequence[str] = (),
     truth_pairs: int = 8,
     selection: str = "top",
+    own_copies: bool = False,
 ) -> dict[str, Any]:
     """Run every task; `on_task(study)` after each method of each task (to save partial
     results). Each task's first `train_pairs` pairs are scored and the next `n_pairs` (held out)
@@ -388,6 +398,7 @@ def circuit_study(
             "fractions": list(fractions),
             "edge_counts": list(edge_counts),
             "selection": selection,
+            "own_copies": own_copies,
             "units": "ungrouped",
             "faithfulness_baseline": BASELINE,
             "cpr_from": "signed ranking (largest score)",
@@ -434,6 +445,7 @@ def circuit_study(
                 on_method=keep,
                 truth_pairs=truth_pairs if name in truth_tasks else 0,
                 selection=selection,
+                own_copies=own_copies,
             )
         )
     study["runtime_seconds"] = timing.now() - start
@@ -448,8 +460,11 @@ def merge_saved(studies: Sequence[dict[str, Any]]) -> dict[str, Any]:
     parts' (they may have run one after another)."""
     if not studies:
         raise ValueError("merge needs at least one saved study")
-    keys = ("model", "n_pairs", "train_pairs", "batch_size", "n_boot", "fractions", "edge_counts", "selection")  # fmt: skip
-    configs = [dict(s["config"], selection=saved_selection(s["config"])) for s in studies]
+    keys = ("model", "n_pairs", "train_pairs", "batch_size", "n_boot", "fractions", "edge_counts", "selection", "own_copies")  # fmt: skip
+    configs = [
+        dict(s["config"], selection=saved_selection(s["config"]), own_copies=bool(s["config"].get("own_copies")))
+        for s in studies
+    ]  # fmt: skip
     for other in configs[1:]:
         bad = [k for k in keys if other.get(k) != configs[0].get(k)]
         if bad:

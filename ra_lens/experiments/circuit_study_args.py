@@ -43,6 +43,10 @@ def parser(methods: Sequence[str], description: str | None) -> argparse.Argument
         help="circuits: top-n then pruned (top), or grown from the logits (greedy); both by "
         "score (CPR) and by |score| (CMD)",
     )  # fmt: skip
+    parser.add_argument(
+        "--own-copies", action="store_true",
+        help="per-copy circuits: each query head's key/value copy chosen and patched on its own",
+    )  # fmt: skip
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     return parser
 
@@ -74,6 +78,8 @@ def settings(
         )
     if args.selection is not None:
         chosen["selection"] = args.selection
+    if args.own_copies:
+        chosen["own_copies"] = True
     for flag in ("n_pairs", "batch_size", "n_boot", "truth_pairs", "train_pairs"):
         value = getattr(args, flag)
         if value is not None:

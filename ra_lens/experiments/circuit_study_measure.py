@@ -31,7 +31,7 @@ class Measured:
 
     def __call__(self, circuit: circuits.Circuit, ablation: str) -> list[float]:
         """The circuit's metric per pair under the ablation."""
-        key = (circuit.edges.numpy().tobytes(), ablation)
+        key = (circuit.copies.numpy().tobytes(), ablation)  # per copy where it is
         if key not in self.measured:
             if ablation not in self.evaluators:
                 self.evaluators[ablation] = circuits.FaithfulnessEvaluator(
@@ -57,12 +57,14 @@ def measure_method(
     ablations: Sequence[str],
     selection: str,
     spent: dict[str, float],
+    own_copies: bool = False,
 ) -> dict[str, Any]:
     """One method's circuits at every size, from the |score| ranking and the signed one, and
-    their metrics per ablation, size and pair; the seconds measuring took go to spent["eval"]."""
+    their metrics per ablation, size and pair; the seconds measuring took go to spent["eval"].
+    own_copies: each query head's key/value copy chosen (and patched) on its own."""
     pick = scores.top if selection == "top" else scores.greedy
-    by_abs = [pick(n, absolute=True, units="ungrouped") for n in sizes]
-    signed = [pick(n, absolute=False, units="ungrouped") for n in sizes]
+    by_abs = [pick(n, absolute=True, units="ungrouped", own_copies=own_copies) for n in sizes]
+    signed = [pick(n, absolute=False, units="ungrouped", own_copies=own_copies) for n in sizes]
     with timing.timed(spent, "eval"):
         result = {
             "seconds": spent["attribute"],

@@ -3,6 +3,7 @@ models, both TransformerLens worlds: GPT-2-like and Llama-like (grouped-query, r
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -17,6 +18,7 @@ from ra_lens.circuits.circuit import Circuit
 from ra_lens.circuits.faithfulness import FaithfulnessEvaluator, faithfulness
 from ra_lens.circuits.graph import Graph
 from ra_lens.circuits.nodes import NodeScores, attribute_nodes
+from ra_lens.contract import model_facts
 from ra_lens.metrics import logit_diff
 from ra_lens.toy_models import tiny_model
 
@@ -75,7 +77,7 @@ def _shift_reader(model, graph, reader: str, shift: torch.Tensor):
         name = f"blocks.{graph.n_layers - 1}.hook_resid_post"
         return [(name, lambda x, hook: x + shift)]
     if r.kind == "mlp":
-        return [(_edges.mlp_in_hook(model, r.layer), lambda x, hook: x + shift)]
+        return [(model_facts(model).mlp_in[r.layer], lambda x, hook: x + shift)]
     kept = {}
     attn = model.blocks[r.layer].attn
     weight = getattr(attn, f"_W_{r.kind.upper()}", None)
@@ -99,8 +101,16 @@ def _shift_reader(model, graph, reader: str, shift: torch.Tensor):
     ]
 
 
+@contextlib.contextmanager
+def _mlp_in_on(model):
+    """HookedTransformer's hook_mlp_in switched on for the block, and back (preserved_state)."""
+    with capture.preserved_state(model):
+        _edges.enable_mlp_in(model)
+        yield
+
+
 def _metric_with(model, tokens, hooks):
-    with torch.no_grad(), _edges.mlp_in_enabled(model), model.hooks(fwd_hooks=hooks):
+    with torch.no_grad(), _mlp_in_on(model), model.hooks(fwd_hooks=hooks):
         return METRIC(model(tokens.tokens), lengths=tokens.lengths)
 
 
@@ -254,7 +264,7 @@ def test_eap_is_the_directional_derivative(model, batches, edge):
     # d/dt metric(corrupted run, reader's input + t * diff) at t = 0, by autograd on t alone.
     t = torch.zeros((), dtype=torch.float64, requires_grad=True)
     hooks = _shift_reader(model, graph, graph.readers[r], t * diff)
-    with _edges.mlp_in_enabled(model), model.hooks(fwd_hooks=hooks):
+    with _mlp_in_on(model), model.hooks(fwd_hooks=hooks):
         value = METRIC(model(corrupted.tokens), lengths=corrupted.lengths).mean()
     (derivative,) = torch.autograd.grad(value, t)
     assert scores[w, r].item() == pytest.approx(derivative.item(), rel=1e-6)

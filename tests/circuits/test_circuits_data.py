@@ -311,7 +311,11 @@ def test_json_refuses_a_group_that_disagrees(tmp_path: Path) -> None:
     data["edges"]["input->a0.h3<k>"] = {"score": 2.0, "in_graph": False}  # h2 still True
     path.write_text(json.dumps(data))
     with pytest.raises(ValueError, match=r"mixed.json: edge input->a0.h1<k> .*h2..h3.*kv='any'"):
-        Circuit.from_json(path, g)
+        Circuit.from_json(path, g, kv="strict")
+    # by default each copy as the file says: query head 2's copy in, head 3's out
+    copies = Circuit.from_json(path, g)
+    assert copies.per_copy and copies.n_edges_ungrouped == 2
+    assert copies.to_dict()["ungrouped_edges"] == ["input->a0.h2<k>", "a0.h2->logits"]
     assert "input->a0.h1<k>" in Circuit.from_json(path, g, kv="any").edge_names
     assert "input->a0.h1<k>" not in Circuit.from_json(path, g, kv="all").edge_names
     # copies that differ: their sum (the shared input's score is the sum of its copies')

@@ -298,14 +298,14 @@ def test_ungrouped_top_ranks_each_copy_by_its_own_score():
     scores = _hand_made()
     # copies: k 5.0 / 0.5 (equal shares would be 2.75 each), v -1.0 / 3.0 (shares 1.0)
     # |score| order: k.h0 5, v.h1 3, h0->logits 2.5, q 2, v.h0 1, k.h1 0.5, ...
-    assert scores.top(4, units="ungrouped", own_copies=True).edge_names == [
-        "input->a0.h0<q>",
-        "a0.h0->logits",
-    ]
-    assert scores.top(5, units="ungrouped", own_copies=True).edge_names == [
-        "input->a0.h0<q>", "input->a0.h0<v>", "a0.h0->logits",
+    # own copies: each copy on its own, as EAP-IG's apply_topn; head 1 writes nowhere, so its
+    # copy of v (3.0) is pruned, as EAP-IG prunes
+    four = scores.top(4, units="ungrouped", own_copies=True)
+    assert four.per_copy and four.n_edges_ungrouped == 3
+    assert four.to_dict()["ungrouped_edges"] == [
+        "input->a0.h0<q>", "input->a0.h0<k>", "a0.h0->logits",
     ]  # fmt: skip
-    assert scores.top(6, units="ungrouped", own_copies=True).edge_names == [
+    assert scores.top(5, units="ungrouped", own_copies=True).to_dict()["ungrouped_edges"] == [
         "input->a0.h0<q>", "input->a0.h0<k>", "input->a0.h0<v>", "a0.h0->logits",
     ]  # fmt: skip
     # signed: v.h0 (-1.0) ranks last, so v is left out of every circuit but the full one
@@ -317,10 +317,15 @@ def test_ungrouped_top_ranks_each_copy_by_its_own_score():
     plain = EdgeScores(scores.graph, scores.scores, "eap", "denoise")
     assert "input->a0.h0<k>" in plain.top(4, units="ungrouped").edge_names
     assert scores.top(4, units="ungrouped") == plain.top(4, units="ungrouped")
-    # greedy ranks a grouped edge by its weakest copy, as top keeps it
-    assert scores.greedy(5, units="ungrouped", own_copies=True).edge_names == [
-        "input->a0.h0<q>", "input->a0.h0<v>", "a0.h0->logits",
+    assert not plain.top(4, units="ungrouped").per_copy
+    # greedy grows EAP-IG's ungrouped graph: h0->logits, then head 0's own q, k, v copies
+    grown = scores.greedy(5, units="ungrouped", own_copies=True)
+    assert grown.to_dict()["ungrouped_edges"] == [
+        "input->a0.h0<q>", "input->a0.h0<k>", "input->a0.h0<v>", "input->logits",
+        "a0.h0->logits",
     ]  # fmt: skip
+    with pytest.raises(ValueError, match="pass units='ungrouped'"):
+        scores.top(4, units="grouped", own_copies=True)
 
 
 def test_noise_copies_take_mibs_sign():

@@ -264,6 +264,25 @@ def test_greedy_selection_is_recorded_and_does_not_merge_with_top(saved, tmp_pat
     assert main(["--merge", str(path), str(tmp_path / "top.json")]) == 2
 
 
+def test_per_copy_circuits_are_recorded_measured_and_do_not_merge_with_grouped(saved, tmp_path):
+    study, _ = saved
+    argv = ["--quick", "--methods", "eap", "--n-pairs", "4", "--truth-tasks", "", "--no-progress"]
+    path = tmp_path / "own.json"
+    assert main([*argv, "--ablations", "patching", "--own-copies", "--json", str(path)]) == 0
+    own = json.loads(path.read_text())
+    assert own["config"]["own_copies"] is True and study["config"]["own_copies"] is False
+    task, grouped = own["tasks"]["toy"], study["tasks"]["toy"]
+    assert all(n <= size for n, size in zip(task["methods"]["eap"]["n_edges"], task["sizes"]))
+    # TL 4's tiny llama has grouped-query attention: per-copy circuits are other circuits
+    ours, theirs = (t["methods"]["eap"]["signed_circuit"]["patching"] for t in (task, grouped))
+    if task["n_edges_grouped"] < task["n_edges_total"]:
+        assert ours != theirs
+    else:  # TL 2's tiny model has none: the same circuits
+        assert ours == theirs
+    (tmp_path / "grouped.json").write_text(json.dumps(study))
+    assert main(["--merge", str(path), str(tmp_path / "grouped.json")]) == 2
+
+
 # --- saving and merging: nothing lost, every bad input one line --------------------------------
 
 WHAT = "a saved study (a file circuit_study --json wrote)"

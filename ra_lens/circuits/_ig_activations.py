@@ -19,7 +19,15 @@ Where EAP-IG replaces `hook_embed` (the token embeddings) this replaces the firs
 residual input: the positional embedding is the same in both runs, so the two interpolations are
 the same tensor. Where EAP-IG replaces `attn.hook_result` (each head's z_h W_O[h]) this replaces
 `attn.hook_z`: W_O is linear and b_O the same in both runs, so the layer writes the same. MLPs are
-replaced at `hook_mlp_out` as in EAP-IG. Attention-only models have no MLP nodes (EAP-IG's list
+replaced at `hook_mlp_out` as in EAP-IG.
+
+One property of EAP-IG's code is kept on purpose, so that the numbers are the ones MIB published:
+its gradients come from backward hooks, which fire only where the reader's input requires grad.
+When the embeddings are held, a model whose positional embedding is not a learned parameter
+(rotary, ALiBi: every model MIB uses but GPT-2) has nothing that requires grad between them and
+the first layer's readers (its q/k/v inputs, and a parallel block's MLP input), so EAP-IG adds no
+gradient there in the embeddings' passes, while a learned W_pos (GPT-2) gives them one. ra-lens
+drops the same gradients (`_drop_embedding_readers`). Attention-only models have no MLP nodes (EAP-IG's list
 would ask for them and fail). The scores are linear in the gradients, so the gradients (and on
 grouped-query models each query head's key/value copies) are summed over the n_nodes * steps
 passes first and multiplied by the differences once: the same numbers as EAP-IG's per-pass
@@ -29,7 +37,7 @@ products, at one product's cost.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from jaxtyping import Float
@@ -45,10 +53,12 @@ MLP_OUT = _edges.MLP_OUT
 Node = tuple[str, int]
 
 
+@runtime_checkable
 class GradientStep(Protocol):
     """What `attribute`'s one pass at one point gives (attribute._Step)."""
 
     grads: list[Tensor]
+    firsts: list[int]
     kv_copies: dict[int, tuple[Tensor | None, Tensor]]
 
     def scores(self, diffs: Tensor, real: Tensor) -> tuple[Tensor, Tensor | None]: ...
@@ -117,6 +127,9 @@ def batch_scores(
     base_out, other_out = base_run.outputs(), other_run.outputs()
     diffs = base_run.residual_effects(other_out - base_out)
     attn_only = bool(getattr(model.cfg, "attn_only", False))
+    # EAP-IG's backward hooks see the embeddings' direct readers only through a learned W_pos
+    learned_positions = getattr(model.cfg, "positional_embedding_type", "") == "standard"
+    parallel = bool(getattr(model.cfg, "parallel_attn_mlp", False))
     grads: list[Tensor] | None = None
     copies: dict[int, list[Tensor | None]] = {}
     step: GradientStep | None = None
@@ -134,6 +147,8 @@ def batch_scores(
             value = start + (k / steps) * (end - start)
             if kind == "input":
                 step = make_step(value, [])
+                if not learned_positions:
+                    _drop_embedding_readers(step, graph, parallel)
             else:
                 point = capture.Z.format(layer) if kind == "attn" else MLP_OUT.format(layer)
                 step = make_step(None, [(point, _replace(value))])
@@ -150,6 +165,20 @@ def batch_scores(
         for la, (k, v) in copies.items()
     }
     return step.scores(diffs, real)
+
+
+def _drop_embedding_readers(step: GradientStep, graph: Graph, parallel: bool) -> None:
+    """Zero the gradients (and key/value copies) of the readers that read the embeddings
+    directly: layer 0's q/k/v inputs, and its MLP input in a parallel block (module docstring)."""
+    per_layer = graph.n_heads + 2 * graph.n_kv_heads + 1
+    direct = {0} | ({per_layer - 1} if parallel else set())
+    step.grads = [
+        torch.zeros_like(g) if first in direct else g
+        for first, g in zip(step.firsts, step.grads, strict=True)
+    ]
+    if 0 in step.kv_copies:
+        k, v = step.kv_copies[0]
+        step.kv_copies[0] = (None if k is None else torch.zeros_like(k), torch.zeros_like(v))
 
 
 def _add(total: list[Tensor | None] | None, new: list[Any]) -> list[Any]:

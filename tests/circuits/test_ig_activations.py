@@ -79,14 +79,16 @@ def reference(
             def keep_live(x: Any, hook: Any, seen: dict[str, Any] = seen) -> None:
                 seen[hook.name] = x
 
-            # a constant, as in EAP-IG (no gradient reaches the node); requires_grad only so
-            # that readers it alone feeds (rotary models: layer 0) get a gradient, of zero
-            hooks = [(node, lambda x, hook, p=point: p.clone().requires_grad_(True))]
+            # a constant, as in EAP-IG (no gradient reaches the node)
+            hooks = [(node, lambda x, hook, p=point: p.clone())]
             hooks += [(name, keep_live) for name in inputs]
             with model.hooks(fwd_hooks=hooks):
                 value = METRIC(model(base_tokens), lengths=lengths).sum()
-                found = torch.autograd.grad(value, [seen[n] for n in inputs], allow_unused=True)
-            for name, grad in zip(inputs, found):
+                # EAP-IG's backward hooks fire only where the input requires grad (not layer
+                # 0's with the embeddings held on a model without a learned W_pos)
+                live = [n for n in inputs if seen[n].requires_grad]
+                found = torch.autograd.grad(value, [seen[n] for n in live], allow_unused=True)
+            for name, grad in zip(live, found):
                 if grad is not None:
                     total[name] = total[name] + grad
     count, n_prompts = len(outs) * steps, base_tokens.shape[0]

@@ -130,8 +130,8 @@ def batch_scores(
     # EAP-IG's backward hooks see the embeddings' direct readers only through a learned W_pos
     learned_positions = getattr(model.cfg, "positional_embedding_type", "") == "standard"
     parallel = bool(getattr(model.cfg, "parallel_attn_mlp", False))
-    grads: list[Tensor] | None = None
-    copies: dict[int, list[Tensor | None]] = {}
+    grads: list[Tensor] = []
+    copies: dict[int, tuple[Tensor | None, Tensor]] = {}
     step: GradientStep | None = None
     count = 0
     for kind, layer in nodes(graph, attn_only):
@@ -152,17 +152,18 @@ def batch_scores(
             else:
                 point = capture.Z.format(layer) if kind == "attn" else MLP_OUT.format(layer)
                 step = make_step(None, [(point, _replace(value))])
-            grads = _add(grads, step.grads)
-            for la, pair in step.kv_copies.items():
-                copies[la] = _add(copies.get(la), list(pair))
+            grads = [g.clone() for g in step.grads] if not grads else _add(grads, step.grads)
+            for la, (key, val) in step.kv_copies.items():
+                key_sum, val_sum = copies.get(la, (None, torch.zeros_like(val)))
+                key_sum = None if key is None else (key if key_sum is None else key_sum + key)
+                copies[la] = (key_sum, val_sum + val)
             count += 1
             on_pass()
-    assert step is not None and grads is not None
+    assert step is not None
     # The last pass scores the summed gradients: its own are no longer needed.
     step.grads = [g / count for g in grads]
     step.kv_copies = {
-        la: (None if k is None else k / count, v / count)  # type: ignore[operator]
-        for la, (k, v) in copies.items()
+        la: (None if key is None else key / count, val / count) for la, (key, val) in copies.items()
     }
     return step.scores(diffs, real)
 
@@ -181,8 +182,6 @@ def _drop_embedding_readers(step: GradientStep, graph: Graph, parallel: bool) ->
         step.kv_copies[0] = (None if k is None else torch.zeros_like(k), torch.zeros_like(v))
 
 
-def _add(total: list[Tensor | None] | None, new: list[Any]) -> list[Any]:
-    """Element-wise total + new (None entries stay None: exact keys have no copies)."""
-    if total is None:
-        return [None if t is None else t.clone() for t in new]
-    return [None if t is None else t + n for t, n in zip(total, new, strict=True)]
+def _add(total: list[Tensor], new: list[Tensor]) -> list[Tensor]:
+    """Element-wise total + new."""
+    return [t + n for t, n in zip(total, new, strict=True)]

@@ -149,12 +149,18 @@ def attribute(
             part_metric = pairs.metric_rows(metric, rows, n)
             base, other = base_b.rows(rows), other_b.rows(rows)
             if method == "eap-ig-act":
+
+                def make_step(
+                    point: Tensor | None,
+                    replace: list[tuple[str, Any]],
+                    base: capture.Batch = base,
+                    metric: MetricFn = part_metric,
+                ) -> _Step:
+                    return _Step(model, graph, weights, facts, base, metric, point, False, replace)
+
                 part, kv_part = _ig_activations.batch_scores(
-                    model, graph, weights, base.tokens, other.tokens,
-                    lambda point, replace, base=base, metric=part_metric: _Step(
-                        model, graph, weights, facts, base, metric, point, False, replace
-                    ),
-                    n_steps, base.real_mask(), on_pass=lambda: bar.update(1),
+                    model, graph, weights, base.tokens, other.tokens, make_step, n_steps,
+                    base.real_mask(), on_pass=lambda: bar.update(1),
                 )  # fmt: skip
                 total += part.cpu()
                 if kv_part is not None:

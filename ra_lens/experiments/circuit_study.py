@@ -66,7 +66,7 @@ from ra_lens.tasks import ioi
 from ra_lens.tasks.ioi import PromptPair
 from ra_lens.types import HookedModel
 
-_MethodName = Literal["eap", "eap-ig", "exact", "exact-ig", "random", "ensemble"]
+_MethodName = Literal["eap", "eap-ig", "exact", "exact-ig", "eap-ig-act", "random", "ensemble"]
 
 #: method label -> (circuits.attribute's method, IG steps, direction); "random" draws uniform
 #: scores. "-noise": the gradient on the clean run (EAP-IG's own choice), scores in MIB's sign.
@@ -83,6 +83,8 @@ METHODS: dict[str, tuple[_MethodName, int, Literal["denoise", "noise"]]] = {
     "random": ("random", 1, "denoise"),
     "ens-ig": ("ensemble", 5, "denoise"),
     "ens-eap-ig-exact": ("ensemble", 5, "denoise"),
+    "eap-ig-act-5-noise": ("eap-ig-act", 5, "noise"),
+    "hybrid-ens": ("ensemble", 5, "denoise"),
 }
 #: The label of `circuits.attribute`'s default (eap-ig, 5 steps, denoise): the goals are its.
 DEFAULT_METHOD = "eap-ig-5"
@@ -91,7 +93,11 @@ DEFAULT_METHOD = "eap-ig-5"
 ENSEMBLES: dict[str, tuple[str, ...]] = {
     "ens-ig": ("eap-ig-5", "eap-ig-5-noise"),
     "ens-eap-ig-exact": ("eap", "eap-ig-5", "exact"),
+    # Hybrid-Ens (circuits.ensemble.hybrid): EAP-IG's EAP, EAP-IG-inputs, EAP-IG-activations
+    "hybrid-ens": ("eap-noise", "eap-ig-5", "eap-ig-act-5-noise"),
 }
+#: ensemble label -> its `circuits.ensemble` normalise where not "rms" (Hybrid-Ens: raw mean).
+ENSEMBLE_NORMALISE: dict[str, Literal["rms", "max", "none", "rank"]] = {"hybrid-ens": "none"}
 ABLATIONS: tuple[str, ...] = ("patching", "mean")
 #: Edge counts reported beside the fractions, to compare with EAP-IG's own numbers (issue 22).
 EDGE_COUNTS: tuple[int, ...] = (100, 500, 2000)
@@ -203,7 +209,8 @@ class _Scored:
         result: circuits.EdgeScores
         if method == "ensemble":
             parts = [self(part) for part in ENSEMBLES[label]]
-            result = circuits.ensemble([part for part, _ in parts])
+            normalise = ENSEMBLE_NORMALISE.get(label, "rms")
+            result = circuits.ensemble([part for part, _ in parts], normalise=normalise)
             for key in ("attribute", "attribute_cpu"):
                 spent[key] = sum(times[key] for _, times in parts)
         else:

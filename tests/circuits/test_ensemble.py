@@ -141,3 +141,46 @@ def test_bad_input_is_refused():
     zero = EdgeScores(GRAPH, torch.zeros(GRAPH.real.shape), "z", "denoise")
     with pytest.raises(ValueError, match="no scale"):
         ensemble([a, zero])
+
+
+# ------------------------------------------------------------------ Hybrid-Ens (real scores)
+
+
+def _gqa_toy():
+    from helpers import has_bridge, hooked_toy
+
+    from ra_lens.toy_models import tiny_model
+
+    if has_bridge():
+        return tiny_model("llama", dtype=torch.float64)
+    return hooked_toy(
+        positional_embedding_type="rotary", n_key_value_heads=2, normalization_type="RMS"
+    )
+
+
+HYBRID_CLEAN = ["The capital of France is", "When Mary and John went to the store"]
+HYBRID_CORRUPTED = ["The capital of Italy is", "When John and Mary went to the store"]
+
+
+def test_hybrid_is_the_raw_mean_of_eap_ig_inputs_and_activations_in_mibs_sign():
+    """Hybrid-Ens = -(EAP + EAP-IG-inputs + EAP-IG-activations) / 3 in EAP-IG's own raw scores:
+    eap (noise) and eap-ig-act (noise) are EAP-IG's EAP and EAP-IG-activations, eap-ig (denoise)
+    is minus EAP-IG-inputs, and MIB's sign negates noise scores; copies combined the same way."""
+    from ra_lens.circuits import attribute
+    from ra_lens.circuits.ensemble import hybrid
+    from ra_lens.metrics import logit_diff
+
+    model = _gqa_toy()
+    metric = logit_diff([294, 50], [52, 60])
+    args = (model, HYBRID_CLEAN, HYBRID_CORRUPTED, metric)
+    got = hybrid(*args, steps=2)
+    eap = attribute(*args, method="eap", direction="noise")
+    inputs = attribute(*args, method="eap-ig", direction="denoise", steps=2)
+    acts = attribute(*args, method="eap-ig-act", direction="noise", steps=2)
+    for name in ("scores", "ungrouped_scores"):
+        want = (-getattr(eap, name) + getattr(inputs, name) - getattr(acts, name)) / 3
+        torch.testing.assert_close(getattr(got, name), want, rtol=1e-12, atol=1e-15)
+    assert got.direction == "denoise" and got.method.endswith(", none)")
+    assert "eap-ig-act:noise*0.333" in got.method
+    with pytest.raises(ValueError, match="steps"):  # refused before any pass
+        hybrid(*args, steps=0)

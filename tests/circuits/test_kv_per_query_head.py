@@ -28,7 +28,7 @@ from ra_lens.toy_models import tiny_model
 CLEAN = ["The capital of France is", "When Mary and John went to the store"]
 CORRUPTED = ["The capital of Italy is", "When John and Mary went to the store"]
 METRIC = logit_diff([294, 50], [52, 60])
-METHODS = ("eap", "eap-ig", "exact", "exact-ig")
+METHODS = ("eap", "eap-ig", "exact", "exact-ig", "eap-ig-act")
 #: Matrix architectures with grouped-query attention (n_kv_heads < n_heads).
 GQA_BRIDGE = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3")
 GQA_HOOKED = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "phi3")

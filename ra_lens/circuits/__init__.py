@@ -8,6 +8,7 @@ from ra_lens.circuits.ensemble import ensemble
 from ra_lens.circuits.faithfulness import Faithfulness, FaithfulnessEvaluator, faithfulness
 from ra_lens.circuits.files import export_mib
 from ra_lens.circuits.graph import Graph
+from ra_lens.circuits.masks import LearnedMask, learn_mask
 from ra_lens.circuits.mib import (
     MIB_FRACTIONS,
     MIB_SUBMISSION_FRACTIONS,
@@ -32,6 +33,7 @@ __all__ = [
     "FaithfulnessCurve",
     "FaithfulnessEvaluator",
     "Graph",
+    "LearnedMask",
     "NodeScores",
     "Refinement",
     "SmallestCircuit",
@@ -41,6 +43,7 @@ __all__ = [
     "export_mib",
     "faithfulness",
     "faithfulness_curve",
+    "learn_mask",
     "mib_circuits",
     "pair_scores",
     "refine",

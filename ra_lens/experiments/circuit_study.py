@@ -58,7 +58,7 @@ from ra_lens.types import HookedModel
 if TYPE_CHECKING:
     from ra_lens.circuits.faithfulness import Ablation
 
-_MethodName = Literal["eap", "eap-ig", "exact", "exact-ig", "random", "ensemble"]
+_MethodName = Literal["eap", "eap-ig", "exact", "exact-ig", "random", "ensemble", "mask"]
 
 #: method label -> (circuits.attribute's method, IG steps, direction); "random" draws uniform
 #: scores. "-noise": the gradient on the clean run (EAP-IG's own choice), scores in MIB's sign.
@@ -75,6 +75,8 @@ METHODS: dict[str, tuple[_MethodName, int, Literal["denoise", "noise"]]] = {
     "random": ("random", 1, "denoise"),
     "ens-ig": ("ensemble", 5, "denoise"),
     "ens-eap-ig-exact": ("ensemble", 5, "denoise"),
+    # circuits.learn_mask warm-started from eap-ig (5 steps), its default budget
+    "mask": ("mask", 5, "denoise"),
 }
 #: The label of `circuits.attribute`'s default (eap-ig, 5 steps, denoise): the goals are its.
 DEFAULT_METHOD = "eap-ig-5"
@@ -332,6 +334,11 @@ def run_task(
             ):
                 if method == "random":
                     result = random_scores(graph)
+                elif method == "mask":
+                    result = circuits.learn_mask(
+                        model, train_clean, train_corrupted, train_metric, ig_steps=steps,
+                        batch_size=batch_size,
+                    ).scores  # fmt: skip
                 else:
                     result = circuits.attribute(
                         model, train_clean, train_corrupted, train_metric, method=method,
@@ -344,7 +351,7 @@ def run_task(
         method, steps, direction = METHODS[label]
         scores, times = score(label)
         spent = dict(times)
-        if truth is not None and method != "ensemble":
+        if truth is not None and method not in ("ensemble", "mask"):
             subset = scores
             if truth_pairs < len(pairs) and method != "random":
                 sub_clean, sub_corrupted, sub_metric = ioi.paired_batch(model, pairs[:truth_pairs])

@@ -21,7 +21,7 @@ one that hurts starts patched, an idle one at 1/2), and runs `steps` Adam steps 
     loss = -f(m) + lambda_t * mean over real edges of m,    f = (m_masked - m_empty) / (m_clean - m_empty)
 
 (f: faithfulness of the masked run on the training pairs, MIB's normalisation with the corrupted
-run as the empty circuit), lambda_t rising linearly from 0 to `sparsity` over the steps, so the
+run as the empty circuit; objective="faithful" fits (f - 1)^2 instead of -f), lambda_t rising linearly from 0 to `sparsity` over the steps, so the
 edges the metric needs least are pushed out first: one run ranks the edges for every circuit size
 (MIB's nested circuits come from `EdgeScores.top`/`greedy` on the learned log_alpha). Cost: the
 EAP-IG warm start (`ig_steps` forward+backward passes) plus one forward+backward pass of the
@@ -239,7 +239,7 @@ def learn_mask(
     corrupted: Tokens,
     metric: MetricFn,
     *,
-    steps: int = 20,
+    steps: int = 10,
     sparsity: float = 1.0,
     lr: float = 0.1,
     init_scale: float = 1.0,

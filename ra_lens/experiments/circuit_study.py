@@ -75,8 +75,10 @@ METHODS: dict[str, tuple[_MethodName, int, Literal["denoise", "noise"]]] = {
     "random": ("random", 1, "denoise"),
     "ens-ig": ("ensemble", 5, "denoise"),
     "ens-eap-ig-exact": ("ensemble", 5, "denoise"),
-    # circuits.learn_mask warm-started from eap-ig (5 steps), its default budget
+    # circuits.learn_mask warm-started from eap-ig (5 steps), default budget; its objective
+    # "metric", or "faithful" for the label ending so
     "mask": ("mask", 5, "denoise"),
+    "mask-faithful": ("mask", 5, "denoise"),
 }
 #: The label of `circuits.attribute`'s default (eap-ig, 5 steps, denoise): the goals are its.
 DEFAULT_METHOD = "eap-ig-5"
@@ -338,6 +340,7 @@ def run_task(
                     result = circuits.learn_mask(
                         model, train_clean, train_corrupted, train_metric, ig_steps=steps,
                         batch_size=batch_size,
+                        objective="faithful" if label.endswith("faithful") else "metric",
                     ).scores  # fmt: skip
                 else:
                     result = circuits.attribute(

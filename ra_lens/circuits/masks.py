@@ -55,6 +55,8 @@ from ra_lens.types import MetricFn, Tokens
 #: single prompt's quirks.
 MIN_PAIRS = 2
 Objective = Literal["metric", "faithful"]
+Rule = Literal["adam", "scaled"]
+RULES: tuple[str, ...] = ("adam", "scaled")
 OBJECTIVES: tuple[str, ...] = ("metric", "faithful")
 
 
@@ -244,6 +246,7 @@ def learn_mask(
     lr: float = 0.1,
     init_scale: float = 1.0,
     objective: Validated[Objective] = "metric",
+    rule: Validated[Rule] = "adam",
     warm_start: EdgeScores | Tensor | None = None,
     ig_steps: int = 5,
     budget_s: Validated[float] | None = None,
@@ -256,9 +259,12 @@ def learn_mask(
         model: as `circuits.attribute` takes it.
         clean, corrupted: the training pairs (>= 2), Int[Tensor, "pair pos"], Batch or strings.
         metric: logits -> Float[Tensor, "pair"], e.g. `ra_lens.metrics.logit_diff`.
-        steps: Adam steps (each one forward+backward pass of the masked run per batch).
+        steps: training steps (each one forward+backward pass of the masked run per batch).
         sparsity: the final weight of the penalty on the mean mask (it rises linearly from 0).
-        lr: Adam's learning rate on log_alpha.
+        lr: the step size on log_alpha (Adam's learning rate, or the scaled step's size).
+        rule: "adam" (each edge's step about lr whatever its gradient) or "scaled" (log_alpha -=
+            lr * gradient / rms(gradient over the edges): steps in proportion to each edge's
+            gradient, so idle edges stay near their warm-start scores).
         init_scale: log_alpha starts at init_scale * warm / rms(warm) on the real edges.
         objective: "metric" (maximise f: keep what helps, patch what hurts, as CPR rewards)
             or "faithful" (minimise (f - 1)^2: reproduce the clean run, as CMD rewards).
@@ -279,7 +285,7 @@ def learn_mask(
             to empty (every m < 1/2) or went non-finite.
     """
     start = time.process_time()
-    check_count(steps, "steps", why="the number of Adam steps on the mask")
+    check_count(steps, "steps", why="the number of training steps of the mask")
     check_count(ig_steps, "ig_steps")
     if budget_s is not None and not budget_s > 0:
         raise ValueError(f"budget_s={budget_s!r}: give a positive number of CPU seconds, or None for no limit")  # fmt: skip
@@ -287,6 +293,8 @@ def learn_mask(
         raise ValueError(f"sparsity={sparsity!r}, lr={lr!r}: sparsity must be >= 0 and lr > 0 (finite)")  # fmt: skip
     if objective not in OBJECTIVES:
         raise ValueError(f"objective={objective!r}: choose one of {OBJECTIVES}")
+    if rule not in RULES:
+        raise ValueError(f"rule={rule!r}: choose one of {RULES}")
     capture.check_model(model)
     facts = contract.model_facts(model)
     _edges.check_supported(model, facts)
@@ -301,25 +309,52 @@ def learn_mask(
     scale = helps[real].pow(2).mean().sqrt().clamp_min(1e-30)
     log_alpha = (init_scale * helps / scale * real).float().requires_grad_(True)
     trainer = _Trainer(model, graph, facts, clean_b, corrupted_b, metric, batch_size)
-    optimiser = torch.optim.Adam([log_alpha], lr=lr)
-    curve: dict[str, list[Any]] = {"faithfulness": [], "losses": [], "kept": []}
-    for step in tqdm(range(steps), desc="learn mask", disable=not progress):
-        weight = sparsity * step / max(steps - 1, 1)
-        f, loss, grad = trainer.step(log_alpha, weight, objective)
-        curve["faithfulness"].append(f)
-        curve["losses"].append(loss)
-        optimiser.zero_grad()
-        log_alpha.grad = grad
-        optimiser.step()
-        curve["kept"].append(int((log_alpha.detach() >= 0)[real].sum()))
-        if budget_s is not None and time.process_time() - start >= budget_s:
-            break
+    curve = _train(
+        trainer, log_alpha, steps, start, progress,
+        sparsity=sparsity, lr=lr, objective=objective, rule=rule, budget_s=budget_s,
+    )  # fmt: skip
     log_alpha = log_alpha.detach().double() * real
     _check_learned(graph, log_alpha)
     seconds = time.process_time() - start
     scores = _scores(graph, warm, log_alpha, seconds)
     mask = torch.sigmoid(log_alpha) * real
     return LearnedMask(scores, mask, log_alpha, warm, seconds=seconds, **curve)
+
+
+def _train(
+    trainer: _Trainer,
+    log_alpha: Tensor,
+    steps: int,
+    start: float,
+    progress: bool,
+    *,
+    sparsity: float,
+    lr: float,
+    objective: str,
+    rule: str,
+    budget_s: float | None,
+) -> dict[str, list[Any]]:
+    """The training loop: log_alpha updated in place; the curve of f, the loss and the edges
+    kept after each step."""
+    real = trainer.graph.real.to(log_alpha.device)
+    optimiser = torch.optim.Adam([log_alpha], lr=lr) if rule == "adam" else None
+    curve: dict[str, list[Any]] = {"faithfulness": [], "losses": [], "kept": []}
+    for step in tqdm(range(steps), desc="learn mask", disable=not progress):
+        weight = sparsity * step / max(steps - 1, 1)
+        f, loss, grad = trainer.step(log_alpha, weight, objective)
+        curve["faithfulness"].append(f)
+        curve["losses"].append(loss)
+        if optimiser is not None:
+            optimiser.zero_grad()
+            log_alpha.grad = grad
+            optimiser.step()
+        else:  # "scaled": every edge moves in proportion to its own gradient
+            with torch.no_grad():
+                log_alpha -= lr * grad / grad[real].pow(2).mean().sqrt().clamp_min(1e-30)
+        curve["kept"].append(int((log_alpha.detach() >= 0)[real].sum()))
+        if budget_s is not None and time.process_time() - start >= budget_s:
+            break
+    return curve
 
 
 def _warm_scores(

@@ -138,9 +138,10 @@ def test_the_gradient_of_each_edge_is_its_finite_difference():
         )
 
 
-def test_training_raises_the_training_faithfulness_and_ranks_every_edge(model):
+@pytest.mark.parametrize(("rule", "lr"), [("adam", 0.3), ("scaled", 1.0)])
+def test_training_raises_the_training_faithfulness_and_ranks_every_edge(model, rule, lr):
     before = snapshot(model)
-    result = learn_mask(model, CLEAN, CORRUPTED, METRIC, steps=6, lr=0.3, sparsity=0.0)
+    result = learn_mask(model, CLEAN, CORRUPTED, METRIC, steps=6, lr=lr, sparsity=0.0, rule=rule)
     assert isinstance(result, LearnedMask)
     assert len(result.faithfulness) == 6 and len(result.kept) == 6
     assert result.faithfulness[-1] > result.faithfulness[0] + 0.01
@@ -186,6 +187,22 @@ def test_the_faithful_objective_brings_f_towards_one(model):
     assert result.losses[-1] == pytest.approx((result.faithfulness[-1] - 1) ** 2)
 
 
+def test_the_scaled_rule_moves_each_edge_by_its_own_gradient(model):
+    graph = Graph.from_model(model)
+    warm = learn_mask(model, CLEAN, CORRUPTED, METRIC, steps=1, lr=1e-9).warm_start
+    start = learn_mask(model, CLEAN, CORRUPTED, METRIC, steps=1, lr=1e-12, rule="scaled", warm_start=warm)  # fmt: skip
+    moved = learn_mask(model, CLEAN, CORRUPTED, METRIC, steps=1, lr=0.5, rule="scaled", warm_start=warm)  # fmt: skip
+    # one step: log_alpha - lr * g / rms(g), g = d(-f)/d log_alpha = -sigmoid'(la) df/dm
+    mask = torch.sigmoid(start.log_alpha).requires_grad_(True)
+    f = masked_values(model, CLEAN, CORRUPTED, METRIC, mask).mean()
+    (df,) = torch.autograd.grad(f, mask)
+    ends = [masked_values(model, CLEAN, CORRUPTED, METRIC, _full(graph, v)).mean() for v in (1, 0)]
+    gap_sign = 1.0 if float(ends[0] - ends[1]) > 0 else -1.0  # f divides by m(clean) - m(empty)
+    g = -gap_sign * (df * mask * (1 - mask)).detach() * graph.real
+    expected = start.log_alpha - 0.5 * g / g[graph.real].pow(2).mean().sqrt()
+    torch.testing.assert_close(moved.log_alpha, expected * graph.real, rtol=0, atol=1e-5)
+
+
 def test_a_cpu_budget_stops_training(model):
     result = learn_mask(model, CLEAN, CORRUPTED, METRIC, steps=50, budget_s=1e-9)
     assert len(result.faithfulness) == 1
@@ -209,6 +226,8 @@ def test_bad_input_is_refused_naming_the_fix(model):
         learn_mask(model, CLEAN, CORRUPTED, METRIC, warm_start=other)
     with pytest.raises(ValueError, match="objective='kl'"):
         learn_mask(model, CLEAN, CORRUPTED, METRIC, objective="kl")
+    with pytest.raises(ValueError, match="rule='sgd'"):
+        learn_mask(model, CLEAN, CORRUPTED, METRIC, rule="sgd")
     with pytest.raises(ValueError, match="collapsed to empty.*lower sparsity"):
         learn_mask(model, CLEAN, CORRUPTED, METRIC, steps=4, lr=5.0, sparsity=1e6, init_scale=0.1)  # fmt: skip
     with pytest.raises(ValueError, match=r"in \[0, 1\]"):

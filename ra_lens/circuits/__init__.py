@@ -9,6 +9,7 @@ from ra_lens.circuits.faithfulness import Faithfulness, FaithfulnessEvaluator, f
 from ra_lens.circuits.files import export_mib
 from ra_lens.circuits.graph import Graph
 from ra_lens.circuits.jaccard import CircuitStability, bootstrap_jaccard
+from ra_lens.circuits.masks import LearnedMask, learn_mask
 from ra_lens.circuits.mib import (
     MIB_FRACTIONS,
     MIB_SUBMISSION_FRACTIONS,
@@ -34,6 +35,7 @@ __all__ = [
     "FaithfulnessCurve",
     "FaithfulnessEvaluator",
     "Graph",
+    "LearnedMask",
     "NodeScores",
     "Refinement",
     "SmallestCircuit",
@@ -44,6 +46,7 @@ __all__ = [
     "export_mib",
     "faithfulness",
     "faithfulness_curve",
+    "learn_mask",
     "mib_circuits",
     "pair_scores",
     "refine",

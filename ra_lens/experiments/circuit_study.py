@@ -66,7 +66,9 @@ from ra_lens.tasks import ioi
 from ra_lens.tasks.ioi import PromptPair
 from ra_lens.types import HookedModel
 
-_MethodName = Literal["eap", "eap-ig", "exact", "exact-ig", "eap-ig-act", "random", "ensemble"]
+_MethodName = Literal[
+    "eap", "eap-ig", "exact", "exact-ig", "eap-ig-act", "random", "ensemble", "mask"
+]
 
 #: method label -> (circuits.attribute's method, IG steps, direction); "random" draws uniform
 #: scores. "-noise": the gradient on the clean run (EAP-IG's own choice), scores in MIB's sign.
@@ -85,6 +87,10 @@ METHODS: dict[str, tuple[_MethodName, int, Literal["denoise", "noise"]]] = {
     "ens-eap-ig-exact": ("ensemble", 5, "denoise"),
     "eap-ig-act-5-noise": ("eap-ig-act", 5, "noise"),
     "hybrid-ens": ("ensemble", 5, "denoise"),
+    # circuits.learn_mask warm-started from eap-ig (5 steps), default budget; its objective
+    # "metric", or "faithful" for the label ending so
+    "mask": ("mask", 5, "denoise"),
+    "mask-faithful": ("mask", 5, "denoise"),
 }
 #: The label of `circuits.attribute`'s default (eap-ig, 5 steps, denoise): the goals are its.
 DEFAULT_METHOD = "eap-ig-5"
@@ -220,6 +226,12 @@ class _Scored:
             ):
                 if method == "random":
                     result = random_scores(self.graph)
+                elif method == "mask":
+                    result = circuits.learn_mask(
+                        self.model, self.clean, self.corrupted, self.metric, ig_steps=steps,
+                        batch_size=self.batch_size,
+                        objective="faithful" if label.endswith("faithful") else "metric",
+                    ).scores  # fmt: skip
                 else:
                     result = circuits.attribute(
                         self.model, self.clean, self.corrupted, self.metric, method=method,
@@ -281,9 +293,10 @@ def _compare_heads(
 ) -> None:
     """The method's head node scores on the truth's pairs (an extra attribution when those are
     fewer than the pairs) and their Pearson r to the truth, into `record` (the task's "truth").
-    An ensemble is left out: its scores are its members', compared on their own."""
+    An ensemble is left out (its scores are its members', compared on their own), and so is a
+    learned mask (its scores are a mask, not an attribution of the truth's pairs)."""
     method, steps, direction = METHODS[label]
-    if method == "ensemble":
+    if method == "ensemble" or method == "mask":
         return
     subset = scores
     if truth_pairs < len(pairs) and method != "random":

@@ -81,8 +81,10 @@ def hybrid(
         together, mostly EAP-IG-activations' (2 n_layers + 1) x steps passes per batch.
 
     Raises:
-        ValueError / TypeError / NotImplementedError: as `attribute` (steps < 1, a bad metric or
-        model), raised by the first part, before the expensive ones run.
+        ValueError: as `attribute` (steps < 1, a bad metric), raised by the first part, before
+            the expensive ones run; TypeError likewise (not a TransformerLens model).
+        NotImplementedError: parallel attention/MLP blocks (EAP-IG-activations refuses them,
+            after the other two parts ran).
     """
     parts = [
         attribute(

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from ra_lens.capture import Z
+from ra_lens.metrics import logit_diff
 from ra_lens.models import bridge_available
 from ra_lens.tasks import Task
 from ra_lens.toy_models import ARCHITECTURES, tiny_model
@@ -106,6 +107,20 @@ def disk_full_beyond(n_bytes: int) -> Iterator[None]:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
         signal.signal(signal.SIGXFSZ, handler)
 
+
+# --- circuit pairs ----------------------------------------------------------------------------
+
+#: Two clean/corrupted pairs of unequal token length (the batch is right-padded) and their
+#: logit-difference metric, for the circuit tests.
+PAIR_CLEAN = ["The capital of France is", "When Mary and John went to the store"]
+PAIR_CORRUPTED = ["The capital of Italy is", "When John and Mary went to the store"]
+PAIR_METRIC = logit_diff([294, 50], [52, 60])
+#: `hooked_toy` settings of a Llama-like grouped-query model: rotary, 2 key/value heads, RMSNorm,
+#: a gated SiLU MLP.
+LLAMA_LIKE = dict(
+    positional_embedding_type="rotary", n_key_value_heads=2, normalization_type="RMS",
+    act_fn="silu", gated_mlp=True,
+)  # fmt: skip
 
 # --- the toy task -----------------------------------------------------------------------------
 

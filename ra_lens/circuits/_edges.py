@@ -321,20 +321,27 @@ class EdgeRun:
         smaller side."""
         assert self._diffs is not None and self._diff_total is not None
         post = {la: r for la, r in self._post_rows().items() if r.start < cols.shape[0]}
-        if post:  # heads behind a norm: the reader sees N(a - S), S its patched heads' sum
-            linear = cols.clone()
-            for rows in post.values():
-                linear[rows] = False
-            total = self._weighted(linear)
-            for layer, rows in post.items():
-                norm, a = self.weights[layer].post_attn, self.post_input[layer]
-                patched = self._weighted(cols[rows], offset=rows.start).to(a)
-                total = total + (norm(a)[None] - norm(a[None] - patched)).to(total)
-            return total
+        if post:
+            return self._through_post_norms(cols, post)
         kept = real & ~cols
         if bool(real.all()) and int(kept.sum()) < int(cols.sum()):
             return self._diff_total[None] - self._weighted(kept)
         return self._weighted(cols)
+
+    def _through_post_norms(self, cols: Tensor, post: dict[int, slice]) -> Tensor:
+        """[readers batch pos d_model]: sum over writers w of cols[w, r] * diff_w, the heads
+        behind a post-norm (`post`: layer -> their writer rows) seen through it: the reader sees
+        N(a) - N(a - S), S those heads' weighted sum. cols: Bool (patching) or weights (a
+        learned mask's 1 - m, `masks.MaskedRun`)."""
+        linear = cols.clone()
+        for rows in post.values():
+            linear[rows] = 0
+        total = self._weighted(linear)
+        for layer, rows in post.items():
+            norm, a = self.weights[layer].post_attn, self.post_input[layer]
+            patched = self._weighted(cols[rows], offset=rows.start).to(a)
+            total = total + (norm(a)[None] - norm(a[None] - patched)).to(total)
+        return total
 
     def _weighted(self, select: Tensor, offset: int = 0) -> Tensor:
         """sum over writers w of select[w, r] * diff_(offset + w), reading only the writers in

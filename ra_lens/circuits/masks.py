@@ -103,18 +103,7 @@ class MaskedRun(_edges.EdgeRun):
         """[readers batch pos d_model]: sum over writers w of cols[w, r] * diff_w; heads behind a
         post-norm are seen through the norm: N(a) - N(a - S), S their weighted sum."""
         post = {la: r for la, r in self._post_rows().items() if r.start < cols.shape[0]}
-        linear = cols
-        if post:
-            keep = torch.ones_like(cols)
-            for rows in post.values():
-                keep[rows] = 0
-            linear = cols * keep
-        total = self._weighted(linear)
-        for layer, rows in post.items():
-            norm, a = self.weights[layer].post_attn, self.post_input[layer]
-            patched = self._weighted(cols[rows], offset=rows.start).to(a)
-            total = total + (norm(a)[None] - norm(a[None] - patched)).to(total)
-        return total
+        return self._through_post_norms(cols, post) if post else self._weighted(cols)
 
     def _weighted(self, select: Tensor, offset: int = 0) -> Tensor:
         """sum over w of select[w, r] * diff_(offset + w), chunk by chunk (autograd keeps

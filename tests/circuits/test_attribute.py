@@ -9,19 +9,16 @@ from typing import Any, Literal
 
 import pytest
 import torch
-from helpers import has_bridge, hooked_toy, snapshot
+from helpers import PAIR_CLEAN, PAIR_CORRUPTED, PAIR_METRIC, has_bridge, hooked_toy, snapshot
 
 from ra_lens import contract, pairs
 from ra_lens.capture import to_batch
 from ra_lens.circuits.attribute import attribute
 from ra_lens.circuits.faithfulness import faithfulness
 from ra_lens.circuits.scores import EdgeScores
-from ra_lens.metrics import logit_diff
 from ra_lens.toy_models import tiny_model
 
-CLEAN = ["The capital of France is", "When Mary and John went to the store"]
-CORRUPTED = ["The capital of Italy is", "When John and Mary went to the store"]
-METRIC = logit_diff([294, 50], [52, 60])
+CLEAN, CORRUPTED, METRIC = PAIR_CLEAN, PAIR_CORRUPTED, PAIR_METRIC  # right-padded: unequal lengths
 
 
 def counted(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:

@@ -14,20 +14,21 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import has_bridge, hooked_toy, snapshot
+from helpers import (
+    LLAMA_LIKE,
+    PAIR_CLEAN,
+    PAIR_CORRUPTED,
+    PAIR_METRIC,
+    has_bridge,
+    hooked_toy,
+    snapshot,
+)
 
 from ra_lens.capture import to_batch
 from ra_lens.circuits.attribute import attribute
 from ra_lens.circuits.graph import Graph
-from ra_lens.metrics import logit_diff
 
-CLEAN = ["The capital of France is", "When Mary and John went to the store"]
-CORRUPTED = ["The capital of Italy is", "When John and Mary went to the store"]
-METRIC = logit_diff([294, 50], [52, 60])
-LLAMA_LIKE = dict(
-    positional_embedding_type="rotary", n_key_value_heads=2, normalization_type="RMS",
-    act_fn="silu", gated_mlp=True,
-)  # fmt: skip
+CLEAN, CORRUPTED, METRIC = PAIR_CLEAN, PAIR_CORRUPTED, PAIR_METRIC  # right-padded: unequal lengths
 STEPS = 3
 
 

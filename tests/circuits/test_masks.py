@@ -8,7 +8,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import bridge_model, has_bridge, hooked_toy, snapshot
+from helpers import (
+    LLAMA_LIKE,
+    PAIR_CLEAN,
+    PAIR_CORRUPTED,
+    PAIR_METRIC,
+    bridge_model,
+    has_bridge,
+    hooked_toy,
+    snapshot,
+)
 
 from ra_lens.capture import to_batch
 from ra_lens.circuits import Circuit, EdgeScores, Graph, LearnedMask, faithfulness, learn_mask
@@ -16,14 +25,7 @@ from ra_lens.circuits.masks import masked_values
 from ra_lens.metrics import logit_diff
 from ra_lens.toy_models import tiny_model
 
-# Pair 0 is shorter than pair 1: the batch is right-padded.
-CLEAN = ["The capital of France is", "When Mary and John went to the store"]
-CORRUPTED = ["The capital of Italy is", "When John and Mary went to the store"]
-METRIC = logit_diff([294, 50], [52, 60])
-LLAMA_LIKE = dict(
-    positional_embedding_type="rotary", n_key_value_heads=2, normalization_type="RMS",
-    act_fn="silu", gated_mlp=True,
-)  # fmt: skip
+CLEAN, CORRUPTED, METRIC = PAIR_CLEAN, PAIR_CORRUPTED, PAIR_METRIC  # right-padded: unequal lengths
 
 
 def build(kind: str):

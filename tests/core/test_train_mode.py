@@ -102,6 +102,10 @@ def _circuit_scores(method: str) -> Callable[..., Tensor]:
     return run
 
 
+def _learned_mask(model, metric=DIFF) -> Tensor:
+    return circuits.learn_mask(model, TOKENS, CORRUPTED, metric, steps=2).log_alpha
+
+
 def _half_circuit(model, parity: int) -> circuits.Circuit:
     """Every other edge of the model's graph (those whose flat index has this parity)."""
     graph = circuits.Graph.from_model(model)
@@ -142,7 +146,11 @@ CASES: list[tuple[str, Callable[..., Tensor]]] = [
     ("ablation_curve", _ablation_curve),
     ("evaluate_ablated-mean", _mean_ablation),
     ("head_ranking", _head_ranking),
-    *[(f"circuits.attribute-{m}", _circuit_scores(m)) for m in ("eap", "eap-ig", "exact")],
+    *[
+        (f"circuits.attribute-{m}", _circuit_scores(m))
+        for m in ("eap", "eap-ig", "exact", "eap-ig-act")
+    ],
+    ("circuits.learn_mask", _learned_mask),
     ("circuits.faithfulness", _faithfulness),
     ("circuits.FaithfulnessEvaluator", _evaluator_mean),
 ]

@@ -87,11 +87,24 @@ METHODS: dict[str, tuple[_MethodName, int, Literal["denoise", "noise"]]] = {
     "ens-eap-ig-exact": ("ensemble", 5, "denoise"),
     "eap-ig-act-5-noise": ("eap-ig-act", 5, "noise"),
     "hybrid-ens": ("ensemble", 5, "denoise"),
-    # circuits.learn_mask warm-started from eap-ig (5 steps), default budget; its objective
-    # "metric", or "faithful" for the label ending so
+    # circuits.learn_mask warm-started from eap-ig (5 steps), default budget (MASK_OPTIONS)
     "mask": ("mask", 5, "denoise"),
     "mask-faithful": ("mask", 5, "denoise"),
+    "mask-scaled": ("mask", 5, "denoise"),
+    # the mean of eap-ig's scores and the mask's log-odds (each over its rms), as Hybrid-Ens's
+    # best entry averages EAP-IG with Edge Pruning's masks
+    "ens-mask": ("ensemble", 5, "denoise"),
+    "ens-mask-faithful": ("ensemble", 5, "denoise"),
+    "ens-mask-scaled": ("ensemble", 5, "denoise"),
 }
+#: mask label -> `circuits.learn_mask`'s options other than its defaults
+MASK_OPTIONS: dict[str, dict[str, str]] = {
+    "mask": {},
+    "mask-faithful": {"objective": "faithful"},
+    "mask-scaled": {"rule": "scaled"},
+}
+#: The scores every learned mask starts from (computed once, its seconds counted in the mask's).
+MASK_WARM_START = "eap-ig-5"
 #: The label of `circuits.attribute`'s default (eap-ig, 5 steps, denoise): the goals are its.
 DEFAULT_METHOD = "eap-ig-5"
 #: ensemble label -> the methods it averages (`circuits.ensemble`: normalised, in MIB's sign);
@@ -101,6 +114,9 @@ ENSEMBLES: dict[str, tuple[str, ...]] = {
     "ens-eap-ig-exact": ("eap", "eap-ig-5", "exact"),
     # Hybrid-Ens (circuits.ensemble.hybrid): EAP-IG's EAP, EAP-IG-inputs, EAP-IG-activations
     "hybrid-ens": ("eap-noise", "eap-ig-5", "eap-ig-act-5-noise"),
+    "ens-mask": ("eap-ig-5", "mask"),
+    "ens-mask-faithful": ("eap-ig-5", "mask-faithful"),
+    "ens-mask-scaled": ("eap-ig-5", "mask-scaled"),
 }
 #: ensemble label -> its `circuits.ensemble` normalise where not "rms" (Hybrid-Ens: raw mean).
 ENSEMBLE_NORMALISE: dict[str, Literal["rms", "max", "none", "rank"]] = {"hybrid-ens": "none"}
@@ -193,8 +209,9 @@ def edge_sizes(n_edges: int, fractions: Sequence[float], counts: Sequence[int]) 
 
 
 class _Scored:
-    """Each method's scores on the training pairs and their seconds (wall, CPU), once; an
-    ensemble averages its members' scores (computed once) and its seconds are the sum of theirs."""
+    """Each method's scores on the training pairs and their seconds (wall, CPU), once. A method
+    built on others (an ensemble's members, a mask's eap-ig warm start) reuses their scores, and
+    its seconds are its own work plus that of every method under it, each counted once."""
 
     def __init__(
         self,
@@ -205,40 +222,56 @@ class _Scored:
     ) -> None:
         self.model, self.graph, self.batch_size = model, graph, batch_size
         self.clean, self.corrupted, self.metric = ioi.paired_batch(model, list(train))
-        self.scored: dict[str, tuple[circuits.EdgeScores, dict[str, float]]] = {}
+        self.scored: dict[str, circuits.EdgeScores] = {}
+        # label -> (its own seconds, the labels it was built from)
+        self.own: dict[str, tuple[dict[str, float], tuple[str, ...]]] = {}
 
     def __call__(self, label: str) -> tuple[circuits.EdgeScores, dict[str, float]]:
-        if label in self.scored:
-            return self.scored[label]
+        if label not in self.scored:
+            self.scored[label] = self._score(label)
+        return self.scored[label], self._spent(label)
+
+    def _spent(self, label: str) -> dict[str, float]:
+        """Seconds of `label` and of everything under it, each label counted once."""
+        seen: set[str] = set()
+        todo = [label]
+        while todo:
+            current = todo.pop()
+            if current not in seen:
+                seen.add(current)
+                todo.extend(self.own[current][1])
+        return {
+            key: sum(self.own[s][0][key] for s in seen) for key in ("attribute", "attribute_cpu")
+        }
+
+    def _score(self, label: str) -> circuits.EdgeScores:
         method, steps, direction = METHODS[label]
+        under = ENSEMBLES.get(label, ()) if method == "ensemble" else ()
+        if method == "mask":
+            under = (MASK_WARM_START,)
+        parts = [self(part)[0] for part in under]
         spent: dict[str, float] = {}
-        result: circuits.EdgeScores
-        if method == "ensemble":
-            parts = [self(part) for part in ENSEMBLES[label]]
-            normalise = ENSEMBLE_NORMALISE.get(label, "rms")
-            result = circuits.ensemble([part for part, _ in parts], normalise=normalise)
-            for key in ("attribute", "attribute_cpu"):
-                spent[key] = sum(times[key] for _, times in parts)
-        else:
-            with (
-                timing.timed(spent, "attribute"),
-                timing.timed(spent, "attribute_cpu", clock=time.process_time),
-            ):
-                if method == "random":
-                    result = random_scores(self.graph)
-                elif method == "mask":
-                    result = circuits.learn_mask(
-                        self.model, self.clean, self.corrupted, self.metric, ig_steps=steps,
-                        batch_size=self.batch_size,
-                        objective="faithful" if label.endswith("faithful") else "metric",
-                    ).scores  # fmt: skip
-                else:
-                    result = circuits.attribute(
-                        self.model, self.clean, self.corrupted, self.metric, method=method,
-                        steps=steps, direction=direction, batch_size=self.batch_size,
-                    )  # fmt: skip
-        self.scored[label] = (result, spent)
-        return self.scored[label]
+        with (
+            timing.timed(spent, "attribute"),
+            timing.timed(spent, "attribute_cpu", clock=time.process_time),
+        ):
+            if method == "ensemble":
+                normalise = ENSEMBLE_NORMALISE.get(label, "rms")
+                result = circuits.ensemble(parts, normalise=normalise)
+            elif method == "random":
+                result = random_scores(self.graph)
+            elif method == "mask":
+                result = circuits.learn_mask(
+                    self.model, self.clean, self.corrupted, self.metric, warm_start=parts[0],
+                    batch_size=self.batch_size, **MASK_OPTIONS[label],  # type: ignore[arg-type]
+                ).scores  # fmt: skip
+            else:
+                result = circuits.attribute(
+                    self.model, self.clean, self.corrupted, self.metric, method=method,
+                    steps=steps, direction=direction, batch_size=self.batch_size,
+                )  # fmt: skip
+        self.own[label] = (spent, tuple(under))
+        return result
 
 
 def _task_record(

@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from helpers import disk_full_beyond
+from helpers import arch_or_hooked, disk_full_beyond
 
 from ra_lens import circuits
 from ra_lens.experiments import circuit_study as study_module
@@ -20,6 +20,7 @@ from ra_lens.experiments.circuit_study import (
 )
 from ra_lens.ranking import trapezoid_auc
 from ra_lens.tasks import ioi
+from ra_lens.toy_models import tiny_model
 
 # eap-ig-20 stays out to keep the test cheap (the IG path is covered by the circuits tests);
 # eap-ig-5 (EAP-IG-inputs) is the CPR reference every method is paired with, eap-noise
@@ -379,3 +380,37 @@ def test_merging_unreadable_files_names_them(tmp_path, capsys):
     for path, message in cases:
         assert main(["--merge", str(path)]) == 2
         assert capsys.readouterr().err == f"circuit_study: error: {message.format(path=path)}\n"
+
+
+def test_a_method_built_on_others_reuses_them_and_counts_each_once(monkeypatch):
+    """ens-mask = mean(eap-ig-5, mask), and the mask starts from that same eap-ig-5: eap-ig-5 is
+    computed once, handed to learn_mask as its warm start, and its seconds are counted once."""
+    model = tiny_model(arch_or_hooked("llama"), n_layers=1)
+    train = task_pairs(model, "toy", 3)
+    graph = circuits.Graph.from_model(model)
+    calls: list[str] = []
+    real_attribute, real_mask = circuits.attribute, circuits.learn_mask
+
+    def attribute(*args, **kwargs):
+        calls.append(kwargs["method"])
+        return real_attribute(*args, **kwargs)
+
+    def learn_mask(*args, **kwargs):
+        calls.append("mask")
+        assert isinstance(kwargs["warm_start"], circuits.EdgeScores)
+        return real_mask(*args, **{**kwargs, "steps": 2})
+
+    monkeypatch.setattr(circuits, "attribute", attribute)
+    monkeypatch.setattr(circuits, "learn_mask", learn_mask)
+    scored = study_module._Scored(model, train, graph, batch_size=4)
+    ens, spent = scored("ens-mask")
+    warm, warm_spent = scored("eap-ig-5")
+    mask, mask_spent = scored("mask")
+    assert calls == ["eap-ig", "mask"]
+    assert scored("mask")[0].method == "mask" and ens.method != "mask"
+    own = {label: scored.own[label][0]["attribute_cpu"] for label in ("eap-ig-5", "mask", "ens-mask")}  # fmt: skip
+    assert warm_spent["attribute_cpu"] == own["eap-ig-5"]
+    assert mask_spent["attribute_cpu"] == pytest.approx(own["eap-ig-5"] + own["mask"])
+    assert spent["attribute_cpu"] == pytest.approx(sum(own.values()))
+    expected = circuits.ensemble([warm, mask], normalise="rms")
+    assert torch.equal(ens.scores, expected.scores)

@@ -54,6 +54,8 @@ def _run_circuit(args: argparse.Namespace) -> int:
     from ra_lens.tasks import ioi
     from ra_lens.timing import timed
 
+    if args.method == "mask" and args.direction != "denoise":
+        raise ValueError("--method mask trains from the corrupted run (denoise): drop --direction noise")  # fmt: skip
     file_pairs = [] if args.pairs is None else _read_pairs(args.pairs)  # before the model loads
     seconds: dict[str, float] = {}
     with timed(seconds, "load_model"):
@@ -77,17 +79,23 @@ def _score_and_curve(run: _Run) -> None:
     # on a terminal tqdm's bars, piped or in a log plain lines (ra_lens.progress): never silent
     progress = True
     with timed(run.seconds, "attribute"):
-        scores = circuits.attribute(
-            run.model,
-            run.clean,
-            run.corrupted,
-            run.metric,
-            method=args.method,
-            direction=args.direction,
-            steps=args.steps,
-            batch_size=args.batch_size,
-            progress=progress,
-        )
+        if args.method == "mask":
+            scores = circuits.discover(
+                run.model, run.clean, run.corrupted, run.metric,
+                batch_size=args.batch_size, progress=progress,
+            )  # fmt: skip
+        else:
+            scores = circuits.attribute(
+                run.model,
+                run.clean,
+                run.corrupted,
+                run.metric,
+                method=args.method,
+                direction=args.direction,
+                steps=args.steps,
+                batch_size=args.batch_size,
+                progress=progress,
+            )
     run.scores = scores
     run.chosen = circuits.ChosenCircuits(scores, args.selection)
     with timed(run.seconds, "faithfulness_curve"):

@@ -165,6 +165,10 @@ def test_other_user_errors_are_one_line_and_exit_2(
         (["--pairs", str(pairs), "--sizes", "10,50"], "fractions of the graph's edges"),
         (["--pairs", str(pairs), "--sizes", "0.1,x"], "comma-separated numbers"),
         (["--pairs", str(same)], "the clean and corrupted prompts give the same mean metric (0"),
+        (
+            ["--pairs", str(pairs), "--method", "mask", "--direction", "noise"],
+            "--method mask trains from the corrupted run (denoise): drop --direction noise",
+        ),
     ]
     for extra, message in cases:
         code = main(["circuit", *extra, "--model", f"tiny-{ARCH}"])
@@ -300,3 +304,23 @@ def test_each_circuit_is_chosen_once_per_run(
         assert set(calls) == expected | searched
     assert max(calls.values()) == 1, calls
     assert (tmp_path / "page.html").is_file() and len(report["files"]) == 11
+
+
+def test_method_mask_is_circuits_discover(tmp_path: Path) -> None:
+    """--method mask scores with `circuits.discover` (the learned mask) and measures its curve."""
+    pairs = _write_pairs(tmp_path / "pairs.jsonl", PAIRS)
+    out = tmp_path / "out"
+    argv = ["circuit", "--pairs", str(pairs), "--model", f"tiny-{ARCH}", "--method", "mask",
+            "--sizes", ",".join(map(str, SIZES)), "--edges", "12", "--out", str(out),
+            "--json", str(out / "run.json")]  # fmt: skip
+    assert main(argv) == 0
+    report = json.loads((out / "run.json").read_text())
+    model = tiny_model(ARCH)
+    clean, corrupted, metric = paired_batch(model, PAIRS)
+    scores = circuits.discover(model, clean, corrupted, metric)
+    assert scores.method == "mask"
+    curve = circuits.faithfulness_curve(model, scores, clean, corrupted, metric, sizes=SIZES)
+    assert report["curve"]["signed_values"] == pytest.approx(curve.signed_values, abs=1e-6)
+    assert report["curve"]["cmd"] == pytest.approx(curve.cmd, abs=1e-6)
+    saved = circuits.Circuit.from_json(out / "circuit.json", model)
+    assert saved.edge_names == scores.top(12).edge_names

@@ -526,16 +526,13 @@ def test_learned_mask_is_edge_patching_at_its_ends_and_on_zero_one_masks(arch: s
     assert all(g is None for g in after[2])
 
 
-#: Blocks whose attention and MLP read the same residual: eap-ig-act's refusal names them.
-PARALLEL = ("gptj", "gpt_neox", "falcon", "phi")
-
-
 @pytest.mark.parametrize("arch", MATRIX_ARCHITECTURES)
-def test_eap_ig_act_is_eap_where_no_node_is_crossed_or_refuses_parallel_blocks(arch: str) -> None:
+def test_eap_ig_act_is_eap_where_no_node_is_crossed(arch: str) -> None:
     """eap-ig-act with steps=1 holds each node at its own clean value, so every pass is the
     clean run with one node's gradient cut: the logits' in-edges (no node lies after them) are
     eap's exactly, and the last MLP's in-edges eap's times (n_nodes - 1) / n_nodes (only its own
-    pass cuts them). Parallel blocks are refused naming them."""
+    pass cuts them), parallel blocks included. On TL 2 every edge (steps=2) equals EAP-IG's
+    algorithm written out on TL 2's own hooks."""
     from helpers import TOY_CLEAN, TOY_CORRUPTED, snapshot
 
     from ra_lens import circuits
@@ -543,11 +540,6 @@ def test_eap_ig_act_is_eap_where_no_node_is_crossed_or_refuses_parallel_blocks(a
     bridge = _warm(arch)
     metric = ra_lens.metrics.logit_diff([5, 6, 7], [7, 5, 6])
     before = snapshot(bridge)
-    if arch in PARALLEL:
-        with pytest.raises(NotImplementedError, match="parallel attention/MLP.*'eap-ig'"):
-            circuits.attribute(bridge, TOY_CLEAN, TOY_CORRUPTED, metric, method="eap-ig-act")
-        assert snapshot(bridge) == before
-        return
     act = circuits.attribute(
         bridge, TOY_CLEAN, TOY_CORRUPTED, metric, method="eap-ig-act", steps=1, direction="noise"
     )

@@ -61,12 +61,17 @@ from test_ig_activations import CLEAN, CORRUPTED, STEPS
 model = hooked_matrix_model(sys.argv[1], dtype=torch.float64)
 clean, corrupted = to_batch(model, CLEAN), to_batch(model, CORRUPTED)
 theirs = reference(model, clean.tokens, corrupted.tokens, clean.lengths, STEPS)
-torch.save(theirs, sys.argv[2])
+torch.save((theirs, clean, corrupted), sys.argv[2])
 """
 
 
+#: gpt_neox and phi: parallel blocks (GPT-NeoX's MLP with its own norm, Phi's sharing the
+#: attention's); their bridges prepend no BOS where TL 2 does, so both sides use TL 2's token ids.
+BRIDGE_ARCHS = ("gpt2", "llama", "gpt_neox", "phi")
+
+
 @pytest.mark.skipif(not has_bridge(), reason="TransformerBridge (TL 4) against TL 2's reference")
-@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@pytest.mark.parametrize("arch", BRIDGE_ARCHS)
 def test_bridge_eap_ig_act_equals_the_reference_on_tl2(arch, other_env_python, tmp_path):
     from ra_lens.toy_models import tiny_model
 
@@ -79,27 +84,33 @@ def test_bridge_eap_ig_act_equals_the_reference_on_tl2(arch, other_env_python, t
         env=env, capture_output=True, text=True,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    theirs = torch.load(out)
+    theirs, clean, corrupted = torch.load(out, weights_only=False)
     with torch.no_grad():  # the bridge adds its own norm hooks on a first forward pass
-        model(to_batch(model, CLEAN).tokens)
+        model(clean.tokens)
     before = snapshot(model)
     scores = attribute(
-        model, CLEAN, CORRUPTED, METRIC, method="eap-ig-act", direction="noise", steps=STEPS
+        model, clean, corrupted, METRIC, method="eap-ig-act", direction="noise", steps=STEPS
     )
     assert snapshot(model) == before
     # HuggingFace's eager attention takes its softmax in float32 even in a float64 model
     assert_ungrouped_scores(scores, theirs, rel=1e-5)
 
 
-def test_parallel_blocks_are_refused_naming_eap_ig():
-    """Parallel attention/MLP blocks: not verified (the GPT-NeoX toy disagreed with the
-    reference on its input -> layer-0 edges), so refused before any pass, model as found."""
-    from ra_lens.toy_models import tiny_model
+@pytest.mark.skipif(has_bridge(), reason="HookedTransformer: TransformerLens 2")
+@pytest.mark.parametrize("arch", ["gpt_neox", "gptj"])
+def test_parallel_blocks_are_eap_ig_activations_written_out(arch):
+    """Parallel attention/MLP blocks (GPT-NeoX: the MLP's own norm; GPT-J: the attention's):
+    every edge equals the written-out reference, the embeddings' passes dropping layer 0's MLP
+    input as EAP-IG's backward hooks do (it reads resid_pre, which requires no grad there)."""
+    from ra_lens.toy_models import hooked_matrix_model
 
-    model = tiny_model("gpt_neox" if has_bridge() else "hooked", dtype=torch.float64)
-    if not bool(getattr(model.cfg, "parallel_attn_mlp", False)):
-        model.cfg.parallel_attn_mlp = True  # TL 2's toy: the refusal reads the block layout
+    model = hooked_matrix_model(arch, dtype=torch.float64)
+    clean, corrupted = to_batch(model, CLEAN), to_batch(model, CORRUPTED)
     before = snapshot(model)
-    with pytest.raises(NotImplementedError, match="parallel attention/MLP.*'eap-ig'"):
-        attribute(model, CLEAN, CORRUPTED, METRIC, method="eap-ig-act", steps=STEPS)
+    scores = attribute(
+        model, clean, corrupted, METRIC, method="eap-ig-act", direction="noise", steps=STEPS
+    )
     assert snapshot(model) == before
+    other = hooked_matrix_model(arch, dtype=torch.float64)  # the reference sets its flags
+    theirs = eap_ig_act_reference(other, clean.tokens, corrupted.tokens, clean.lengths, STEPS)
+    assert_ungrouped_scores(scores, theirs, rel=1e-8)

@@ -50,6 +50,8 @@ CAPABILITIES = [
     "attention patching",
     "exact attribution",
     "circuits (eap, faithfulness)",
+    "learned mask",
+    "eap-ig-act",
     "exact edges",
     "edit dynamics",
     "TL 2.18 HookedTransformer",
@@ -69,6 +71,8 @@ def cells(arch: str) -> list[str]:
         patching,
         "exact",
         "exact",
+        "exact",  # learn_mask's masked run: clean, corrupted and 0/1 masks are edge patching
+        "exact",  # eap-ig-act: eap's edges where no node is crossed; TL 2: EAP-IG written out
         f"refused: {exact_edges}" if exact_edges else "exact",
         f"refused: {dynamics}" if dynamics else "exact",
         "the same, edit dynamics refused (HookedTransformer)"

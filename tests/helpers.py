@@ -115,6 +115,116 @@ def disk_full_beyond(n_bytes: int) -> Iterator[None]:
 PAIR_CLEAN = ["The capital of France is", "When Mary and John went to the store"]
 PAIR_CORRUPTED = ["The capital of Italy is", "When John and Mary went to the store"]
 PAIR_METRIC = logit_diff([294, 50], [52, 60])
+
+
+def eap_ig_act_reference(
+    model: Any,
+    base_tokens: Any,
+    other_tokens: Any,
+    lengths: Any,
+    steps: int,
+    metric: Any = PAIR_METRIC,
+) -> dict[tuple[str, str], float]:
+    """EAP-IG-activations written out as EAP-IG's `get_scores_ig_activations` reads TL's hooks:
+    {(writer, reader): score}, the mean over prompts of sum over nodes n and k = 1..steps of (other - base output of the writer) . dM/d(reader's
+    input) in the base run with node n's output held at other + k/steps (base - other), divided
+    by n_nodes * steps. `model`: a HookedTransformer whose flags this sets (use_attn_result,
+    use_split_qkv_input, use_hook_mlp_in; ungroup_grouped_query_attention where grouped)."""
+    cfg = model.cfg
+    model.set_use_attn_result(True)
+    model.set_use_split_qkv_input(True)
+    model.set_use_hook_mlp_in(True)
+    if cfg.n_key_value_heads is not None:
+        model.set_ungroup_grouped_query_attention(True)
+    n_layers, n_heads = cfg.n_layers, cfg.n_heads
+    outs = ["hook_embed"]
+    for la in range(n_layers):
+        outs += [f"blocks.{la}.attn.hook_result", f"blocks.{la}.hook_mlp_out"]
+
+    def record(tokens: Any) -> dict[str, Any]:
+        acts: dict[str, Any] = {}
+
+        def keep(x: Any, hook: Any) -> None:
+            acts[hook.name] = x.detach().clone()
+
+        with torch.no_grad(), model.hooks(fwd_hooks=[(n, keep) for n in outs]):
+            model(tokens)
+        return acts
+
+    base, other = record(base_tokens), record(other_tokens)
+    writers: dict[str, Any] = {"input": other["hook_embed"] - base["hook_embed"]}
+    for la in range(n_layers):
+        result = other[f"blocks.{la}.attn.hook_result"] - base[f"blocks.{la}.attn.hook_result"]
+        for h in range(n_heads):
+            writers[f"a{la}.h{h}"] = result[:, :, h]
+        writers[f"m{la}"] = other[f"blocks.{la}.hook_mlp_out"] - base[f"blocks.{la}.hook_mlp_out"]
+    inputs = [f"blocks.{la}.hook_{x}_input" for la in range(n_layers) for x in "qkv"]
+    inputs += [f"blocks.{la}.hook_mlp_in" for la in range(n_layers)]
+    inputs += [f"blocks.{n_layers - 1}.hook_resid_post"]
+    total = {name: 0.0 for name in inputs}
+    for node in outs:
+        for k in range(1, steps + 1):
+            point = other[node] + (k / steps) * (base[node] - other[node])
+            seen: dict[str, Any] = {}
+
+            def keep_live(x: Any, hook: Any, seen: dict[str, Any] = seen) -> None:
+                seen[hook.name] = x
+
+            # a constant, as in EAP-IG (no gradient reaches the node)
+            hooks = [(node, lambda x, hook, p=point: p.clone())]
+            hooks += [(name, keep_live) for name in inputs]
+            with model.hooks(fwd_hooks=hooks):
+                value = metric(model(base_tokens), lengths=lengths).sum()
+                # EAP-IG's backward hooks fire only where the input requires grad (not layer
+                # 0's with the embeddings held on a model without a learned W_pos)
+                live = [n for n in inputs if seen[n].requires_grad]
+                found = torch.autograd.grad(value, [seen[n] for n in live], allow_unused=True)
+            for name, grad in zip(live, found):
+                if grad is not None:
+                    total[name] = total[name] + grad
+    count, n_prompts = len(outs) * steps, base_tokens.shape[0]
+    scores = {}
+    for reader_hook, grad in total.items():
+        if not isinstance(grad, torch.Tensor):
+            continue
+        layer = int(reader_hook.split(".")[1])
+        if reader_hook.endswith("resid_post"):
+            readers = {"logits": grad}
+        elif reader_hook.endswith("mlp_in"):
+            readers = {f"m{layer}": grad}
+        else:
+            kind = reader_hook.split("_")[-2][-1]
+            readers = {f"a{layer}.h{h}<{kind}>": grad[:, :, h] for h in range(n_heads)}
+        for reader, g in readers.items():
+            for writer, diff in writers.items():
+                value = float((diff * g).sum()) / count / n_prompts
+                scores[(writer, reader)] = value
+    return scores
+
+
+def assert_ungrouped_scores(
+    scores: Any, theirs: dict[tuple[str, str], float], rel: float = 1e-9
+) -> None:
+    """Every real edge of `scores` (EdgeScores, over EAP-IG's ungrouped readers) equal to
+    `theirs` {(writer, reader): score} to `rel` (float64 precision by default)."""
+    graph = scores.graph
+    ours = scores.ungrouped_scores
+    if ours is None:
+        ours = scores.scores[:, graph.ungrouped_target]
+    real = graph.real[:, graph.ungrouped_target]
+    n_checked = 0
+    scale = max(abs(v) for v in theirs.values())
+    for u, (reader, _) in enumerate(graph.ungrouped_readers):
+        for w, writer in enumerate(graph.writers):
+            if not bool(real[w, u]):
+                continue
+            assert float(ours[w, u]) == pytest.approx(
+                theirs[(writer, reader)], rel=rel, abs=rel * 1e-3 * scale
+            ), (writer, reader)
+            n_checked += 1
+    assert n_checked == graph.n_edges_ungrouped and scale > 1e-6
+
+
 #: `hooked_toy` settings of a Llama-like grouped-query model: rotary, 2 key/value heads, RMSNorm,
 #: a gated SiLU MLP.
 LLAMA_LIKE = dict(

@@ -462,3 +462,108 @@ def test_forward_only_calls_work_inside_inference_mode_on_a_fresh_model() -> Non
     with torch.inference_mode():
         accuracy = ra_lens.tasks.evaluate(model, prompts)
     assert accuracy.n == len(prompts) and 0.0 <= accuracy.top1 <= accuracy.top3 <= 1.0
+
+
+def _warm(arch: str) -> Any:
+    """pair(arch)'s model after one forward pass (a bridge adds its own norm hooks then)."""
+    model, _ = pair(arch)
+    with torch.no_grad():
+        model(model.to_tokens(PROMPT))
+    return model
+
+
+def _metric_per_pair(model: Any, texts: list[str], metric: Any) -> torch.Tensor:
+    batch = ra_lens.capture.to_batch(model, texts)
+    with torch.no_grad():
+        return metric(model(batch.tokens), lengths=batch.lengths).double()
+
+
+@pytest.mark.parametrize("arch", MATRIX_ARCHITECTURES)
+def test_learned_mask_is_edge_patching_at_its_ends_and_on_zero_one_masks(arch: str) -> None:
+    """masked_values: all ones is the clean run bit for bit (no reader changes), all zeros the
+    corrupted run, a 0/1 mask `faithfulness`'s edge patching of that circuit; learn_mask (2
+    steps) scores every edge finitely and leaves the model as found (hooks, modes, grads)."""
+    from helpers import TOY_CLEAN, TOY_CORRUPTED, snapshot
+
+    from ra_lens import circuits
+    from ra_lens.circuits.masks import masked_values
+
+    bridge = _warm(arch)
+    metric = ra_lens.metrics.logit_diff([5, 6, 7], [7, 5, 6])
+    graph = circuits.Graph.from_model(bridge)
+    before = snapshot(bridge)
+    ones = torch.ones(graph.real.shape, dtype=torch.float64)
+    clean = _metric_per_pair(bridge, TOY_CLEAN, metric)
+    corrupted = _metric_per_pair(bridge, TOY_CORRUPTED, metric)
+    assert float((clean - corrupted).abs().max()) > 1e-4  # the two runs differ
+    kept = masked_values(bridge, TOY_CLEAN, TOY_CORRUPTED, metric, ones).detach().double()
+    assert torch.equal(kept, clean)
+    patched = masked_values(bridge, TOY_CLEAN, TOY_CORRUPTED, metric, 0 * ones).detach()
+    atol = tolerance(arch) * 10 * float(clean.abs().max())
+    torch.testing.assert_close(patched.double(), corrupted, rtol=0, atol=atol)
+    edges = torch.rand(graph.real.shape, generator=torch.Generator().manual_seed(1)) < 0.5
+    edges &= graph.real
+    values = masked_values(bridge, TOY_CLEAN, TOY_CORRUPTED, metric, edges.double()).detach()
+    truth = circuits.faithfulness(
+        bridge, circuits.Circuit(graph, edges), TOY_CLEAN, TOY_CORRUPTED, metric
+    )
+    torch.testing.assert_close(values.double(), truth.circuit_per_pair, rtol=0, atol=atol)
+    assert float((values.double() - clean).abs().max()) > 1e-4  # the circuit patches something
+    learned = circuits.learn_mask(
+        bridge, TOY_CLEAN, TOY_CORRUPTED, metric, steps=2, ig_steps=2, sparsity=0.0
+    )
+    assert learned.scores.scores.shape == graph.real.shape
+    assert bool(torch.isfinite(learned.scores.scores).all())
+    assert bool(learned.scores.scores[graph.real].ne(0).any())
+    # the first step's faithfulness is that of the warm start's mask, sigmoid(helps / rms)
+    helps = learned.warm_start.helps
+    start = torch.sigmoid(helps / helps[graph.real].pow(2).mean().sqrt()).float().double()
+    at_start = masked_values(bridge, TOY_CLEAN, TOY_CORRUPTED, metric, start * graph.real)
+    f = (at_start.detach().double().mean() - corrupted.mean()) / (clean.mean() - corrupted.mean())
+    assert learned.faithfulness[0] == pytest.approx(float(f), rel=1e-4, abs=1e-6)
+    after = snapshot(bridge)
+    assert after[0] == before[0] and after[1] == before[1] and after[3] == before[3]
+    assert all(g is None for g in after[2])
+
+
+@pytest.mark.parametrize("arch", MATRIX_ARCHITECTURES)
+def test_eap_ig_act_is_eap_where_no_node_is_crossed(arch: str) -> None:
+    """eap-ig-act with steps=1 holds each node at its own clean value, so every pass is the
+    clean run with one node's gradient cut: the logits' in-edges (no node lies after them) are
+    eap's exactly, and the last MLP's in-edges eap's times (n_nodes - 1) / n_nodes (only its own
+    pass cuts them), parallel blocks included. On TL 2 every edge (steps=2) equals EAP-IG's
+    algorithm written out on TL 2's own hooks."""
+    from helpers import TOY_CLEAN, TOY_CORRUPTED, snapshot
+
+    from ra_lens import circuits
+
+    bridge = _warm(arch)
+    metric = ra_lens.metrics.logit_diff([5, 6, 7], [7, 5, 6])
+    before = snapshot(bridge)
+    act = circuits.attribute(
+        bridge, TOY_CLEAN, TOY_CORRUPTED, metric, method="eap-ig-act", steps=1, direction="noise"
+    )
+    eap = circuits.attribute(
+        bridge, TOY_CLEAN, TOY_CORRUPTED, metric, method="eap", direction="noise"
+    )
+    assert snapshot(bridge) == before
+    graph = act.graph
+    assert bool(torch.isfinite(act.scores).all())
+    n_nodes = 1 + 2 * graph.n_layers
+    last_mlp = graph.reader_index[f"m{graph.n_layers - 1}"]
+    for reader, factor in ((len(graph.readers) - 1, 1.0), (last_mlp, (n_nodes - 1) / n_nodes)):
+        expected = eap.scores[:, reader] * factor
+        scale = float(expected.abs().max())
+        assert scale > 1e-6
+        got = act.scores[:, reader]
+        assert float((got - expected).abs().max()) <= tolerance(arch) * 100 * scale
+    # the other in-edges are not eap's: some pass cuts a path that eap counts
+    assert float((act.scores - eap.scores).abs().max()) > 1e-3 * float(eap.scores.abs().max())
+    if not has_bridge():  # every edge against the algorithm written out on TL 2's hooks
+        from helpers import assert_ungrouped_scores, eap_ig_act_reference
+
+        clean, corrupted = (ra_lens.capture.to_batch(bridge, t) for t in (TOY_CLEAN, TOY_CORRUPTED))
+        act = circuits.attribute(bridge, clean, corrupted, metric, method="eap-ig-act", steps=2)
+        other = hooked_matrix_model(arch, dtype=DTYPES.get(arch, torch.float64))  # flags set
+        theirs = eap_ig_act_reference(other, corrupted.tokens, clean.tokens, corrupted.lengths, 2, metric)  # fmt: skip
+        assert_ungrouped_scores(act, theirs, rel=tolerance(arch) * 10)

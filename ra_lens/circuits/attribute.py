@@ -132,13 +132,6 @@ def attribute(
     n_steps = steps if "-ig" in method else 1
     per_batch = n_steps
     if method == "eap-ig-act":
-        if any(layout.parallel for layout in facts.layouts):
-            # On the GPT-NeoX toy its input -> layer-0 edges disagree with the written-out
-            # reference on TransformerLens 2 (gpt2 and llama agree to 1e-9); cause not found.
-            raise NotImplementedError(
-                "method 'eap-ig-act' is not verified on parallel attention/MLP blocks (GPT-NeoX, "
-                "GPT-J, Phi, Falcon): use 'eap-ig', EAP-IG-inputs, on this model"
-            )
         attn_only = bool(getattr(model.cfg, "attn_only", False))
         per_batch = n_steps * len(_ig_activations.nodes(graph, attn_only))
     base_b, other_b = (corrupted_b, clean_b) if direction == "denoise" else (clean_b, corrupted_b)

@@ -83,8 +83,7 @@ def hybrid(
     Raises:
         ValueError: as `attribute` (steps < 1, a bad metric), raised by the first part, before
             the expensive ones run; TypeError likewise (not a TransformerLens model).
-        NotImplementedError: parallel attention/MLP blocks (EAP-IG-activations refuses them,
-            after the other two parts ran).
+        NotImplementedError: as `attribute` (readers it cannot rewrite), from the first part.
     """
     parts = [
         attribute(

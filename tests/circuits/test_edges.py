@@ -23,19 +23,33 @@ CLEAN = ["The capital of France is", "When Mary and John went to the store"]
 CORRUPTED = ["The capital of Italy is", "When John and Mary went to the store"]
 METRIC = logit_diff([294, 50], [52, 60])
 #: Grouped-query architectures of the matrix: plain (Llama), q/k norms (Qwen3), post-norms,
-#: soft-caps and sliding windows (Gemma-2), one key/value head for 4 query heads (Gemma-3).
-BRIDGE_ARCHS = ("llama", "qwen3", "gemma2", "gemma3")
+#: soft-caps and sliding windows (Gemma-2), one key/value head for 4 query heads (Gemma-3), a
+#: fused qkv projection (Phi-3), and multi-query attention fused into a parallel block (Falcon).
+BRIDGE_ARCHS = ("llama", "qwen3", "gemma2", "gemma3", "phi3", "falcon")
 LLAMA_LIKE = dict(
     positional_embedding_type="rotary", n_key_value_heads=2, normalization_type="RMS",
     act_fn="silu", gated_mlp=True,
 )  # fmt: skip
 
 
-def _hooked_twins() -> tuple[object, object]:
-    """TL 2: the grouped toy and its ungrouped twin (no grouped-query attention, W_K/W_V as TL
-    2's `ungroup_grouped_query_attention` repeats them)."""
-    model = hooked_toy(**LLAMA_LIKE)
-    twin = hooked_toy(**{k: v for k, v in LLAMA_LIKE.items() if k != "n_key_value_heads"})
+def _hooked_twins(arch: str = "llama_like") -> tuple[object, object]:
+    """TL 2: the grouped model (the Llama-like toy, or TL 2's conversion of a matrix
+    architecture) and its ungrouped twin (no grouped-query attention, W_K/W_V as TL 2's
+    `ungroup_grouped_query_attention` repeats them)."""
+    if arch == "llama_like":
+        model = hooked_toy(**LLAMA_LIKE)
+        twin = hooked_toy(**{k: v for k, v in LLAMA_LIKE.items() if k != "n_key_value_heads"})
+    else:
+        from transformer_lens import HookedTransformer, HookedTransformerConfig
+
+        from ra_lens.toy_models import hooked_matrix_model
+
+        model = hooked_matrix_model(arch, dtype=torch.float64)
+        config = {**model.cfg.to_dict(), "n_key_value_heads": None}
+        twin = HookedTransformer(
+            HookedTransformerConfig.from_dict(config), tokenizer=model.tokenizer
+        )
+        twin = twin.to(torch.float64).eval()
     group = model.cfg.n_heads // model.cfg.n_key_value_heads
     state = {}
     for name, value in model.state_dict().items():
@@ -58,16 +72,13 @@ def _bridge_twins(arch: str) -> tuple[object, object]:
 
     grouped = hf_model(arch, spread=True)
     config = grouped.config.__class__.from_dict(grouped.config.to_dict())
-    n_kv, n_heads = config.num_key_value_heads, config.num_attention_heads
+    n_kv, n_heads = grouped.config.num_key_value_heads, grouped.config.num_attention_heads
     config.num_key_value_heads = n_heads
+    if arch == "falcon":  # multi-query off: one key/value head per query head
+        config.multi_query = False
     config._attn_implementation = "eager"
     ungrouped = AutoModelForCausalLM.from_config(config).eval()
-    state = {}
-    for name, value in grouped.state_dict().items():
-        if name.endswith(("k_proj.weight", "v_proj.weight", "k_proj.bias", "v_proj.bias")):
-            rows = value.view(n_kv, -1, *value.shape[1:]).repeat_interleave(n_heads // n_kv, 0)
-            value = rows.reshape(-1, *value.shape[1:])
-        state[name] = value
+    state = {name: _ungroup(arch, name, value, n_kv, n_heads) for name, value in grouped.state_dict().items()}  # fmt: skip
     ungrouped.load_state_dict(state, strict=True)
     tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer_dir())
     models = []
@@ -81,15 +92,39 @@ def _bridge_twins(arch: str) -> tuple[object, object]:
     return models[0], models[1]
 
 
+def _ungroup(arch: str, name: str, value: torch.Tensor, n_kv: int, n_heads: int) -> torch.Tensor:
+    """A grouped model's weight as its ungrouped twin holds it: key/value rows (of k_proj/v_proj,
+    or of a fused projection) repeated for every query head of their group."""
+    group = n_heads // n_kv
+
+    def repeat(rows: torch.Tensor) -> torch.Tensor:
+        return rows.view(n_kv, -1, *rows.shape[1:]).repeat_interleave(group, 0).flatten(0, 1)
+
+    fused = "qkv_proj" in name or "query_key_value" in name
+    if not fused:
+        split = name.endswith(("k_proj.weight", "v_proj.weight", "k_proj.bias", "v_proj.bias"))
+        return repeat(value) if split else value
+    d_q = value.shape[0] * n_heads // (n_heads + 2 * n_kv)
+    q, k, v = value.split([d_q, (value.shape[0] - d_q) // 2, (value.shape[0] - d_q) // 2])
+    if arch == "falcon":  # no multi-query: per head [q_h, k_h, v_h] (FalconAttention._split_heads)
+        heads = [t.view(n_heads, -1, *t.shape[1:]) for t in (q, repeat(k), repeat(v))]
+        return torch.stack(heads, 1).flatten(0, 2)
+    return torch.cat([q, repeat(k), repeat(v)])
+
+
 def _random_copies(graph: Graph, p: float, seed: int) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     draw = torch.rand(len(graph.writers), len(graph.ungrouped_readers), generator=generator) < p
     return draw & graph.real[:, graph.ungrouped_target]
 
 
-@pytest.mark.parametrize("arch", BRIDGE_ARCHS if has_bridge() else ("llama_like",))
+#: TL 2: the fused qkv projection is split into W_Q/W_K/W_V by TL 2's own conversion (Phi-3).
+HOOKED_ARCHS = ("llama_like", "phi3")
+
+
+@pytest.mark.parametrize("arch", BRIDGE_ARCHS if has_bridge() else HOOKED_ARCHS)
 def test_per_copy_patching_equals_the_ungrouped_model(arch):
-    model, twin = _bridge_twins(arch) if has_bridge() else _hooked_twins()
+    model, twin = _bridge_twins(arch) if has_bridge() else _hooked_twins(arch)
     graph, ungrouped = Graph.from_model(model), Graph.from_model(twin)
     assert graph.group > 1 and ungrouped.group == 1
     # the twin's readers are the grouped model's ungrouped readers, in the same order

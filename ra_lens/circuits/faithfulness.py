@@ -242,9 +242,7 @@ class FaithfulnessEvaluator:
         self._references: list[Tensor] = []
         with capture.preserved_state(model), torch.no_grad():
             _edges.enable_mlp_in(model)
-            self._weights = [
-                layer_weights(model, la, facts) for la in range(self.graph.n_layers)
-            ]
+            self._weights = [layer_weights(model, la, facts) for la in range(self.graph.n_layers)]
             for rows, part_metric in zip(self._rows, self._metrics, strict=True):
                 clean_part = self._clean.rows(rows)
                 corrupted_part = corrupted_b.rows(rows)

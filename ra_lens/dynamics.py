@@ -29,7 +29,7 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor, nn
 
-from ra_lens import attention, capture
+from ra_lens import attention, capture, contract
 from ra_lens._typing import Validated
 from ra_lens.capture import PATTERN, Batch, HookedModel
 from ra_lens.core import MetricFn, metric_loss, reversed_attention
@@ -205,12 +205,13 @@ def edit_dynamics(
     if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0:
         raise ValueError(f"lr must be a positive finite number, got {lr!r}")
     lr = float(lr)
-    shape = capture.model_shape(model)
+    model_facts = contract.model_facts(model)  # read once for the call
+    shape = model_facts.shape
     chosen = capture.check_layers(layers, shape.n_layers)
     for layer in chosen:
         _projections(model, layer)
     batch = capture.to_batch(model, tokens)
-    facts = [capture.attention_facts(model, layer) for layer in chosen]
+    facts = [model_facts.attention[layer] for layer in chosen]
     for layer, fact in zip(chosen, facts):
         if fact.refusal() is not None:
             raise NotImplementedError(

@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import resource
 import signal
+import sys
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 
+from ra_lens import contract
 from ra_lens.capture import Z
 from ra_lens.metrics import logit_diff
 from ra_lens.models import bridge_available
@@ -78,6 +81,24 @@ def hook_count(model: Any) -> tuple[int, int]:
         for m in model.modules()
     )
     return points, modules
+
+
+def count_fact_reads(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
+    """Count calls of contract.block_layout / attention_facts under every name ra_lens binds
+    them to (capture re-exports them)."""
+    calls: Counter[str] = Counter()
+    for name in ("block_layout", "attention_facts"):
+        original = getattr(contract, name)
+
+        def wrapper(*args: Any, _name: str = name, _original: Any = original) -> Any:
+            calls[_name] += 1
+            return _original(*args)
+
+        for module in list(sys.modules.values()):
+            if module is not None and module.__name__.startswith("ra_lens"):
+                if getattr(module, name, None) is original:
+                    monkeypatch.setattr(module, name, wrapper)
+    return calls
 
 
 def snapshot(model: Any) -> tuple[Any, ...]:

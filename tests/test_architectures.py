@@ -311,7 +311,7 @@ def test_exact_edge_into_a_query_is_the_models_own_changed_pattern(arch: str) ->
     from helpers import TOY_CLEAN, TOY_CORRUPTED
 
     from ra_lens import capture, circuits
-    from ra_lens.circuits._edges import layer_weights
+    from ra_lens.weights import layer_weights
 
     bridge, _ = pair(arch)
     clean, corrupted = TOY_CLEAN[2], TOY_CORRUPTED[2]

@@ -38,6 +38,7 @@ FLOORS: list[tuple[str, list[str]]] = [
         "the model: contract, state, tokens, metrics, pairs, loading",
         [
             "ra_lens.contract",
+            "ra_lens.weights",
             "ra_lens.attention",
             "ra_lens.state",
             "ra_lens.liveness",

@@ -13,7 +13,7 @@ import einops
 import torch
 from torch import Tensor
 
-from ra_lens import attention, capture, pairs
+from ra_lens import attention, capture, contract, pairs
 from ra_lens._typing import Validated
 from ra_lens.attribution.result import AttentionAttribution
 from ra_lens.attribution.softmax import (
@@ -104,7 +104,8 @@ def attention_attribution(
     nodes = _check_choices(nodes, method, direction)
     check_count(steps, "steps")
     n_steps = steps if method == "exact-ig" else 1
-    shape = capture.model_shape(model)
+    facts = contract.model_facts(model)  # read once, handed to every layer and IG step
+    shape = facts.shape
     _refuse_ungrouped_keys(model, shape.n_heads, shape.n_kv_heads)
     chosen = capture.check_layers(layers, shape.n_layers)
     clean_b, corrupted_b = pairs.paired(model, clean, corrupted)
@@ -124,7 +125,7 @@ def attention_attribution(
 
     def estimates(layer: int, at: _Run | None = None) -> dict[str, Tensor]:
         return _layer_estimates(
-            patched, source, layer, capture.attention_facts(model, layer), base.lengths, nodes,
+            patched, source, layer, facts.attention[layer], base.lengths, nodes,
             "exact" if method == "exact-ig" else method, at=at,
         )  # fmt: skip
 

@@ -47,6 +47,7 @@ from ra_lens import capture
 from ra_lens.capture import HookedModel
 from ra_lens.circuits import _edges
 from ra_lens.circuits.graph import Graph
+from ra_lens.weights import LayerWeights
 
 MLP_OUT = _edges.MLP_OUT
 #: A node of EAP-IG's list: ("input", 0), ("attn", layer) or ("mlp", layer).
@@ -79,7 +80,7 @@ def nodes(graph: Graph, attn_only: bool) -> list[Node]:
 
 
 def _record(
-    model: HookedModel, graph: Graph, weights: list[_edges.LayerWeights], tokens: Tensor
+    model: HookedModel, graph: Graph, weights: list[LayerWeights], tokens: Tensor
 ) -> tuple[_edges.EdgeRun, dict[str, Tensor]]:
     """One plain run (no gradient): its EdgeRun (writer outputs, post-norm inputs) and every
     layer's hook_z."""
@@ -110,7 +111,7 @@ def _replace(value: Tensor) -> Callable[[Tensor, Any], Tensor]:
 def batch_scores(
     model: HookedModel,
     graph: Graph,
-    weights: list[_edges.LayerWeights],
+    weights: list[LayerWeights],
     base_tokens: Tensor,
     other_tokens: Tensor,
     make_step: MakeStep,

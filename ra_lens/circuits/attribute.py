@@ -53,6 +53,7 @@ from ra_lens.circuits.graph import Graph
 from ra_lens.circuits.scores import EdgeScores
 from ra_lens.progress import tqdm
 from ra_lens.types import MetricFn, Tokens
+from ra_lens.weights import LayerWeights, check_supported, layer_weights
 
 Method = Literal["eap", "eap-ig", "exact", "exact-ig", "eap-ig-act"]
 METHODS: tuple[str, ...] = ("eap", "eap-ig", "exact", "exact-ig", "eap-ig-act")
@@ -119,7 +120,7 @@ def attribute(
     check_count(steps, "steps")
     capture.check_model(model)
     facts = contract.model_facts(model)
-    _edges.check_supported(model, facts)
+    check_supported(model, facts)
     graph = Graph.from_model(model)
     clean_b, corrupted_b = pairs.paired(model, clean, corrupted)
     exact = method.startswith("exact")
@@ -142,7 +143,7 @@ def attribute(
     bar = tqdm(total=len(rows_list) * per_batch, desc=f"attribute {method}", disable=not progress)
     with capture.preserved_state(model):
         _edges.enable_mlp_in(model)
-        weights = [_edges.layer_weights(model, layer, facts) for layer in range(graph.n_layers)]
+        weights = [layer_weights(model, layer, facts) for layer in range(graph.n_layers)]
         for rows in rows_list:
             part_metric = pairs.metric_rows(metric, rows, n)
             base, other = base_b.rows(rows), other_b.rows(rows)
@@ -215,7 +216,7 @@ class _Step:
         self,
         model: HookedModel,
         graph: Graph,
-        weights: list[_edges.LayerWeights],
+        weights: list[LayerWeights],
         facts: contract.ModelFacts,
         batch: capture.Batch,
         metric: MetricFn,

@@ -42,6 +42,7 @@ from ra_lens.circuits.graph import Graph
 from ra_lens.progress import tqdm
 from ra_lens.record import Recorded, json_ready
 from ra_lens.types import MetricFn, Tokens
+from ra_lens.weights import check_supported, layer_weights
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -230,7 +231,7 @@ class FaithfulnessEvaluator:
             raise ValueError(f"unknown ablation {ablation!r}: choose one of {ABLATIONS}")
         capture.check_model(model)
         facts = contract.model_facts(model)
-        _edges.check_supported(model, facts)
+        check_supported(model, facts)
         self.model, self.ablation = model, ablation
         self.graph = Graph.from_model(model)
         self._clean, corrupted_b = pairs.paired(model, clean, corrupted)
@@ -241,9 +242,7 @@ class FaithfulnessEvaluator:
         self._references: list[Tensor] = []
         with capture.preserved_state(model), torch.no_grad():
             _edges.enable_mlp_in(model)
-            self._weights = [
-                _edges.layer_weights(model, la, facts) for la in range(self.graph.n_layers)
-            ]
+            self._weights = [layer_weights(model, la, facts) for la in range(self.graph.n_layers)]
             for rows, part_metric in zip(self._rows, self._metrics, strict=True):
                 clean_part = self._clean.rows(rows)
                 corrupted_part = corrupted_b.rows(rows)

@@ -50,6 +50,7 @@ from ra_lens.circuits.graph import Graph
 from ra_lens.circuits.scores import EdgeScores
 from ra_lens.progress import tqdm
 from ra_lens.types import MetricFn, Tokens
+from ra_lens.weights import LayerWeights, check_supported, layer_weights
 
 #: Fewest training pairs `learn_mask` takes: the mask is fitted to them, and one pair is a
 #: single prompt's quirks.
@@ -179,13 +180,13 @@ def masked_values(
     """
     capture.check_model(model)
     facts = contract.model_facts(model)
-    _edges.check_supported(model, facts)
+    check_supported(model, facts)
     graph = Graph.from_model(model)
     _check_mask(graph, mask)
     clean_b, corrupted_b = pairs.paired(model, clean, corrupted)
     with capture.preserved_state(model):
         _edges.enable_mlp_in(model)
-        weights = [_edges.layer_weights(model, la, facts) for la in range(graph.n_layers)]
+        weights = [layer_weights(model, la, facts) for la in range(graph.n_layers)]
         reference = _outputs(model, graph, weights, corrupted_b)
         patch = (1 - mask) * graph.real.to(mask.device, mask.dtype)
         return _masked_pass(model, graph, weights, clean_b, reference, patch, metric)
@@ -201,7 +202,7 @@ def _check_mask(graph: Graph, mask: Tensor) -> None:
 
 
 def _outputs(
-    model: HookedModel, graph: Graph, weights: list[_edges.LayerWeights], batch: capture.Batch
+    model: HookedModel, graph: Graph, weights: list[LayerWeights], batch: capture.Batch
 ) -> Float[Tensor, "writer batch pos d_model"]:
     """Every writer's output on `batch` (no gradient)."""
     run = _edges.EdgeRun(graph, weights)
@@ -213,7 +214,7 @@ def _outputs(
 def _masked_pass(
     model: HookedModel,
     graph: Graph,
-    weights: list[_edges.LayerWeights],
+    weights: list[LayerWeights],
     batch: capture.Batch,
     reference: Tensor,
     patch: Tensor,
@@ -287,7 +288,7 @@ def learn_mask(
         raise ValueError(f"rule={rule!r}: choose one of {RULES}")
     capture.check_model(model)
     facts = contract.model_facts(model)
-    _edges.check_supported(model, facts)
+    check_supported(model, facts)
     graph = Graph.from_model(model)
     clean_b, corrupted_b = pairs.paired(model, clean, corrupted)
     n = clean_b.tokens.shape[0]
@@ -396,7 +397,7 @@ class _Trainer:
         self.metrics = [pairs.metric_rows(metric, rows, n) for rows in self.rows]
         with capture.preserved_state(model), torch.no_grad():
             _edges.enable_mlp_in(model)
-            self.weights = [_edges.layer_weights(model, la, facts) for la in range(graph.n_layers)]
+            self.weights = [layer_weights(model, la, facts) for la in range(graph.n_layers)]
             self.references = [_outputs(model, graph, self.weights, corrupted.rows(r)) for r in self.rows]  # fmt: skip
             clean_v = [
                 pairs.metric_values(m, model(clean.rows(r).tokens), clean.rows(r))

@@ -9,7 +9,7 @@ import pytest
 import torch
 from helpers import CLEAN_TOKENS as CLEAN
 from helpers import CORRUPTED_TOKENS as CORRUPTED
-from helpers import arch_or_hooked, has_bridge, kl_to, one_layer_model
+from helpers import arch_or_hooked, count_fact_reads, has_bridge, kl_to, one_layer_model
 
 import ra_lens
 from ra_lens import capture
@@ -580,6 +580,23 @@ def test_exact_ig_with_one_step_is_exact_and_converges(arch):
 
     coarse, fine, finer = ig(2), ig(8), ig(16)
     assert float((fine - finer).abs().max()) < 0.2 * float((coarse - finer).abs().max())
+
+
+@pytest.mark.parametrize("arch", multi_layer_archs())
+def test_exact_ig_reads_each_layers_facts_once(arch, monkeypatch):
+    """One exact-ig call (4 steps) reads attention_facts and block_layout at most once per layer
+    (before: attention_facts per layer and step), with the same numbers."""
+    model = toy(arch)
+    before = ra_lens.attention_attribution(
+        model, CLEAN, CORRUPTED, METRIC, method="exact-ig", steps=4
+    )
+    calls = count_fact_reads(monkeypatch)
+    att = ra_lens.attention_attribution(model, CLEAN, CORRUPTED, METRIC, method="exact-ig", steps=4)
+    n_layers = int(model.cfg.n_layers)
+    assert calls["attention_facts"] <= n_layers and calls["block_layout"] <= n_layers, calls
+    for kind in ("query", "key", "pattern"):
+        assert torch.equal(att.by_position[kind], before.by_position[kind])
+    assert float(att.by_position["query"].abs().max()) > 0
 
 
 @pytest.mark.parametrize("kind", one_layer_kinds())

@@ -1,42 +1,32 @@
-"""`circuits.attribute` and `faithfulness` read the model's per-layer facts once per call;
+"""`circuits.attribute`, `faithfulness` and `learn_mask` read the model's per-layer facts once per call;
 eap-ig-act's bad input is refused naming the fix and leaves the model as found."""
 
 from __future__ import annotations
 
-import sys
-from collections import Counter
+import math
 from typing import Any, Literal
 
 import pytest
 import torch
-from helpers import PAIR_CLEAN, PAIR_CORRUPTED, PAIR_METRIC, has_bridge, hooked_toy, snapshot
+from helpers import (
+    PAIR_CLEAN,
+    PAIR_CORRUPTED,
+    PAIR_METRIC,
+    count_fact_reads,
+    has_bridge,
+    hooked_toy,
+    snapshot,
+)
 
-from ra_lens import contract, pairs
+from ra_lens import pairs
 from ra_lens.capture import to_batch
 from ra_lens.circuits.attribute import attribute
 from ra_lens.circuits.faithfulness import faithfulness
+from ra_lens.circuits.masks import learn_mask
 from ra_lens.circuits.scores import EdgeScores
 from ra_lens.toy_models import tiny_model
 
 CLEAN, CORRUPTED, METRIC = PAIR_CLEAN, PAIR_CORRUPTED, PAIR_METRIC  # right-padded: unequal lengths
-
-
-def counted(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
-    """Count calls of contract.block_layout / attention_facts under every name ra_lens binds
-    them to (capture re-exports them)."""
-    calls: Counter[str] = Counter()
-    for name in ("block_layout", "attention_facts"):
-        original = getattr(contract, name)
-
-        def wrapper(*args: Any, _name: str = name, _original: Any = original) -> Any:
-            calls[_name] += 1
-            return _original(*args)
-
-        for module in list(sys.modules.values()):
-            if module is not None and module.__name__.startswith("ra_lens"):
-                if getattr(module, name, None) is original:
-                    monkeypatch.setattr(module, name, wrapper)
-    return calls
 
 
 @pytest.mark.parametrize("method", ["exact-ig", "eap", "eap-ig-act"])
@@ -48,7 +38,7 @@ def test_attribute_reads_each_layers_facts_once(
     attention_facts per step and layer)."""
     model = tiny_model("llama", dtype=torch.float64) if has_bridge() else hooked_toy()
     n_layers = int(model.cfg.n_layers)
-    calls = counted(monkeypatch)
+    calls = count_fact_reads(monkeypatch)
     scores = attribute(model, CLEAN, CORRUPTED, METRIC, method=method, steps=3, batch_size=1)
     assert isinstance(scores, EdgeScores) and bool(scores.scores.abs().sum() > 0)
     assert calls["block_layout"] <= n_layers, calls
@@ -60,12 +50,25 @@ def test_faithfulness_reads_each_layers_facts_once(monkeypatch: pytest.MonkeyPat
     n_layers = int(model.cfg.n_layers)
     scores = attribute(model, CLEAN, CORRUPTED, METRIC, method="eap")
     assert isinstance(scores, EdgeScores)
-    calls = counted(monkeypatch)
+    calls = count_fact_reads(monkeypatch)
     result = faithfulness(model, scores.top(5), CLEAN, CORRUPTED, METRIC, batch_size=1)
     clean = to_batch(model, CLEAN)
     with torch.no_grad():  # the clean run is the model's own (no edge patched there)
         expected = float(pairs.metric_values(METRIC, model(clean.tokens), clean).mean())
     assert result.clean_metric == pytest.approx(expected, rel=1e-9)
+    assert calls["block_layout"] <= n_layers, calls
+    assert calls["attention_facts"] <= n_layers, calls
+
+
+def test_learn_mask_reads_each_layers_facts_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two training steps over two batches (the warm start given, so no `attribute` inside)."""
+    model = tiny_model("llama", dtype=torch.float64) if has_bridge() else hooked_toy()
+    n_layers = int(model.cfg.n_layers)
+    warm = attribute(model, CLEAN, CORRUPTED, METRIC, method="eap")
+    assert isinstance(warm, EdgeScores)
+    calls = count_fact_reads(monkeypatch)
+    learned = learn_mask(model, CLEAN, CORRUPTED, METRIC, steps=2, warm_start=warm, batch_size=1)
+    assert len(learned.losses) == 2 and all(math.isfinite(loss) for loss in learned.losses)
     assert calls["block_layout"] <= n_layers, calls
     assert calls["attention_facts"] <= n_layers, calls
 

@@ -193,7 +193,7 @@ def test_the_mlp_input_switch_is_given_back_by_preserved_state():
 
 
 def test_the_mlp_reader_hook_is_read_once_per_call(monkeypatch):
-    from ra_lens import contract
+    from ra_lens import contract, weights
 
     model = _bridge_twins("llama")[0] if has_bridge() else _hooked_twins()[0]
     facts = contract.model_facts(model)
@@ -203,6 +203,6 @@ def test_the_mlp_reader_hook_is_read_once_per_call(monkeypatch):
     reads = []
     real = contract.model_facts
     monkeypatch.setattr(contract, "model_facts", lambda m: reads.append(1) or real(m))
-    monkeypatch.setattr(_edges, "model_facts", contract.model_facts)
+    monkeypatch.setattr(weights, "model_facts", contract.model_facts)
     evaluate(Circuit.empty(evaluate.graph))  # every MLP input patched: no model re-read
     assert reads == []

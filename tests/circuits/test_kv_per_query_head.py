@@ -24,6 +24,7 @@ from ra_lens.circuits.graph import Graph
 from ra_lens.circuits.scores import EdgeScores
 from ra_lens.metrics import logit_diff
 from ra_lens.toy_models import tiny_model
+from ra_lens.weights import layer_weights
 
 CLEAN = ["The capital of France is", "When Mary and John went to the store"]
 CORRUPTED = ["The capital of Italy is", "When John and Mary went to the store"]
@@ -381,7 +382,7 @@ def test_bad_copies_are_refused_naming_the_problem():
 def test_edge_run_keeps_key_and_value_inputs_only_with_leaves():
     model = tiny_model("llama") if has_bridge() else hooked_toy(**LLAMA_LIKE)
     graph = Graph.from_model(model)
-    weights = [_edges.layer_weights(model, la) for la in range(graph.n_layers)]
+    weights = [layer_weights(model, la) for la in range(graph.n_layers)]
     run = _edges.EdgeRun(graph, weights)
     with torch.no_grad(), model.hooks(fwd_hooks=run.hooks(model)):
         model(model.to_tokens("Q: hot"))

@@ -139,13 +139,13 @@ def test_pattern_not_the_softmax_of_qk(monkeypatch):
     """A pattern that is not the softmax the facts describe (here facts read with half the true
     scale) fails the one recompute check every route uses, as edit dynamics' refusal."""
     model = bridge("native", n_layers=1)
-    read = ra_lens.capture.attention_facts
+    read = ra_lens.contract.attention_facts
 
     def wrong_scale(model, layer):
         facts = read(model, layer)
         return dataclasses.replace(facts, scale=facts.scale / 2)
 
-    monkeypatch.setattr(ra_lens.capture, "attention_facts", wrong_scale)
+    monkeypatch.setattr(ra_lens.contract, "attention_facts", wrong_scale)  # model_facts reads it
     with pytest.raises(NotImplementedError, match="differs from hook_pattern.*supported"):
         run(model, 1e-3)
 

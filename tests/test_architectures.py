@@ -152,9 +152,10 @@ def test_circuits_are_exact_at_both_ends_or_refuse_naming_the_cause(arch: str) -
     graph = scores.graph
     full = circuits.Circuit(graph, graph.real.clone())
     empty = circuits.Circuit(graph, torch.zeros_like(graph.real))
+    # faithfulness() is this evaluator called once: one evaluator measures both ends
+    evaluate = circuits.FaithfulnessEvaluator(bridge, TOY_CLEAN, TOY_CORRUPTED, metric)
     for circuit, value in ((full, 1.0), (empty, 0.0)):
-        got = circuits.faithfulness(bridge, circuit, TOY_CLEAN, TOY_CORRUPTED, metric).value
-        assert got == pytest.approx(value, abs=1e-6)
+        assert evaluate(circuit).value == pytest.approx(value, abs=1e-6)
     if arch in EXACT_REFUSALS:
         with pytest.raises((NotImplementedError, RuntimeError), match=EXACT_REFUSALS[arch]):
             circuits.attribute(bridge, TOY_CLEAN, TOY_CORRUPTED, metric, method="exact")

@@ -76,11 +76,14 @@ test-tl2: setup-tl2
 # processes on two cores would fight). TransformerLens 4 only: the TL 2 run repeats the same checks
 # on HookedTransformer and would double the time; `make test-fast-tl2` runs it, `make test` runs
 # both in full.
+# Byte code cached even where the shell sets PYTHONDONTWRITEBYTECODE: without it every worker
+# compiles ~1,200 modules from source and pytest rewrites the asserts of every test file again
+# (about 11 s of CPU per process, half of collection).
 test-fast: setup
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 -m "not real_model and not notebook and not slow" tests ra_lens
+	PYTHONDONTWRITEBYTECODE= OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 -m "not real_model and not notebook and not slow" tests ra_lens
 
 test-fast-tl2: setup-tl2
-	OMP_NUM_THREADS=1 $(PY_TL2) -m pytest -q -n 2 -m "not real_model and not notebook and not slow and not tl4" tests ra_lens
+	PYTHONDONTWRITEBYTECODE= OMP_NUM_THREADS=1 $(PY_TL2) -m pytest -q -n 2 -m "not real_model and not notebook and not slow and not tl4" tests ra_lens
 
 demo: setup
 	$(VENV)/bin/ra-lens maps --prompt "I like Italy and France. I visited the city of" \

@@ -46,6 +46,14 @@ def pair(arch: str) -> tuple[Any, Any]:
     return model, hf_model(arch, spread=True).to(dtype)
 
 
+@cache
+def hf_truth(arch: str) -> dict[str, list[Any]]:
+    """`hf_attention_grads` of `pair(arch)`'s HuggingFace twin on PROMPT for target_nll([TARGET]),
+    every convention, read once per architecture (the four RA variants compare against it)."""
+    bridge, hf = pair(arch)
+    return hf_attention_grads(hf, bridge.to_tokens(PROMPT), target_nll([TARGET]))
+
+
 def tolerance(arch: str) -> float:
     return 1e-5 if DTYPES.get(arch) == torch.float32 else 1e-9
 
@@ -62,7 +70,7 @@ def test_ra_is_the_gradient_inside_huggingfaces_attention(
     bridge, hf = pair(arch)
     tokens = bridge.to_tokens(PROMPT)
     metric = target_nll([TARGET])
-    truth = hf_attention_grads(hf, tokens, metric)[convention]
+    truth = hf_truth(arch)[convention]
     ra = ra_lens.reversed_attention(bridge, tokens, metric, convention=convention, memory=memory)
     assert ra.maps is not None and len(truth) == bridge.cfg.n_layers
     for layer, grad in enumerate(truth):
@@ -144,9 +152,10 @@ def test_circuits_are_exact_at_both_ends_or_refuse_naming_the_cause(arch: str) -
     graph = scores.graph
     full = circuits.Circuit(graph, graph.real.clone())
     empty = circuits.Circuit(graph, torch.zeros_like(graph.real))
+    # faithfulness() is this evaluator called once: one evaluator measures both ends
+    evaluate = circuits.FaithfulnessEvaluator(bridge, TOY_CLEAN, TOY_CORRUPTED, metric)
     for circuit, value in ((full, 1.0), (empty, 0.0)):
-        got = circuits.faithfulness(bridge, circuit, TOY_CLEAN, TOY_CORRUPTED, metric).value
-        assert got == pytest.approx(value, abs=1e-6)
+        assert evaluate(circuit).value == pytest.approx(value, abs=1e-6)
     if arch in EXACT_REFUSALS:
         with pytest.raises((NotImplementedError, RuntimeError), match=EXACT_REFUSALS[arch]):
             circuits.attribute(bridge, TOY_CLEAN, TOY_CORRUPTED, metric, method="exact")

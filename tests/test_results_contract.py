@@ -7,6 +7,7 @@ refused with a ValueError naming the file."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from collections.abc import Callable
@@ -60,6 +61,12 @@ def _ablation_curve(model, scores):
 
 
 def _head_ranking(model, scores):
+    return _ranked(model)
+
+
+@functools.cache
+def _ranked(model):
+    """One head ranking of `model`, shared by HeadRankingResult and StudyResult."""
     from ra_lens.experiments import head_ranking
     from ra_lens.tasks import Task
 

@@ -21,7 +21,15 @@ from helpers import (
 
 from ra_lens import circuits
 from ra_lens.capture import to_batch
-from ra_lens.circuits import Circuit, EdgeScores, Graph, LearnedMask, faithfulness, learn_mask
+from ra_lens.circuits import (
+    Circuit,
+    EdgeScores,
+    Graph,
+    LearnedMask,
+    attribute,
+    faithfulness,
+    learn_mask,
+)
 from ra_lens.circuits.masks import masked_values
 from ra_lens.metrics import logit_diff
 from ra_lens.toy_models import tiny_model
@@ -45,6 +53,13 @@ def model(request):
     with torch.no_grad():  # a bridge adds its own pre-hooks on its first forward pass
         model(model.to_tokens("Q: hot"))
     return model
+
+
+@pytest.fixture(scope="module")
+def warm(model) -> EdgeScores:
+    """The warm start `learn_mask` computes when given none (eap-ig, 5 steps, on these pairs),
+    computed once per model for the tests whose subject is not the warm start itself."""
+    return attribute(model, CLEAN, CORRUPTED, METRIC, method="eap-ig", steps=5)
 
 
 def _same_state(model, before) -> None:
@@ -142,9 +157,11 @@ def test_the_gradient_of_each_edge_is_its_finite_difference():
 
 
 @pytest.mark.parametrize(("rule", "lr"), [("adam", 0.3), ("scaled", 1.0)])
-def test_training_raises_the_training_faithfulness_and_ranks_every_edge(model, rule, lr):
+def test_training_raises_the_training_faithfulness_and_ranks_every_edge(model, warm, rule, lr):
     before = snapshot(model)
-    result = learn_mask(model, CLEAN, CORRUPTED, METRIC, steps=6, lr=lr, sparsity=0.0, rule=rule)
+    result = learn_mask(
+        model, CLEAN, CORRUPTED, METRIC, steps=6, lr=lr, sparsity=0.0, rule=rule, warm_start=warm
+    )
     assert isinstance(result, LearnedMask)
     assert len(result.faithfulness) == 6 and len(result.kept) == 6
     assert result.faithfulness[-1] > result.faithfulness[0] + 0.01
@@ -173,8 +190,8 @@ def test_the_warm_start_is_eap_ig_and_the_sparsity_turns_edges_off(model):
     assert sparse.kept[-1] < free.kept[-1]
 
 
-def test_grouped_copies_share_the_learned_score(model):
-    result = learn_mask(model, CLEAN, CORRUPTED, METRIC, steps=2, lr=0.1)
+def test_grouped_copies_share_the_learned_score(model, warm):
+    result = learn_mask(model, CLEAN, CORRUPTED, METRIC, steps=2, lr=0.1, warm_start=warm)
     g, scores = result.scores.graph, result.scores
     if g.group == 1:
         assert scores.ungrouped_scores is None
@@ -184,15 +201,14 @@ def test_grouped_copies_share_the_learned_score(model):
     torch.testing.assert_close(summed, scores.scores, rtol=0, atol=1e-12)
 
 
-def test_the_faithful_objective_brings_f_towards_one(model):
-    result = learn_mask(model, CLEAN, CORRUPTED, METRIC, steps=6, lr=0.3, sparsity=0.0, objective="faithful")  # fmt: skip
+def test_the_faithful_objective_brings_f_towards_one(model, warm):
+    result = learn_mask(model, CLEAN, CORRUPTED, METRIC, steps=6, lr=0.3, sparsity=0.0, objective="faithful", warm_start=warm)  # fmt: skip
     assert abs(result.faithfulness[-1] - 1) < abs(result.faithfulness[0] - 1)
     assert result.losses[-1] == pytest.approx((result.faithfulness[-1] - 1) ** 2)
 
 
-def test_the_scaled_rule_moves_each_edge_by_its_own_gradient(model):
+def test_the_scaled_rule_moves_each_edge_by_its_own_gradient(model, warm):
     graph = Graph.from_model(model)
-    warm = learn_mask(model, CLEAN, CORRUPTED, METRIC, steps=1, lr=1e-9).warm_start
     start = learn_mask(model, CLEAN, CORRUPTED, METRIC, steps=1, lr=1e-12, rule="scaled", warm_start=warm)  # fmt: skip
     moved = learn_mask(model, CLEAN, CORRUPTED, METRIC, steps=1, lr=0.5, rule="scaled", warm_start=warm)  # fmt: skip
     # one step: log_alpha - lr * g / rms(g), g = d(-f)/d log_alpha = -sigmoid'(la) df/dm
@@ -206,12 +222,12 @@ def test_the_scaled_rule_moves_each_edge_by_its_own_gradient(model):
     torch.testing.assert_close(moved.log_alpha, expected * graph.real, rtol=0, atol=1e-5)
 
 
-def test_a_cpu_budget_stops_training(model):
-    result = learn_mask(model, CLEAN, CORRUPTED, METRIC, steps=50, budget_s=1e-9)
+def test_a_cpu_budget_stops_training(model, warm):
+    result = learn_mask(model, CLEAN, CORRUPTED, METRIC, steps=50, budget_s=1e-9, warm_start=warm)
     assert len(result.faithfulness) == 1
 
 
-def test_bad_input_is_refused_naming_the_fix(model):
+def test_bad_input_is_refused_naming_the_fix(model, warm):
     graph = Graph.from_model(model)
     before = snapshot(model)
     with pytest.raises(ValueError, match="steps must be an int >= 1"):
@@ -232,7 +248,7 @@ def test_bad_input_is_refused_naming_the_fix(model):
     with pytest.raises(ValueError, match="rule='sgd'"):
         learn_mask(model, CLEAN, CORRUPTED, METRIC, rule="sgd")
     with pytest.raises(ValueError, match="collapsed to empty.*lower sparsity"):
-        learn_mask(model, CLEAN, CORRUPTED, METRIC, steps=4, lr=5.0, sparsity=1e6, init_scale=0.1)  # fmt: skip
+        learn_mask(model, CLEAN, CORRUPTED, METRIC, steps=4, lr=5.0, sparsity=1e6, init_scale=0.1, warm_start=warm)  # fmt: skip
     with pytest.raises(ValueError, match=r"in \[0, 1\]"):
         masked_values(model, CLEAN, CORRUPTED, METRIC, _full(graph, 1.5))
     with pytest.raises(ValueError, match="same mean metric"):

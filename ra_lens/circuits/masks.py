@@ -130,8 +130,8 @@ class LearnedMask:
     Attributes:
         scores: EdgeScores ranking the edges by the learned log_alpha (MIB's sign, direction
             "denoise", method "mask"): `top(n)` / `greedy(n)` give MIB's nested circuits. On a
-            grouped-query model each query head's copy of a key/value edge gets a share of it
-            in proportion to the copy's |warm-start score| (`ungrouped_scores`).
+            grouped-query model each query head's copy of a key/value edge scores its own warm
+            start plus an equal share of the edge's learned change (`ungrouped_scores`).
         mask: Float[Tensor, "writer reader"], sigmoid(log_alpha) on real edges, 0 elsewhere.
         log_alpha: Float[Tensor, "writer reader"], the trained logits (0 off the graph).
         warm_start: the EdgeScores the mask started from.
@@ -298,7 +298,11 @@ def learn_mask(
     real = graph.real
     helps = warm.helps
     scale = helps[real].pow(2).mean().sqrt().clamp_min(1e-30)
-    log_alpha = (init_scale * helps / scale * real).float().requires_grad_(True)
+    start_grouped = init_scale * helps / scale * real
+    start_copies = None
+    if warm.ungrouped_scores is not None:
+        start_copies = init_scale * warm.ungrouped_helps / scale * real[:, graph.ungrouped_target]
+    log_alpha = start_grouped.float().requires_grad_(True)
     trainer = _Trainer(model, graph, facts, clean_b, corrupted_b, metric, batch_size)
     curve = _train(
         trainer, log_alpha, steps, start, progress,
@@ -307,7 +311,7 @@ def learn_mask(
     log_alpha = log_alpha.detach().double() * real
     _check_learned(graph, log_alpha)
     seconds = time.process_time() - start
-    scores = _scores(graph, warm, log_alpha, seconds)
+    scores = _scores(graph, start_grouped, start_copies, log_alpha, seconds)
     mask = torch.sigmoid(log_alpha) * real
     return LearnedMask(scores, mask, log_alpha, warm, seconds=seconds, **curve)
 
@@ -446,18 +450,20 @@ def _check_learned(graph: Graph, log_alpha: Tensor) -> None:
         raise ValueError("the mask collapsed to empty (every edge's m < 1/2): the sparsity penalty outweighed the metric; lower sparsity or steps, or raise init_scale")  # fmt: skip
 
 
-def _scores(graph: Graph, warm: EdgeScores, log_alpha: Tensor, seconds: float) -> EdgeScores:
-    """log_alpha as EdgeScores; on a grouped-query model each query head's copy of a key/value
-    edge gets a share in proportion to its |warm-start score| (equal shares where all are 0)."""
+def _scores(
+    graph: Graph, start: Tensor, start_copies: Tensor | None, log_alpha: Tensor, seconds: float
+) -> EdgeScores:
+    """log_alpha as EdgeScores. On a grouped-query model (`start_copies` given) each query
+    head's copy of a key/value edge scores its own warm start (init_scale * its helps / the
+    same rms: the copies of an edge add up to the edge's start, as EAP-IG's copies add up) plus
+    an equal share of what training moved the edge (log_alpha - start): an edge that training
+    left alone keeps the warm start's per-copy order and signs, which MIB's per-copy evaluator
+    ranks."""
     ungrouped = None
-    if warm.ungrouped_scores is not None:
+    if start_copies is not None:
         target = graph.ungrouped_target
-        weight = warm.ungrouped_helps.abs()
-        per_reader = torch.zeros_like(log_alpha).index_add_(1, target, weight)
-        share = weight / per_reader[:, target]
-        equal = (1 / graph.copies.double())[target].expand_as(share)
-        share = torch.where(per_reader[:, target] > 0, share, equal)
-        ungrouped = log_alpha[:, target] * share * graph.real[:, target]
+        moved = (log_alpha - start)[:, target] / graph.copies.double()[target]
+        ungrouped = (start_copies + moved) * graph.real[:, target]
     return dataclasses.replace(
         EdgeScores(graph, log_alpha, "mask", "denoise", ungrouped_scores=ungrouped),
         seconds=seconds,

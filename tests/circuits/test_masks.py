@@ -199,6 +199,12 @@ def test_grouped_copies_share_the_learned_score(model, warm):
     assert scores.ungrouped_scores is not None
     summed = torch.zeros_like(scores.scores).index_add_(1, g.ungrouped_target, scores.ungrouped_scores)  # fmt: skip
     torch.testing.assert_close(summed, scores.scores, rtol=0, atol=1e-12)
+    # an edge training leaves alone keeps the warm start's own per-copy scores (MIB's evaluator
+    # ranks copies): with a vanishing step every copy is its warm score over the same rms
+    still = learn_mask(model, CLEAN, CORRUPTED, METRIC, steps=1, lr=1e-12, rule="scaled", warm_start=warm)  # fmt: skip
+    rms = warm.helps[g.real].pow(2).mean().sqrt()
+    expected = warm.ungrouped_helps / rms * g.real[:, g.ungrouped_target]
+    torch.testing.assert_close(still.scores.ungrouped_scores, expected, rtol=1e-6, atol=1e-9)
 
 
 def test_the_faithful_objective_brings_f_towards_one(model, warm):

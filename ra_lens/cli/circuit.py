@@ -80,10 +80,10 @@ def _score_and_curve(run: _Run) -> None:
     progress = True
     with timed(run.seconds, "attribute"):
         if args.method == "mask":
-            scores = circuits.discover(
-                run.model, run.clean, run.corrupted, run.metric,
+            scores = circuits.learn_mask(
+                run.model, run.clean, run.corrupted, run.metric, rule="scaled",
                 batch_size=args.batch_size, progress=progress,
-            )  # fmt: skip
+            ).scores  # fmt: skip
         else:
             scores = circuits.attribute(
                 run.model,

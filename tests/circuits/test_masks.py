@@ -19,7 +19,6 @@ from helpers import (
     snapshot,
 )
 
-from ra_lens import circuits
 from ra_lens.capture import to_batch
 from ra_lens.circuits import (
     Circuit,
@@ -260,12 +259,3 @@ def test_bad_input_is_refused_naming_the_fix(model, warm):
     with pytest.raises(ValueError, match="same mean metric"):
         learn_mask(model, CLEAN, CLEAN, METRIC)
     _same_state(model, before)
-
-
-def test_discover_is_the_scaled_mask_from_eap_ig(model):
-    """circuits.discover, ra-lens's default circuit discovery, is learn_mask with the scaled
-    rule from eap-ig (5 steps): the same scores, bit for bit."""
-    found = circuits.discover(model, CLEAN, CORRUPTED, METRIC, steps=3)
-    mask = learn_mask(model, CLEAN, CORRUPTED, METRIC, steps=3, rule="scaled")
-    assert found.method == "mask" and torch.equal(found.scores, mask.scores.scores)
-    assert not torch.equal(found.scores, mask.warm_start.scores)

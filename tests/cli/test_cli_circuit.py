@@ -306,8 +306,8 @@ def test_each_circuit_is_chosen_once_per_run(
     assert (tmp_path / "page.html").is_file() and len(report["files"]) == 11
 
 
-def test_method_mask_is_circuits_discover(tmp_path: Path) -> None:
-    """--method mask scores with `circuits.discover` (the learned mask) and measures its curve."""
+def test_method_mask_is_the_scaled_learned_mask(tmp_path: Path) -> None:
+    """--method mask scores with the learned mask (scaled rule) and measures its curve."""
     pairs = _write_pairs(tmp_path / "pairs.jsonl", PAIRS)
     out = tmp_path / "out"
     argv = ["circuit", "--pairs", str(pairs), "--model", f"tiny-{ARCH}", "--method", "mask",
@@ -317,7 +317,7 @@ def test_method_mask_is_circuits_discover(tmp_path: Path) -> None:
     report = json.loads((out / "run.json").read_text())
     model = tiny_model(ARCH)
     clean, corrupted, metric = paired_batch(model, PAIRS)
-    scores = circuits.discover(model, clean, corrupted, metric)
+    scores = circuits.learn_mask(model, clean, corrupted, metric, rule="scaled").scores
     assert scores.method == "mask"
     curve = circuits.faithfulness_curve(model, scores, clean, corrupted, metric, sizes=SIZES)
     assert report["curve"]["signed_values"] == pytest.approx(curve.signed_values, abs=1e-6)

@@ -8,7 +8,7 @@ from ra_lens.circuits.ensemble import ensemble
 from ra_lens.circuits.faithfulness import Faithfulness, FaithfulnessEvaluator, faithfulness
 from ra_lens.circuits.files import export_mib
 from ra_lens.circuits.graph import Graph
-from ra_lens.circuits.jaccard import CircuitStability, bootstrap_jaccard
+from ra_lens.circuits.jaccard import CircuitStability, bootstrap_jaccard, refit_jaccard
 from ra_lens.circuits.masks import LearnedMask, learn_mask
 from ra_lens.circuits.mib import (
     MIB_FRACTIONS,
@@ -49,6 +49,7 @@ __all__ = [
     "learn_mask",
     "mib_circuits",
     "pair_scores",
+    "refit_jaccard",
     "refine",
     "smallest_circuit",
     "stable",

@@ -27,7 +27,7 @@ costs a matrix product, not an attribution.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -203,34 +203,119 @@ def bootstrap_jaccard(
             "that is NaN on some pair?) before measuring stability"
         )
     fractions = list(check_fractions(fractions))
-    total = scores.graph.count(units)
-    sizes = [round(f * total) for f in fractions]
-    full = [_edge_set(scores, per_pair.mean(0), n, absolute, units) for n in sizes]
+    sizes = _sizes(scores, fractions, units)
     index = bootstrap_indices(per_pair.shape[0], n_boot, seed)
-    chosen = torch.zeros(len(sizes), n_boot, int(scores.graph.real.sum()), dtype=torch.bool)
-    for b in tqdm(range(n_boot), desc="bootstrap circuits", disable=not progress):
-        mean = per_pair[index[b]].mean(0)
-        for s, n in enumerate(sizes):
-            chosen[s, b] = _edge_set(scores, mean, n, absolute, units)
+
+    def chosen(rows: Tensor | None) -> list[Tensor]:
+        mean = per_pair.mean(0) if rows is None else per_pair[rows].mean(0)
+        resampled = EdgeScores(scores.graph, mean, scores.method, scores.direction)
+        return [_edge_set(resampled, n, absolute, units) for n in sizes]
+
+    boots = [chosen(index[b]) for b in tqdm(range(n_boot), desc="bootstrap circuits", disable=not progress)]  # fmt: skip
+    return _stability(scores, chosen(None), boots, fractions, sizes, absolute, units, seed)
+
+
+def refit_jaccard(
+    fit: Callable[[list[int]], EdgeScores],
+    n_pairs: int,
+    fractions: Validated[Sequence[float]] = MIB_SUBMISSION_FRACTIONS,
+    *,
+    n_boot: int = 10,
+    seed: int = 0,
+    absolute: bool = False,
+    units: Validated[Units] = "ungrouped",
+    progress: bool = False,
+) -> CircuitStability:
+    """Bootstrap Jaccard of a method that is not a mean of per-pair scores (a learned mask,
+    `learn_mask`): the method is run again on each resample of the pairs, not averaged.
+
+    `fit(rows)` must return the method's EdgeScores on the pairs `rows` (indices into the
+    n_pairs pairs, with repeats: a resample); it is called n_boot + 1 times (all the pairs,
+    then each resample, drawn as `bootstrap_jaccard` draws them with the same seed), so this
+    costs n_boot + 1 runs of the method. Circuits are chosen as `bootstrap_jaccard` chooses
+    them (`EdgeScores.top`, MIB's sizes, pruned).
+
+    >>> from ra_lens.circuits.graph import Graph
+    >>> g = Graph(n_layers=1, n_heads=2, n_kv_heads=2, d_model=8)
+    >>> per_pair = torch.rand((4, *g.real.shape), generator=torch.Generator().manual_seed(0))
+    >>> fit = lambda rows: EdgeScores(g, per_pair[rows].mean(0) * g.real, "eap", "denoise")
+    >>> refit = refit_jaccard(fit, 4, [0.5, 1.0], n_boot=3)
+    >>> mean = EdgeScores(g, per_pair.mean(0), "eap", "denoise", per_pair=per_pair)
+    >>> linear = bootstrap_jaccard(mean, [0.5, 1.0], n_boot=3)
+    >>> torch.equal(refit.pairwise, linear.pairwise)  # a linear method: the same resamples, the same circuits
+    True
+
+    Raises:
+        ValueError: n_pairs < 2, n_boot < 2, fractions outside (0, 1], or a fit that returns
+            scores of another graph or with non-finite values.
+    """
+    check_count(n_pairs, "n_pairs", why="the number of pairs to resample")
+    if n_pairs < 2:
+        raise ValueError(f"n_pairs={n_pairs}: resampling needs at least 2 pairs")
+    check_count(n_boot, "n_boot", why="a number of resamples")
+    if n_boot < 2:
+        raise ValueError(f"n_boot={n_boot}: pairwise Jaccard needs at least 2 resamples")
+    fractions = list(check_fractions(fractions))
+    index = bootstrap_indices(n_pairs, n_boot, seed)
+    full = _fitted(fit, list(range(n_pairs)), None)
+    sizes = _sizes(full, fractions, units)
+
+    def chosen(rows: list[int]) -> list[Tensor]:
+        scores = _fitted(fit, rows, full)
+        return [_edge_set(scores, n, absolute, units) for n in sizes]
+
+    boots = [chosen(index[b].tolist()) for b in tqdm(range(n_boot), desc="refit circuits", disable=not progress)]  # fmt: skip
+    first = [_edge_set(full, n, absolute, units) for n in sizes]
+    return _stability(full, first, boots, fractions, sizes, absolute, units, seed, n_pairs)
+
+
+def _fitted(fit: Callable[[list[int]], EdgeScores], rows: list[int], like: EdgeScores | None) -> EdgeScores:  # fmt: skip
+    scores = fit(rows)
+    if not isinstance(scores, EdgeScores):
+        raise TypeError(f"fit returned a {type(scores).__name__}: it must return EdgeScores")
+    if like is not None and scores.graph != like.graph:
+        raise ValueError(f"fit returned scores over {scores.graph}, its first run's were over {like.graph}: fit one model")  # fmt: skip
+    if not bool(scores.scores.detach()[scores.graph.real].isfinite().all()):
+        raise ValueError("fit returned NaN or inf scores on the graph's edges: check the method on these pairs before measuring stability")  # fmt: skip
+    return scores
+
+
+def _sizes(scores: EdgeScores, fractions: list[float], units: Units) -> list[int]:
+    total = scores.graph.count(units)
+    return [round(f * total) for f in fractions]
+
+
+def _stability(
+    scores: EdgeScores,
+    full: list[Tensor],
+    boots: list[list[Tensor]],
+    fractions: list[float],
+    sizes: list[int],
+    absolute: bool,
+    units: Units,
+    seed: int,
+    n_pairs: int | None = None,
+) -> CircuitStability:
+    """CircuitStability from each size's circuit on all pairs (`full`) and on every resample
+    (`boots[b][size]`), Bool over the graph's real edges."""
     pairwise = torch.zeros(len(sizes), dtype=torch.float64)
-    to_full = torch.zeros(len(sizes), n_boot, dtype=torch.float64)
+    to_full = torch.zeros(len(sizes), len(boots), dtype=torch.float64)
     for s in range(len(sizes)):
-        pairwise[s] = _mean_pairwise(chosen[s])
-        to_full[s] = _jaccard(chosen[s], full[s][None])[:, 0]
+        sets = torch.stack([boot[s] for boot in boots])
+        pairwise[s] = _mean_pairwise(sets)
+        to_full[s] = _jaccard(sets, full[s][None])[:, 0]
+    if n_pairs is None:
+        assert scores.per_pair is not None
+        n_pairs = int(scores.per_pair.shape[0])
     return CircuitStability(
-        scores.method, absolute, units, fractions, sizes, pairwise, to_full,
-        int(per_pair.shape[0]), seed,
-    )  # fmt: skip
+        scores.method, absolute, units, fractions, sizes, pairwise, to_full, n_pairs, seed
+    )
 
 
-def _edge_set(
-    scores: EdgeScores, mean: Tensor, n: int, absolute: bool, units: Units
-) -> Bool[Tensor, " edge"]:
-    """The circuit `top` chooses from these mean scores, as a Bool over the graph's real edges.
-    Grouped-query copies come from the same means: per-pair copies are not kept, so each copy
-    gets its equal share (`top`'s default)."""
-    resampled = EdgeScores(scores.graph, mean, scores.method, scores.direction)
-    return resampled.top(n, absolute=absolute, units=units).edges[scores.graph.real]
+def _edge_set(scores: EdgeScores, n: int, absolute: bool, units: Units) -> Bool[Tensor, " edge"]:
+    """The circuit `top` chooses from these scores, as a Bool over the graph's real edges
+    (grouped-query copies by equal shares, `top`'s default)."""
+    return scores.top(n, absolute=absolute, units=units).edges[scores.graph.real]
 
 
 def _jaccard(a: Tensor, b: Tensor) -> Float[Tensor, "a b"]:

@@ -41,7 +41,7 @@ from torch import Tensor
 
 from ra_lens import capture, circuits, timing
 from ra_lens.circuits.faithfulness import BASELINE
-from ra_lens.circuits.mib import MIB_FRACTIONS
+from ra_lens.circuits.mib import MIB_FRACTIONS, MIB_SUBMISSION_FRACTIONS
 from ra_lens.experiments import circuit_study_args as study_args
 from ra_lens.experiments.circuit_study_measure import Measured, measure_method
 
@@ -274,6 +274,42 @@ class _Scored:
         return result
 
 
+class _Refits:
+    """Every method run again on bootstrap resamples of the training pairs, for the bootstrap
+    Jaccard of its circuits (`circuits.refit_jaccard`: a learned mask is not a mean of per-pair
+    scores, so each resample trains its own). One `_Scored` per resample, shared by the
+    methods, so a mask starts from that resample's own eap-ig; all the pairs reuse the study's."""
+
+    def __init__(self, score: _Scored, train: Sequence[PromptPair], n_boot: int) -> None:
+        self.score, self.train, self.n_boot = score, list(train), n_boot
+        self.resamples: dict[tuple[int, ...], _Scored] = {tuple(range(len(train))): score}
+
+    def __call__(self, label: str) -> dict[str, Any]:
+        """The method's bootstrap Jaccard at MIB's submission sizes, signed and |score|
+        rankings (`CircuitStability.to_dict`), and the seconds the refits took."""
+        start = timing.now()
+
+        def fit(rows: list[int]) -> circuits.EdgeScores:
+            key = tuple(rows)
+            if key not in self.resamples:
+                s = self.score
+                self.resamples[key] = _Scored(s.model, [self.train[i] for i in rows], s.graph, s.batch_size)  # fmt: skip
+            return self.resamples[key](label)[0]
+
+        out: dict[str, Any] = {
+            ranking: circuits.refit_jaccard(
+                fit,
+                len(self.train),
+                MIB_SUBMISSION_FRACTIONS,
+                n_boot=self.n_boot,
+                absolute=ranking == "abs",
+            ).to_dict()  # fmt: skip
+            for ranking in ("signed", "abs")
+        }
+        out["seconds"] = timing.now() - start
+        return out
+
+
 def _task_record(
     pairs: Sequence[PromptPair],
     train: Sequence[PromptPair],
@@ -358,6 +394,7 @@ def run_task(
     truth_pairs: int = 0,
     selection: str = "top",
     own_copies: bool = False,
+    refits: int = 0,
 ) -> dict[str, Any]:
     """Score on `train` (the held-out `pairs` themselves when empty), choose, and measure on
     `pairs`: the raw per-pair metrics of one task, JSON-ready.
@@ -372,10 +409,13 @@ def run_task(
     truth_pairs > 0, head activation patching on the first truth_pairs pairs ("truth") and each
     method's head node scores on the same pairs ("head_scores", summed from their edge scores:
     an extra attribution when truth_pairs < the number of pairs) and Pearson r to the truth.
+    With refits > 0, each method also runs on that many bootstrap resamples of the training
+    pairs ("jaccard": its circuits' bootstrap Jaccard at MIB's submission sizes, `_Refits`).
     """
     measure = Measured(model, pairs, batch_size)
     graph = circuits.Graph.from_model(model)
     score = _Scored(model, list(train) or list(pairs), graph, batch_size)
+    refit = _Refits(score, list(train) or list(pairs), refits) if refits else None
     sizes = edge_sizes(graph.n_edges_ungrouped, fractions, edge_counts)  # MIB's units
     start = timing.now()
     for ablation in ablations:
@@ -400,6 +440,8 @@ def run_task(
             spent,
             own_copies=own_copies,
         )
+        if refit is not None:
+            out["methods"][label]["jaccard"] = refit(label)
         out["seconds"] = timing.now() - start
         if on_method is not None:
             on_method(out)
@@ -429,13 +471,15 @@ def circuit_study(
     truth_pairs: int = 8,
     selection: str = "top",
     own_copies: bool = False,
+    refits: int = 0,
 ) -> dict[str, Any]:
     """Run every task; `on_task(study)` after each method of each task (to save partial
     results). Each task's first `train_pairs` pairs are scored and the next `n_pairs` (held out)
     measured, as MIB attributes on its train split and evaluates on another; a task with fewer
     pairs keeps n_pairs held out and trains on what is left (at least 4), train_pairs=0 scores
     the measured pairs themselves. Head activation patching (ground truth for head scores) on the first
-    `truth_pairs` pairs of the tasks in `truth_tasks`."""
+    `truth_pairs` pairs of the tasks in `truth_tasks`. refits > 0: each method's bootstrap
+    Jaccard from that many resamples of the training pairs (`run_task`)."""
     study: dict[str, Any] = {
         "config": {
             "model": model_name,
@@ -452,6 +496,7 @@ def circuit_study(
             "edge_counts": list(edge_counts),
             "selection": selection,
             "own_copies": own_copies,
+            "refits": refits,
             "units": "ungrouped",
             "faithfulness_baseline": BASELINE,
             "cpr_from": "signed ranking (largest score)",
@@ -499,6 +544,7 @@ def circuit_study(
                 truth_pairs=truth_pairs if name in truth_tasks else 0,
                 selection=selection,
                 own_copies=own_copies,
+                refits=refits,
             )
         )
     study["runtime_seconds"] = timing.now() - start

@@ -47,6 +47,11 @@ def parser(methods: Sequence[str], description: str | None) -> argparse.Argument
         "--own-copies", action="store_true",
         help="per-copy circuits: each query head's key/value copy chosen and patched on its own",
     )  # fmt: skip
+    parser.add_argument(
+        "--refits", type=int, default=None, metavar="N",
+        help="each method's bootstrap Jaccard: run it again on N resamples of the training "
+        "pairs (N + 1 runs per method; 0: none)",
+    )  # fmt: skip
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     return parser
 
@@ -80,10 +85,12 @@ def settings(
         chosen["selection"] = args.selection
     if args.own_copies:
         chosen["own_copies"] = True
-    for flag in ("n_pairs", "batch_size", "n_boot", "truth_pairs", "train_pairs"):
+    for flag in ("n_pairs", "batch_size", "n_boot", "truth_pairs", "train_pairs", "refits"):
         value = getattr(args, flag)
         if value is not None:
-            least = 0 if flag == "train_pairs" else 1
+            least = {"train_pairs": 0, "refits": 0}.get(flag, 1)
+            if flag == "refits" and value == 1:
+                raise ValueError("--refits 1: a bootstrap Jaccard compares resamples, give 2 or more (0: none)")  # fmt: skip
             if value < least:
                 raise ValueError(
                     f"--{flag.replace('_', '-')} must be at least {least}, got {value}"

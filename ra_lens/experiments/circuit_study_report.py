@@ -220,6 +220,7 @@ def markdown(study: dict[str, Any]) -> str:
     for ablation in study["config"]["ablations"]:
         lines += _ablation_tables(study, ablation)
     lines += _truth_table(study)
+    lines += _jaccard_table(study)
     if study.get("goals"):
         lines += _goal_lines(study["goals"])
     return "\n".join(lines)
@@ -307,6 +308,40 @@ def _truth_table(study: dict[str, Any]) -> list[str]:
         lines.append(f"| {name} ({truth['pairs']}) | {values} |")
     lines.append("")
     return lines
+
+
+def _jaccard_table(study: dict[str, Any]) -> list[str]:
+    """Each method's bootstrap Jaccard (--refits) at MIB's submission sizes: the mean over
+    pairs of resamples, signed ranking (CPR's circuits) / |score| ranking (CMD's)."""
+    rows = [
+        (name, label, result["jaccard"])
+        for name, task in study["tasks"].items()
+        for label, result in task["methods"].items()
+        if "jaccard" in result
+    ]
+    if not rows:
+        return []
+    fractions = rows[0][2]["signed"]["fractions"]
+    n_boot = rows[0][2]["signed"]["n_boot"]
+    lines = [
+        f"### Bootstrap Jaccard ({n_boot} resamples of the training pairs, each method run "
+        "again on each; signed / |score| ranking; stable at >= 0.8)",
+        "",
+        "| task | method | " + " | ".join(f"{100 * k:g}%" for k in fractions) + " |",
+        "|---|---|" + "---:|" * len(fractions),
+    ]
+    for name, label, jaccard in rows:
+        cells = [
+            f"{_number(s)} / {_number(a)}"
+            for s, a in zip(jaccard["signed"]["pairwise"], jaccard["abs"]["pairwise"], strict=True)
+        ]
+        lines.append(f"| {name} | {label} | " + " | ".join(cells) + " |")
+    return [*lines, ""]
+
+
+def _number(value: float | None) -> str:
+    """A Jaccard for a table: "-" where every circuit of that size was pruned to nothing."""
+    return "-" if value is None or value != value else f"{value:.2f}"
 
 
 def _goal_lines(goals: dict[str, Any]) -> list[str]:

@@ -1,6 +1,7 @@
 """`circuits.bootstrap_jaccard`: the stability of a method's circuits over resamples of the pairs,
 checked against circuits chosen one by one and compared as Python sets, and against attribute
-calls on the resampled pairs themselves."""
+calls on the resampled pairs themselves; `circuits.refit_jaccard`, which runs the method again
+on each resample (a learned mask), checked against both."""
 
 from __future__ import annotations
 
@@ -11,7 +12,14 @@ import pytest
 import torch
 from helpers import has_bridge
 
-from ra_lens.circuits import EdgeScores, attribute, bootstrap_jaccard, pair_scores
+from ra_lens.circuits import (
+    EdgeScores,
+    attribute,
+    bootstrap_jaccard,
+    learn_mask,
+    pair_scores,
+    refit_jaccard,
+)
 from ra_lens.circuits.graph import Graph
 from ra_lens.metrics import logit_diff
 from ra_lens.ranking.statistics import bootstrap_indices
@@ -104,3 +112,64 @@ def test_refusals_name_the_fix():
         bootstrap_jaccard(random_scores(3), [5.0])
     with pytest.raises(TypeError, match="pair_scores"):
         bootstrap_jaccard(GRAPH.real)
+
+
+@pytest.mark.parametrize("absolute", [False, True])
+def test_refit_of_a_linear_method_is_the_cheap_bootstrap(absolute):
+    """Refitting a mean of per-pair scores on each resample chooses the circuits the cheap
+    bootstrap chooses from the same resamples: the same numbers, to the bit."""
+    scores = random_scores(6, seed=2)
+    calls: list[list[int]] = []
+
+    def fit(rows: list[int]) -> EdgeScores:
+        calls.append(rows)
+        return EdgeScores(GRAPH, scores.per_pair[rows].mean(0), "eap", "noise")
+
+    fractions = [0.1, 0.3, 0.6]
+    refit = refit_jaccard(fit, 6, fractions, n_boot=5, seed=4, absolute=absolute)
+    cheap = bootstrap_jaccard(scores, fractions, n_boot=5, seed=4, absolute=absolute)
+    assert calls[0] == list(range(6)) and len(calls) == 6
+    assert calls[1:] == bootstrap_indices(6, 5, seed=4).tolist()
+    assert torch.equal(refit.pairwise, cheap.pairwise)
+    torch.testing.assert_close(refit.to_full, cheap.to_full, rtol=0, atol=0, equal_nan=True)
+    assert (refit.n_edges, refit.n_pairs, refit.method) == (cheap.n_edges, 6, "eap")
+
+
+def test_refit_of_a_learned_mask_compares_the_masks_own_circuits():
+    """Each resample trains its own mask; its circuits are the ones `top` chooses from that
+    run's scores (checked as sets for one resample)."""
+    model = tiny_model("llama" if has_bridge() else "hooked", dtype=torch.float64)
+    runs: list[EdgeScores] = []
+
+    def fit(rows: list[int]) -> EdgeScores:
+        pairs_of = ([CLEAN[i] for i in rows], [CORRUPTED[i] for i in rows])
+        metric = logit_diff([GOOD[i] for i in rows], [BAD[i] for i in rows])
+        runs.append(learn_mask(model, *pairs_of, metric, steps=2, rule="scaled").scores)
+        return runs[-1]
+
+    stab = refit_jaccard(fit, 3, [0.3, 1.0], n_boot=2, seed=1)
+    n = stab.n_edges[0]
+    first, second = (set(r.top(n, absolute=False).edge_names) for r in runs[1:])
+    assert stab.pairwise[0].item() == pytest.approx(jaccard_of_sets(first, second), abs=1e-12)
+    full = set(runs[0].top(n, absolute=False).edge_names)
+    assert stab.to_full[0, 0].item() == pytest.approx(jaccard_of_sets(first, full), abs=1e-12)
+    assert 0 < stab.pairwise[0].item() < 1  # the resamples train different masks
+    assert stab.pairwise[1].item() == 1.0 and stab.method == "mask"
+
+
+def test_refit_refusals_name_the_fix():
+    good = lambda rows: random_scores(3)  # noqa: E731
+    with pytest.raises(ValueError, match="at least 2 pairs"):
+        refit_jaccard(good, 1)
+    with pytest.raises(ValueError, match="at least 2 resamples"):
+        refit_jaccard(good, 3, n_boot=1)
+    with pytest.raises(TypeError, match="must return EdgeScores"):
+        refit_jaccard(lambda rows: GRAPH.real, 3, n_boot=2)
+    nan = random_scores(3)
+    nan.scores[GRAPH.real.nonzero()[0].tolist()] = float("nan")
+    with pytest.raises(ValueError, match="NaN or inf"):
+        refit_jaccard(lambda rows: nan, 3, n_boot=2)
+    other = Graph(n_layers=1, n_heads=2, n_kv_heads=2, d_model=8)
+    fits = iter([random_scores(3), EdgeScores(other, other.real.double(), "eap", "denoise")])
+    with pytest.raises(ValueError, match="fit one model"):
+        refit_jaccard(lambda rows: next(fits), 3, n_boot=2)

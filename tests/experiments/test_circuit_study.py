@@ -19,6 +19,7 @@ from ra_lens.experiments.circuit_study import (
     task_pairs,
 )
 from ra_lens.ranking import trapezoid_auc
+from ra_lens.ranking.statistics import bootstrap_indices
 from ra_lens.tasks import ioi
 from ra_lens.toy_models import tiny_model
 
@@ -161,6 +162,7 @@ def test_the_curve_matches_faithfulness_curve(saved):
             "task 'toy' has 9 usable pairs: too few for 8 held-out pairs and at least 3 to score on; lower --n-pairs",
         ),  # fmt: skip
         (["--train-pairs", "-1"], "--train-pairs must be at least 0, got -1"),
+        (["--refits", "1"], "--refits 1: a bootstrap Jaccard compares resamples, give 2 or more"),
     ],
 )
 def test_user_errors_are_one_line(capsys, argv, message):
@@ -414,3 +416,46 @@ def test_a_method_built_on_others_reuses_them_and_counts_each_once(monkeypatch):
     assert spent["attribute_cpu"] == pytest.approx(sum(own.values()))
     expected = circuits.ensemble([warm, mask], normalise="rms")
     assert torch.equal(ens.scores, expected.scores)
+
+
+def test_refits_run_every_method_again_on_resamples_of_the_training_pairs(monkeypatch):
+    """--refits: each resample of the training pairs gets its own eap-ig-5 and its own mask
+    warm-started from it (all the pairs reuse the study's); the Jaccard compares those runs'
+    circuits, checked as sets."""
+    model = tiny_model(arch_or_hooked("llama"), n_layers=1)
+    train = task_pairs(model, "toy", 3)
+    graph = circuits.Graph.from_model(model)
+    runs: list[tuple[str, torch.Tensor, circuits.EdgeScores]] = []
+    real_attribute, real_mask = circuits.attribute, circuits.learn_mask
+
+    def attribute(model, clean, *args, **kwargs):
+        runs.append((kwargs["method"], clean.tokens, real_attribute(model, clean, *args, **kwargs)))
+        return runs[-1][2]
+
+    def learn_mask(model, clean, *args, **kwargs):
+        (warm,) = [r[2] for r in runs if r[0] == "eap-ig" and torch.equal(r[1], clean.tokens)]
+        assert kwargs["warm_start"] is warm  # this resample's own eap-ig
+        learned = real_mask(model, clean, *args, **{**kwargs, "steps": 2})
+        runs.append(("mask", clean.tokens, learned.scores))
+        return learned
+
+    monkeypatch.setattr(circuits, "attribute", attribute)
+    monkeypatch.setattr(circuits, "learn_mask", learn_mask)
+    scored = study_module._Scored(model, train, graph, batch_size=4)
+    refits = study_module._Refits(scored, train, n_boot=2)
+    warm = refits("eap-ig-5")
+    mask = refits("mask-scaled")
+    resampled = [ioi.paired_batch(model, [train[i] for i in rows])[0].tokens for rows in bootstrap_indices(3, 2).tolist()]  # fmt: skip
+    assert [r[0] for r in runs] == ["eap-ig", "eap-ig", "eap-ig", "mask", "mask", "mask"]
+    for label in ("eap-ig", "mask"):  # all the pairs, then each resample's own pairs
+        tokens = [r[1] for r in runs if r[0] == label]
+        assert torch.equal(tokens[0], scored.clean.tokens)
+        assert all(torch.equal(t, r) for t, r in zip(tokens[1:], resampled, strict=True))
+    for result, label in ((warm, "eap-ig"), (mask, "mask")):
+        mine = [r[2] for r in runs if r[0] == label]
+        assert result["signed"]["n_boot"] == 2 and result["seconds"] > 0
+        for i, n in enumerate(result["signed"]["n_edges"]):
+            first, second = (set(s.top(n, absolute=False).edge_names) for s in mine[1:])
+            union = first | second
+            expected = len(first & second) / len(union) if union else None
+            assert result["signed"]["pairwise"][i] == (expected if expected is None else pytest.approx(expected, abs=1e-12))  # fmt: skip

@@ -37,6 +37,7 @@ Node scores (one per writer and per reader, their edges' sums) are `circuits.nod
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import einops
@@ -147,49 +148,73 @@ def attribute(
         for rows in rows_list:
             part_metric = pairs.metric_rows(metric, rows, n)
             base, other = base_b.rows(rows), other_b.rows(rows)
-            if method == "eap-ig-act":
-
-                def make_step(
-                    point: Tensor | None,
-                    replace: list[tuple[str, Any]],
-                    base: capture.Batch = base,
-                    metric: MetricFn = part_metric,
-                ) -> _Step:
-                    return _Step(model, graph, weights, facts, base, metric, point, False, replace)
-
-                part, kv_part = _ig_activations.batch_scores(
-                    model, graph, weights, base.tokens, other.tokens, make_step, n_steps,
-                    base.real_mask(), on_pass=lambda: bar.update(1),
-                )  # fmt: skip
-                total += part.cpu()
-                if kv_part is not None:
-                    kv_total = kv_part.cpu() if kv_total is None else kv_total + kv_part.cpu()
-                continue
-            with torch.no_grad():
-                run = _edges.EdgeRun(graph, weights)
-                with model.hooks(fwd_hooks=run.hooks(model)):
-                    model(other.tokens)
-                other_out = run.outputs()
-            base_out: Tensor | None = None
-            for k in range(n_steps, 0, -1):  # k = steps first: the run itself gives base_out
-                point = None
-                if k < n_steps:
-                    assert base_out is not None
-                    point = other_out[0] + (k / n_steps) * (base_out[0] - other_out[0])
-                step = _Step(model, graph, weights, facts, base, part_metric, point, exact)
-                if base_out is None:
-                    base_out = step.outputs
-                diffs = step.run.residual_effects(other_out - base_out.to(other_out.device))
-                part, kv_part = step.scores(diffs, base.real_mask())
-                total += part.cpu() / n_steps
-                if kv_part is not None:
-                    kv_part = kv_part.cpu() / n_steps
-                    kv_total = kv_part if kv_total is None else kv_total + kv_part
-                bar.update(1)
+            batch = _Batch(model, graph, weights, facts, base, other, part_metric, n_steps, bar)
+            part, kv_part = batch.act_ig() if method == "eap-ig-act" else batch.input_ig(exact)
+            total += part
+            if kv_part is not None:
+                kv_total = kv_part if kv_total is None else kv_total + kv_part
     bar.close()
     scores = (total / n) * graph.real
     copies = None if kv_total is None else _ungrouped(graph, scores, kv_total / n)
     return EdgeScores(graph, scores, method, direction, ungrouped_scores=copies)
+
+
+@dataclass
+class _Batch:
+    """One batch of pairs: its scores summed over the IG path, and (grouped-query models) its
+    key/value scores per query head, both on the CPU."""
+
+    model: HookedModel
+    graph: Graph
+    weights: list[LayerWeights]
+    facts: contract.ModelFacts
+    base: capture.Batch  # the run the gradient is taken on
+    other: capture.Batch  # the run the differences are taken to
+    metric: MetricFn
+    n_steps: int
+    bar: Any
+
+    def input_ig(self, exact: bool) -> tuple[Tensor, Tensor | None]:
+        """eap, eap-ig, exact, exact-ig: the gradient at n_steps points between the two runs'
+        embeddings, times each writer's difference."""
+        with torch.no_grad():
+            run = _edges.EdgeRun(self.graph, self.weights)
+            with self.model.hooks(fwd_hooks=run.hooks(self.model)):
+                self.model(self.other.tokens)
+            other_out = run.outputs()
+        total: Tensor | None = None
+        kv_total: Tensor | None = None
+        base_out: Tensor | None = None
+        for k in range(self.n_steps, 0, -1):  # k = steps first: the run itself gives base_out
+            point = None
+            if k < self.n_steps:
+                assert base_out is not None
+                point = other_out[0] + (k / self.n_steps) * (base_out[0] - other_out[0])
+            step = _Step(self.model, self.graph, self.weights, self.facts, self.base, self.metric, point, exact)  # fmt: skip
+            if base_out is None:
+                base_out = step.outputs
+            diffs = step.run.residual_effects(other_out - base_out.to(other_out.device))
+            part, kv_part = step.scores(diffs, self.base.real_mask())
+            part = part.cpu() / self.n_steps
+            total = part if total is None else total + part
+            if kv_part is not None:
+                kv_part = kv_part.cpu() / self.n_steps
+                kv_total = kv_part if kv_total is None else kv_total + kv_part
+            self.bar.update(1)
+        assert total is not None
+        return total, kv_total
+
+    def act_ig(self) -> tuple[Tensor, Tensor | None]:
+        """eap-ig-act: integrated gradients along each node's activations (`_ig_activations`)."""
+
+        def make_step(point: Tensor | None, replace: list[tuple[str, Any]]) -> _Step:
+            return _Step(self.model, self.graph, self.weights, self.facts, self.base, self.metric, point, False, replace)  # fmt: skip
+
+        part, kv_part = _ig_activations.batch_scores(
+            self.model, self.graph, self.weights, self.base.tokens, self.other.tokens,
+            make_step, self.n_steps, self.base.real_mask(), on_pass=lambda: self.bar.update(1),
+        )  # fmt: skip
+        return part.cpu(), None if kv_part is None else kv_part.cpu()
 
 
 def _ungrouped(

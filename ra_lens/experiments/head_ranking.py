@@ -300,15 +300,7 @@ def head_ranking(
     task = tasks.load(task) if isinstance(task, str) else task
     train_all, test = task_prompts(model, task, shots, seed=seed)
     train, test = train_all[:n_prompts], test if n_test is None else test[:n_test]
-    if reuse is not None and (reuse.task, reuse.shots, reuse.n_prompts) != (
-        task.name,
-        shots,
-        len(train),
-    ):
-        raise ValueError(
-            f"reuse holds {reuse.task} {reuse.shots}-shot from {reuse.n_prompts} prompts, not "
-            f"{task.name} {shots}-shot from {len(train)}: reuse a result of the same cell"
-        )
+    _check_reuse(reuse, task.name, shots, len(train))
     notes: list[str] = []
     targets = [tasks.answer_token(model, p.answer) for p in train]
     inputs = RankingInputs(model, [p.text for p in train], targets, seed, batch_size, progress)
@@ -330,14 +322,8 @@ def head_ranking(
         unablated = evaluate([])
     scores, per_prompt = _rank(names, inputs, reuse, seconds)
 
-    curves: dict[str, AblationCurve] = {}
-    reverse_curves: dict[str, AblationCurve] = {}
     with timed(seconds, "ablation_curves"):
-        for name in tqdm(names, desc=f"{task.name} ablation curves", disable=not progress):
-            for reverse, store in ((False, curves), (True, reverse_curves)):
-                store[name] = rk.ablation_curve(
-                    model, test, scores[name], fractions, reverse=reverse, evaluate=evaluate
-                )
+        curves, reverse_curves = _curves(model, test, scores, fractions, evaluate, task.name, progress)  # fmt: skip
 
     others = {name: s for name, s in scores.items() if name != "ra"}
     k = min(10, shape.n_layers * shape.n_heads)
@@ -365,6 +351,34 @@ def head_ranking(
         n_means=len(means_from),
         per_prompt=per_prompt,
     )
+
+
+def _check_reuse(reuse: HeadRankingResult | None, task: str, shots: int, n_train: int) -> None:
+    if reuse is not None and (reuse.task, reuse.shots, reuse.n_prompts) != (task, shots, n_train):
+        raise ValueError(
+            f"reuse holds {reuse.task} {reuse.shots}-shot from {reuse.n_prompts} prompts, not "
+            f"{task} {shots}-shot from {n_train}: reuse a result of the same cell"
+        )
+
+
+def _curves(
+    model: HookedModel,
+    test: Sequence[Prompt],
+    scores: dict[str, Scores],
+    fractions: list[float],
+    evaluate: rk.AblationEvaluator,
+    task: str,
+    progress: bool,
+) -> tuple[dict[str, AblationCurve], dict[str, AblationCurve]]:
+    """Each ranking's ablation curve keeping its top heads and (reverse) its bottom ones."""
+    curves: dict[str, AblationCurve] = {}
+    reverse_curves: dict[str, AblationCurve] = {}
+    for name in tqdm(scores, desc=f"{task} ablation curves", disable=not progress):
+        for reverse, store in ((False, curves), (True, reverse_curves)):
+            store[name] = rk.ablation_curve(
+                model, test, scores[name], fractions, reverse=reverse, evaluate=evaluate
+            )
+    return curves, reverse_curves
 
 
 def _checked(

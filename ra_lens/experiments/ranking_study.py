@@ -297,14 +297,19 @@ def ranking_study(
         StudyResult (`.to_dict()`, `.save(path)`, `.table()`, `.plots(out_dir)`).
     """
     names = check_rankings(rankings)
-    for value, what in (
-        (n_prompts, "n_prompts"),
-        (n_boot, "n_boot"),
-        (batch_size, "batch_size"),
-        (eval_batch_size, "eval_batch_size"),
-        (n_means, "n_means"),
-    ):
-        check_count(value, what)
+    # head_ranking's settings, the same for every cell (and recorded in that order)
+    options: dict[str, Any] = {
+        "n_prompts": n_prompts,
+        "n_test": n_test,
+        "fractions": list(fractions),
+        "n_boot": n_boot,
+        "batch_size": batch_size,
+        "eval_batch_size": eval_batch_size,
+        "n_means": n_means,
+        "seed": seed,
+    }
+    for what in ("n_prompts", "n_boot", "batch_size", "eval_batch_size", "n_means"):
+        check_count(options[what], what)
     if n_test is not None:
         check_count(n_test, "n_test")
     bad = [a for a in ablations if a not in ABLATIONS]
@@ -315,14 +320,7 @@ def ranking_study(
         "cells": [[t if isinstance(t, str) else t.name, s] for t, s in cells],
         "ablations": list(ablations),
         "rankings": names,
-        "n_prompts": n_prompts,
-        "n_test": n_test,
-        "fractions": list(fractions),
-        "n_boot": n_boot,
-        "batch_size": batch_size,
-        "eval_batch_size": eval_batch_size,
-        "n_means": n_means,
-        "seed": seed,
+        **options,
     }
     result = StudyResult([], config, 0.0)
     seconds: dict[str, float] = {"runtime": 0.0}
@@ -333,22 +331,10 @@ def ranking_study(
             with timed(seconds, "runtime"):
                 try:
                     cell = head_ranking(
-                        model,
-                        task,
-                        shots,
-                        n_prompts,
-                        fractions=fractions,
-                        rankings=names,
-                        n_test=n_test,
-                        seed=seed,
-                        batch_size=batch_size,
-                        eval_batch_size=eval_batch_size,
+                        model, task, shots, rankings=names, reuse=reuse, progress=progress,
                         ablation=ablation,  # type: ignore[arg-type]
-                        n_means=n_means,
-                        n_boot=n_boot,
-                        reuse=reuse,
-                        progress=progress,
-                    )
+                        **options,
+                    )  # fmt: skip
                 except ValueError as error:  # too few usable pairs for this tokenizer, and so on
                     name = task if isinstance(task, str) else task.name
                     result.skipped.append(f"{name} {shots}-shot {ablation}: {error}")

@@ -58,22 +58,13 @@ def reversed_attention(
         RuntimeError: nnsight could not trace the model; NDIF refused or failed the request
             (the fix named: hosted models, API key, eager attention).
     """
-    if convention not in CONVENTIONS:
-        raise ValueError(f"unknown convention {convention!r}: choose one of {CONVENTIONS}")
-    if keep not in ("maps", "norms", "rows"):
-        raise ValueError(f"unknown keep {keep!r}: choose 'maps', 'norms' or 'rows'")
-    if rows_at is not None and keep != "rows":
-        raise ValueError("rows_at chooses the rows of keep='rows': pass keep='rows' with it")
+    _check_options(keep, convention, rows_at)
     if remote is not False:
         from ra_lens.nnsight import remote as remote_run
 
         remote_run.check(model, remote)
     found = adapter.layout(model)
-    n_layers = len(found.attention_paths)
-    chosen = list(range(n_layers)) if layers is None else [int(la) for la in layers]
-    if not chosen or any(not 0 <= la < n_layers for la in chosen) or len(set(chosen)) < len(chosen):
-        raise ValueError(f"layers {list(layers or [])} must be distinct, in [0, {n_layers})")
-    chosen = sorted(chosen)
+    chosen = _chosen_layers(layers, len(found.attention_paths))
     batch = to_batch(model, tokens)
     paths = [found.attention_paths[la] for la in chosen]
     facts = [adapter.scale_and_softcap(model, p) for p in paths]
@@ -108,6 +99,37 @@ def reversed_attention(
         except Exception as error:
             refused = None if remote is False else remote_run.explained(error)
             raise (refused or _explained(error)) from error
+    return _result(model, out, batch, chosen, convention, scales, positions)
+
+
+def _check_options(keep: str, convention: str, rows_at: Tensor | None) -> None:
+    if convention not in CONVENTIONS:
+        raise ValueError(f"unknown convention {convention!r}: choose one of {CONVENTIONS}")
+    if keep not in ("maps", "norms", "rows"):
+        raise ValueError(f"unknown keep {keep!r}: choose 'maps', 'norms' or 'rows'")
+    if rows_at is not None and keep != "rows":
+        raise ValueError("rows_at chooses the rows of keep='rows': pass keep='rows' with it")
+
+
+def _chosen_layers(layers: Sequence[int] | None, n_layers: int) -> list[int]:
+    """The layers asked for, sorted; a ValueError unless distinct and in range."""
+    chosen = list(range(n_layers)) if layers is None else [int(la) for la in layers]
+    if not chosen or any(not 0 <= la < n_layers for la in chosen) or len(set(chosen)) < len(chosen):
+        raise ValueError(f"layers {list(layers or [])} must be distinct, in [0, {n_layers})")
+    return sorted(chosen)
+
+
+def _result(
+    model: NnsightModel,
+    out: dict[str, Tensor],
+    batch: Batch,
+    chosen: list[int],
+    convention: str,
+    scales: list[float],
+    positions: Tensor | None,
+) -> ReversedAttention:
+    """The trace's outputs as a ReversedAttention on the CPU in float32, after checking the
+    metric gave one value per prompt."""
     values = out["values"]
     if values.ndim > 1 or (values.ndim == 1 and values.shape[0] != batch.tokens.shape[0]):
         raise ValueError(

@@ -480,46 +480,30 @@ def circuit_study(
     the measured pairs themselves. Head activation patching (ground truth for head scores) on the first
     `truth_pairs` pairs of the tasks in `truth_tasks`. refits > 0: each method's bootstrap
     Jaccard from that many resamples of the training pairs (`run_task`)."""
-    study: dict[str, Any] = {
-        "config": {
-            "model": model_name,
-            "device": str(next(model.parameters()).device),
-            "torch_threads": torch.get_num_threads(),
-            "tasks": list(tasks),
-            "n_pairs": n_pairs,
-            "train_pairs": train_pairs,
-            "methods": {m: list(METHODS[m]) for m in methods},
-            "ablations": list(ablations),
-            "batch_size": batch_size,
-            "n_boot": n_boot,
-            "fractions": list(fractions),
-            "edge_counts": list(edge_counts),
-            "selection": selection,
-            "own_copies": own_copies,
-            "refits": refits,
-            "units": "ungrouped",
-            "faithfulness_baseline": BASELINE,
-            "cpr_from": "signed ranking (largest score)",
-            "cmd_from": "|score| ranking",
-            "direction": "per method (METHODS)",
-            "default_method": DEFAULT_METHOD,
-            "truth_tasks": list(truth_tasks),
-            "truth_pairs": truth_pairs,
-        },
-        "tasks": {},
+    config = {
+        "model": model_name,
+        "device": str(next(model.parameters()).device),
+        "torch_threads": torch.get_num_threads(),
+        "tasks": list(tasks),
+        "n_pairs": n_pairs,
+        "train_pairs": train_pairs,
+        "methods": {m: list(METHODS[m]) for m in methods},
+        "ablations": list(ablations),
+        "batch_size": batch_size,
+        "n_boot": n_boot,
+        "fractions": list(fractions),
+        "edge_counts": list(edge_counts),
+        "selection": selection,
+        "own_copies": own_copies,
+        "refits": refits,
+        **_RECORDED,
+        "truth_tasks": list(truth_tasks),
+        "truth_pairs": truth_pairs,
     }
+    study: dict[str, Any] = {"config": config, "tasks": {}}
     start = timing.now()
     for name in tasks:
-        every = task_pairs(model, name, train_pairs + n_pairs)
-        if not every:
-            raise ValueError(f"task {name!r} has no usable pairs for this model's tokenizer")
-        n_train = min(train_pairs, len(every) - n_pairs)
-        if train_pairs and n_train < min(train_pairs, 4):
-            raise ValueError(
-                f"task {name!r} has {len(every)} usable pairs: too few for {n_pairs} held-out "
-                f"pairs and at least {min(train_pairs, 4)} to score on; lower --n-pairs"
-            )
-        train, pairs = every[:n_train], every[n_train:]
+        train, pairs = _split(model, name, n_pairs, train_pairs)
 
         def keep(task: dict[str, Any], name: str = name) -> None:
             task["summary"] = summarise(task, fractions, n_boot)
@@ -550,6 +534,34 @@ def circuit_study(
     study["runtime_seconds"] = timing.now() - start
     study["goals"] = goals(study)
     return study
+
+
+#: What every study records of how it measures (the config's fixed part).
+_RECORDED: dict[str, str] = {
+    "units": "ungrouped",
+    "faithfulness_baseline": BASELINE,
+    "cpr_from": "signed ranking (largest score)",
+    "cmd_from": "|score| ranking",
+    "direction": "per method (METHODS)",
+    "default_method": DEFAULT_METHOD,
+}
+
+
+def _split(
+    model: HookedModel, name: str, n_pairs: int, train_pairs: int
+) -> tuple[list[PromptPair], list[PromptPair]]:
+    """The task's training pairs (the first train_pairs, or fewer but at least 4 where the task
+    has too few) and its n_pairs held-out ones."""
+    every = task_pairs(model, name, train_pairs + n_pairs)
+    if not every:
+        raise ValueError(f"task {name!r} has no usable pairs for this model's tokenizer")
+    n_train = min(train_pairs, len(every) - n_pairs)
+    if train_pairs and n_train < min(train_pairs, 4):
+        raise ValueError(
+            f"task {name!r} has {len(every)} usable pairs: too few for {n_pairs} held-out "
+            f"pairs and at least {min(train_pairs, 4)} to score on; lower --n-pairs"
+        )
+    return every[:n_train], every[n_train:]
 
 
 def merge_saved(studies: Sequence[dict[str, Any]]) -> dict[str, Any]:

@@ -551,12 +551,15 @@ class ModelFacts:
     its `ModelShape`, and per layer its `AttentionFacts`, `BlockLayout` and `mlp_in`, the hook
     that sees the MLP's input before its norm and feeds nothing else (edge patching rewrites
     it): a bridge's ln2.hook_in, its mlp.hook_in in a post-norm block without one (OLMo-2),
-    else HookedTransformer's hook_mlp_in."""
+    else HookedTransformer's hook_mlp_in. `ungrouped_kv`: a grouped-query HookedTransformer
+    with `cfg.ungroup_grouped_query_attention` (EAP-IG's setting), whose hook_k/hook_v repeat
+    each key/value head per query head (`refuse_ungrouped_kv`)."""
 
     shape: ModelShape
     attention: tuple[AttentionFacts, ...]
     layouts: tuple[BlockLayout, ...]
     mlp_in: tuple[str, ...] = ()
+    ungrouped_kv: bool = False
 
 
 def model_facts(model: HookedModel) -> ModelFacts:
@@ -578,6 +581,28 @@ def model_facts(model: HookedModel) -> ModelFacts:
             mlp_in.append(MLP_IN.format(layer))
         else:
             mlp_in.append(HOOKED_MLP_IN.format(layer))
+    ungrouped = bool(getattr(model.cfg, "ungroup_grouped_query_attention", False))
     return ModelFacts(
-        shape, tuple(attention_facts(model, layer) for layer in layers), layouts, tuple(mlp_in)
+        shape,
+        tuple(attention_facts(model, layer) for layer in layers),
+        layouts,
+        tuple(mlp_in),
+        ungrouped_kv=ungrouped and shape.n_kv_heads < shape.n_heads,
     )
+
+
+def refuse_ungrouped_kv(facts: ModelFacts, works: str, note: str = "") -> None:
+    """Refuse a model whose hook_k/hook_v hold one copy of each key/value head per query head
+    (`ModelFacts.ungrouped_kv`) where the caller works per key/value head, naming the fix.
+    `works`: who does what (e.g. "attention_attribution scores keys"); `note`: what else the
+    fix leaves as it is.
+
+    >>> refuse_ungrouped_kv(model_facts(model), "attention_attribution scores keys")  # GPT-2
+    """
+    if facts.ungrouped_kv:
+        raise NotImplementedError(
+            "cfg.ungroup_grouped_query_attention=True: hook_k/hook_v hold a copy of each "
+            f"key/value head per query head, while {works} per key/value head; call "
+            "model.set_ungroup_grouped_query_attention(False) (the model computes the same "
+            f"either way{note})"
+        )

@@ -18,7 +18,13 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from ra_lens.contract import BlockLayout, HookedModel, ModelFacts, model_facts
+from ra_lens.contract import (
+    BlockLayout,
+    HookedModel,
+    ModelFacts,
+    model_facts,
+    refuse_ungrouped_kv,
+)
 
 
 @dataclass(repr=False)
@@ -102,15 +108,11 @@ def check_supported(model: HookedModel, facts: ModelFacts | None = None) -> None
     for layer, layout in enumerate(facts.layouts):
         if layout.post_attn_norm is not None:
             _check_post_norm(model, layer)
-    shape = facts.shape
-    if getattr(cfg, "ungroup_grouped_query_attention", False) and shape.n_kv_heads < shape.n_heads:
-        raise NotImplementedError(
-            "cfg.ungroup_grouped_query_attention=True: hook_k/hook_v hold a copy of each "
-            "key/value head per query head, while ra_lens.circuits patches and scores key/value "
-            "inputs per key/value head; call model.set_ungroup_grouped_query_attention(False) "
-            "(the model computes the same either way; circuit files still list key/value edges "
-            "per query head, as EAP-IG reads them)"
-        )
+    refuse_ungrouped_kv(
+        facts,
+        "ra_lens.circuits patches and scores key/value inputs",
+        "; circuit files still list key/value edges per query head, as EAP-IG reads them",
+    )
     if getattr(cfg, "positional_embedding_type", "") == "shortformer":
         raise NotImplementedError(
             "shortformer positional embeddings (added to q/k inputs only) are not supported by "

@@ -106,7 +106,7 @@ def attention_attribution(
     n_steps = steps if method == "exact-ig" else 1
     facts = contract.model_facts(model)  # read once, handed to every layer and IG step
     shape = facts.shape
-    _refuse_ungrouped_keys(model, shape.n_heads, shape.n_kv_heads)
+    contract.refuse_ungrouped_kv(facts, "attention_attribution scores keys")
     chosen = capture.check_layers(layers, shape.n_layers)
     clean_b, corrupted_b = pairs.paired(model, clean, corrupted)
     capture.require_live_patterns(model, chosen, "attention_attribution needs R = dM/dA there")
@@ -181,19 +181,6 @@ def _check_choices(nodes: Sequence[str], method: str, direction: str) -> list[st
     if direction not in DIRECTIONS:
         raise ValueError(f"unknown direction {direction!r}: choose one of {DIRECTIONS}")
     return [n for n in NODES if n in nodes]
-
-
-def _refuse_ungrouped_keys(model: HookedModel, n_heads: int, n_kv_heads: int) -> None:
-    """HookedTransformer's `ungroup_grouped_query_attention` repeats each key/value head per
-    query head in hook_k, while key scores are per key/value head: refused naming the fix."""
-    cfg = getattr(model, "cfg", None)
-    if getattr(cfg, "ungroup_grouped_query_attention", False) and n_kv_heads < n_heads:
-        raise NotImplementedError(
-            "cfg.ungroup_grouped_query_attention=True: hook_k holds a copy of each key/value "
-            "head per query head, while attention_attribution scores keys per key/value head; "
-            "call model.set_ungroup_grouped_query_attention(False) (the model computes the same "
-            "either way)"
-        )
 
 
 def _capture(

@@ -391,7 +391,8 @@ class AttentionFacts:
     soft-cap c: q k^T / s), plus ALiBi's bias m_h * (key position) where there is one (BLOOM),
     -inf outside the causal mask and outside a sliding window of w keys (key s visible from
     query t iff t - w < s <= t). Read by `attention_facts`; `logits` is the one recomputation of
-    attention scores that attribution, circuits and dynamics share."""
+    attention scores that attribution, circuits and dynamics share. `rotary`: q and k are
+    rotated by position before q k^T (the rotation itself is `attention.rotary_function`'s)."""
 
     scale: float
     softcap: float | None = None
@@ -399,6 +400,7 @@ class AttentionFacts:
     qk_norm: bool = False  # q/k normalised after the projection (Qwen3, Gemma-3, OLMo-2)
     alibi: bool = False  # position biases added to the scores (BLOOM)
     alibi_slopes: tuple[float, ...] | None = None  # m_h per head, where they could be read
+    rotary: bool = False
 
     def mask(self, n_pos: int, device: torch.device | str | None = None) -> Tensor:
         """Bool [query, key]: True where the key is visible."""
@@ -439,11 +441,13 @@ class AttentionFacts:
 def attention_facts(model: HookedModel, layer: int) -> AttentionFacts:
     """One layer's `AttentionFacts`, read from the model: scale (`attention_scale`), soft-cap
     (`attention_softcap`), sliding window (the HuggingFace module's `sliding_window`, else its
-    config's; TL 2's `window_size` on local layers), q/k norms and ALiBi.
+    config's; TL 2's `window_size` on local layers), q/k norms, ALiBi and rotary embeddings.
 
     >>> facts = attention_facts(model, 0)  # GPT-2: plain causal softmax attention
-    >>> facts.softcap, facts.window, facts.qk_norm, facts.alibi_slopes, facts.refusal()
-    (None, None, False, None, None)
+    >>> facts.softcap, facts.window, facts.qk_norm, facts.alibi_slopes, facts.rotary
+    (None, None, False, None, False)
+    >>> facts.refusal() is None
+    True
     """
     inner = getattr(model.blocks[layer].attn, "original_component", None)
     cfg = model.cfg
@@ -461,9 +465,8 @@ def attention_facts(model: HookedModel, layer: int) -> AttentionFacts:
         if getattr(cfg, "use_local_attn", False) and attn_types and attn_types[layer] == "local":
             window = getattr(cfg, "window_size", None)
         qk_norm = bool(getattr(cfg, "use_qk_norm", False))
-    alibi = getattr(cfg, "positional_embedding_type", "") == "alibi" or type(
-        inner
-    ).__name__.startswith("Bloom")
+    positions = getattr(cfg, "positional_embedding_type", "")
+    alibi = positions == "alibi" or type(inner).__name__.startswith("Bloom")
     return AttentionFacts(
         scale=attention_scale(model, layer),
         softcap=attention_softcap(model, layer),
@@ -471,6 +474,7 @@ def attention_facts(model: HookedModel, layer: int) -> AttentionFacts:
         qk_norm=bool(qk_norm),
         alibi=bool(alibi),
         alibi_slopes=_alibi_slopes(model, layer) if alibi else None,
+        rotary=positions == "rotary",
     )
 
 

@@ -384,12 +384,6 @@ def _capture(model: HookedModel, tokens: Tensor, layers: list[int]) -> dict[int,
         for key in ("x_q", "x_k"):
             if key not in acts_of_layer and "x" in acts_of_layer:
                 acts_of_layer[key] = acts_of_layer["x"]
-        rotary = getattr(model.cfg, "positional_embedding_type", "") == "rotary"
-        if rotary and "turn" not in acts_of_layer:
-            raise NotImplementedError(
-                f"edit_dynamics: layer {layer} rotates q/k and ra-lens cannot read its rotation "
-                f"(no hook_rot_q, no cos/sin tables); supported: {SUPPORTED}"
-            )
         missing = [k for k in ("x_q", "x_k", "q", "k", "pattern") if k not in acts_of_layer]
         if missing:
             raise NotImplementedError(
@@ -498,6 +492,11 @@ def _check_form(
     """Check that the layer computes what the prediction assumes, else NotImplementedError. The
     projections and rotation are checked to sqrt(eps) of their dtype relative to their size; the
     softmax by the one recompute check every route uses (`attention.check_recomputed`)."""
+    if (facts.rotary or "rot_q" in acts) and "turn" not in acts:
+        raise NotImplementedError(
+            f"edit_dynamics: layer {layer} rotates q/k and ra-lens cannot read its rotation "
+            f"(no cos/sin tables, no rotation code it knows); supported: {SUPPORTED}"
+        )
     tol = math.sqrt(torch.finfo(acts["q"].dtype).eps)
     q_lin, k_lin = _projections(model, layer)
     checks = [
@@ -505,11 +504,6 @@ def _check_form(
         ("hook_k = X W_k + b_k", _linear(k_lin, acts["x_k"]).reshape(acts["k"].shape), acts["k"]),
     ]
     if "rot_q" in acts:
-        if "turn" not in acts:
-            raise NotImplementedError(
-                f"layer {layer} rotates q/k but ra-lens cannot read its rotation; "
-                f"supported: {SUPPORTED}"
-            )
         checks.append(("hook_rot_q = rot(hook_q)", _rot(acts["q"], acts), acts["rot_q"]))
         checks.append(("hook_rot_k = rot(hook_k)", _rot(acts["k"], acts), acts["rot_k"]))
     for what, ours, theirs in checks:

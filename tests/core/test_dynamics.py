@@ -158,3 +158,20 @@ def test_hooked_transformer_not_supported():
     model = tiny_model("hooked", dtype=torch.float64)
     with pytest.raises(NotImplementedError, match="supported"):
         run(model, 1e-3)
+
+
+def test_a_rotation_the_facts_name_but_cannot_be_read_is_refused(monkeypatch, llama):
+    """Whether a layer rotates q/k is read once per call (`AttentionFacts.rotary`); a layer the
+    facts call rotary whose rotation cannot be read (here a GPT-2-style bridge's facts marked
+    rotary: no rotation hooks, no cos/sin tables) is refused before any prediction."""
+    assert [f.rotary for f in ra_lens.contract.model_facts(llama).attention] == [True, True]
+    model = bridge("native", n_layers=1)
+    assert not ra_lens.contract.model_facts(model).attention[0].rotary
+    read = ra_lens.contract.attention_facts
+
+    def rotary(model, layer):
+        return dataclasses.replace(read(model, layer), rotary=True)
+
+    monkeypatch.setattr(ra_lens.contract, "attention_facts", rotary)  # model_facts reads it
+    with pytest.raises(NotImplementedError, match="layer 0 rotates q/k and ra-lens cannot read"):
+        run(model, 1e-3)

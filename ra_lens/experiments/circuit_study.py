@@ -33,7 +33,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypedDict
 
 import torch
 from jaxtyping import Float
@@ -41,6 +41,7 @@ from torch import Tensor
 
 from ra_lens import capture, circuits, timing
 from ra_lens.circuits.faithfulness import BASELINE
+from ra_lens.circuits.masks import Objective, Rule
 from ra_lens.circuits.mib import MIB_FRACTIONS, MIB_SUBMISSION_FRACTIONS
 from ra_lens.experiments import circuit_study_args as study_args
 from ra_lens.experiments.circuit_study_measure import Measured, measure_method
@@ -97,8 +98,17 @@ METHODS: dict[str, tuple[_MethodName, int, Literal["denoise", "noise"]]] = {
     "ens-mask-faithful": ("ensemble", 5, "denoise"),
     "ens-mask-scaled": ("ensemble", 5, "denoise"),
 }
+
+
+class MaskOptions(TypedDict, total=False):
+    """The `circuits.learn_mask` options a study's mask labels set (the rest: its defaults)."""
+
+    objective: Objective
+    rule: Rule
+
+
 #: mask label -> `circuits.learn_mask`'s options other than its defaults
-MASK_OPTIONS: dict[str, dict[str, str]] = {
+MASK_OPTIONS: dict[str, MaskOptions] = {
     "mask": {},
     "mask-faithful": {"objective": "faithful"},
     "mask-scaled": {"rule": "scaled"},
@@ -263,7 +273,7 @@ class _Scored:
             elif method == "mask":
                 result = circuits.learn_mask(
                     self.model, self.clean, self.corrupted, self.metric, warm_start=parts[0],
-                    batch_size=self.batch_size, **MASK_OPTIONS[label],  # type: ignore[arg-type]
+                    batch_size=self.batch_size, **MASK_OPTIONS[label],
                 ).scores  # fmt: skip
             else:
                 result = circuits.attribute(

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,7 +41,7 @@ from ra_lens.circuits.circuit import Circuit
 from ra_lens.circuits.graph import Graph
 from ra_lens.circuits.scores import EdgeScores
 from ra_lens.record import Recorded
-from ra_lens.timing import now
+from ra_lens.timing import cpu_time, now
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -132,7 +131,7 @@ def refine(
     boost: float = 4.0,
     budget: int = 32,
     budget_s: float | None = None,
-    clock: Callable[[], float] = time.process_time,
+    clock: Callable[[], float] = cpu_time,
 ) -> Refinement:
     """Greedy node refinement of edge scores within a budget of evaluations (module docstring).
 
@@ -147,8 +146,8 @@ def refine(
         boost: the "add" multiplier (> 1).
         budget: the most evaluations to spend (one per fraction per trial, the start included).
         budget_s: also stop before a trial once this much `clock` time is spent (None: no limit).
-        clock: the clock budget_s is read on (process CPU time), through `timing.now` (queued
-            CUDA work finished first).
+        clock: the clock budget_s is read on (process CPU time, `timing.cpu_time`), through
+            `timing.now` (queued CUDA work finished first).
 
     Returns:
         Refinement (`.scores`, `.objective`, `.evaluations`, `.steps`).

@@ -17,7 +17,6 @@ Both are m itself when every pair has the same scores (every resample is then th
 
 from __future__ import annotations
 
-import time
 from typing import Literal
 
 import torch
@@ -31,7 +30,7 @@ from ra_lens.checks import check_count
 from ra_lens.circuits.mib import mib_sign
 from ra_lens.circuits.scores import EdgeScores
 from ra_lens.ranking.statistics import bootstrap_indices
-from ra_lens.timing import timed
+from ra_lens.timing import cpu_time, timed
 from ra_lens.types import MetricFn, Tokens
 
 Statistic = Literal["agreement", "shrink"]
@@ -60,7 +59,7 @@ def pair_scores(
     from ra_lens.circuits.attribute import attribute
 
     spent: dict[str, float] = {}
-    with timed(spent, "seconds", clock=time.process_time):
+    with timed(spent, "seconds", clock=cpu_time):
         clean_b, corrupted_b = pairs.paired(model, clean, corrupted)
         n = clean_b.tokens.shape[0]
         parts, copies = [], []

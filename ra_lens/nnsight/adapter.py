@@ -186,7 +186,7 @@ def softmax_path(model: NnsightModel) -> str:
     found = layout(model)
     if found.softmax_path is not None:
         return found.softmax_path
-    probe = torch.tensor([[1, 2, 3, 4]], device=_device(model))
+    probe = torch.tensor([[1, 2, 3, 4]], device=input_device(model))
     first = resolve(model, found.attention_paths[0])
     try:
         names = list(first.source.names)
@@ -216,7 +216,8 @@ _NOT_FOUND = (
 )
 
 
-def _device(model: NnsightModel) -> torch.device:
+def input_device(model: NnsightModel) -> torch.device:
+    """Where the model's inputs go: the device of its first weight."""
     return next(hf_module(model).parameters()).device
 
 

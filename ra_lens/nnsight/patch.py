@@ -46,7 +46,7 @@ def run_with_pattern_hooks(
         )
     path = adapter.softmax_path(model) if by_layer else None
     with adapter.preserved(model), torch.no_grad():
-        return _run(model, tokens.to(adapter._device(model)), found, path, by_layer)
+        return _run(model, tokens.to(adapter.input_device(model)), found, path, by_layer)
 
 
 def _run(

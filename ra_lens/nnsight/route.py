@@ -74,7 +74,7 @@ def reversed_attention(
     lengths = metric_lengths(metric, batch)
     positions = batch.row_positions(rows_at) if keep == "rows" else None
     # NDIF's model is not here (the local one holds no weights): the inputs travel from the CPU.
-    device = torch.device("cpu") if remote is True else adapter._device(model)
+    device = torch.device("cpu") if remote is True else adapter.input_device(model)
     shipping = contextlib.nullcontext() if remote is False else remote_run.shipped_by_value()
     with adapter.preserved(model), shipping:
         try:

@@ -26,6 +26,7 @@ from torch import Tensor
 from ra_lens._typing import Validated
 
 # The fixed part of the contract lives in ra_lens.contract; every name stays importable from here.
+from ra_lens.checks import check_layer_list, check_layers  # noqa: F401
 from ra_lens.contract import (  # noqa: F401
     ATTN_IN,
     COS,
@@ -51,8 +52,6 @@ from ra_lens.contract import (  # noqa: F401
     attention_scale,
     attention_softcap,
     block_layout,
-    check_layer_list,
-    check_layers,
     check_model,
     key_hook_name,
     model_shape,

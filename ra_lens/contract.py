@@ -11,7 +11,7 @@ In the examples, `model` is a tiny random 2-layer x 4-head model (`ra_lens.toy_m
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -201,48 +201,6 @@ def key_hook_name(model: HookedModel, layer: int) -> str:
     """
     rotated = ROT_K.format(layer)
     return rotated if rotated in model.hook_dict else K.format(layer)
-
-
-def check_layers(layers: Validated[Sequence[int]] | None, n_layers: int) -> list[int]:
-    """The chosen layer indices, checked; None means all layers.
-
-    Raises:
-        TypeError, ValueError: see `check_layer_list`; also a layer outside 0..n_layers-1.
-
-    >>> check_layers(None, 3), check_layers([0, 2], 3)
-    ([0, 1, 2], [0, 2])
-    >>> check_layers([2, 0], 3)
-    Traceback (most recent call last):
-    ValueError: layers [2, 0] are not in increasing order: pass [0, 2]
-    """
-    if layers is None:
-        return list(range(n_layers))
-    chosen = check_layer_list(layers)
-    bad = [layer for layer in chosen if not 0 <= layer < n_layers]
-    if bad:
-        raise ValueError(f"layers {chosen} out of range: the model has layers 0..{n_layers - 1}")
-    return chosen
-
-
-def check_layer_list(layers: Validated[Sequence[int]]) -> list[int]:
-    """Layer indices as given, refused rather than silently fixed when they are not ints, empty,
-    repeated or out of order (results are laid out in the order given, and the backward pass
-    stops at the first layer)."""
-    if isinstance(layers, (int, str)) or isinstance(layers, Tensor) and layers.ndim == 0:
-        raise TypeError(f"layers must be a sequence of ints, e.g. [{layers}], got {layers!r}")
-    chosen = [layer.item() if isinstance(layer, Tensor) else layer for layer in layers]
-    not_int = [la for la in chosen if isinstance(la, bool) or not isinstance(la, int)]
-    if not_int:
-        raise TypeError(f"layers must be ints, got {not_int}: pass e.g. [0, 3, 5]")
-    if not chosen:
-        raise ValueError(
-            "layers=[] is out of range (empty): pass at least one layer, or None for all"
-        )
-    if len(set(chosen)) != len(chosen):
-        raise ValueError(f"layers {chosen} repeat a layer: pass each layer once")
-    if chosen != sorted(chosen):
-        raise ValueError(f"layers {chosen} are not in increasing order: pass {sorted(chosen)}")
-    return chosen
 
 
 def attention_scale(model: HookedModel, layer: int) -> float:

@@ -225,3 +225,41 @@ def test_tests_import_their_builders_one_way():
         or "from tests import helpers" in path.read_text()
     ]
     assert twice == []
+
+
+#: A file a reader can hold in mind, and a function whose code fits on a screen or two.
+MAX_FILE_LINES, MAX_FUNCTION_LINES = 600, 80
+
+
+def code_lines(function: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    """The lines of a function's signature and code, its docstring left out (a docstring with
+    Args, Returns and an example is documentation, not length to read through)."""
+    body = function.body
+    first = body[0]
+    docstring = isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str)  # fmt: skip
+    assert function.end_lineno is not None and first.end_lineno is not None
+    if not docstring:
+        return function.end_lineno - function.lineno + 1
+    skipped = (body[1].lineno if len(body) > 1 else first.end_lineno + 1) - first.lineno
+    return function.end_lineno - function.lineno + 1 - skipped
+
+
+def test_no_file_over_600_lines_and_no_function_over_80_lines_of_code():
+    long_files, long_functions = [], []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        text = path.read_text()
+        name = str(path.relative_to(REPO_ROOT))
+        if len(text.splitlines()) > MAX_FILE_LINES:
+            long_files.append(f"{name}: {len(text.splitlines())} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                if code_lines(node) > MAX_FUNCTION_LINES:
+                    long_functions.append(f"{name}::{node.name}: {code_lines(node)} lines")
+    assert long_files == [] and long_functions == []
+
+
+def test_code_lines_leave_the_docstring_out():
+    (function,) = ast.parse('def f(x):\n    """Doc.\n\n    More.\n    """\n    y = x\n    return y\n').body  # fmt: skip
+    (bare,) = ast.parse("def g(x):\n    return x\n").body
+    assert isinstance(function, ast.FunctionDef) and isinstance(bare, ast.FunctionDef)
+    assert (code_lines(function), code_lines(bare)) == (3, 2)

@@ -11,6 +11,7 @@ from helpers import arch_or_hooked, disk_full_beyond
 
 from ra_lens import circuits
 from ra_lens.experiments import circuit_study as study_module
+from ra_lens.experiments import circuit_study_methods as methods_module
 from ra_lens.experiments.circuit_study import (
     QUICK_SETTINGS,
     fraction_columns,
@@ -175,7 +176,7 @@ def test_user_errors_are_one_line(capsys, argv, message):
 
 def test_random_scores_live_on_the_graph():
     graph = circuits.Graph(n_layers=2, n_heads=4, n_kv_heads=2, d_model=8, parallel_attn_mlp=False)
-    scores = study_module.random_scores(graph).scores
+    scores = methods_module.random_scores(graph).scores
     assert bool((scores[~graph.real] == 0).all()) and bool((scores[graph.real] > 0).all())
 
 
@@ -404,7 +405,7 @@ def test_a_method_built_on_others_reuses_them_and_counts_each_once(monkeypatch):
 
     monkeypatch.setattr(circuits, "attribute", attribute)
     monkeypatch.setattr(circuits, "learn_mask", learn_mask)
-    scored = study_module._Scored(model, train, graph, batch_size=4)
+    scored = methods_module.Scored(model, train, graph, batch_size=4)
     ens, spent = scored("ens-mask")
     warm, warm_spent = scored("eap-ig-5")
     mask, mask_spent = scored("mask")
@@ -441,8 +442,8 @@ def test_refits_run_every_method_again_on_resamples_of_the_training_pairs(monkey
 
     monkeypatch.setattr(circuits, "attribute", attribute)
     monkeypatch.setattr(circuits, "learn_mask", learn_mask)
-    scored = study_module._Scored(model, train, graph, batch_size=4)
-    refits = study_module._Refits(scored, train, n_boot=2)
+    scored = methods_module.Scored(model, train, graph, batch_size=4)
+    refits = methods_module.Refits(scored, train, n_boot=2)
     warm = refits("eap-ig-5")
     mask = refits("mask-scaled")
     resampled = [ioi.paired_batch(model, [train[i] for i in rows])[0].tokens for rows in bootstrap_indices(3, 2).tolist()]  # fmt: skip

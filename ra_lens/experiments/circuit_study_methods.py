@@ -1,0 +1,191 @@
+"""The circuit study's methods: what each label runs (`METHODS`, `MASK_OPTIONS`, `ENSEMBLES`),
+each method's scores on the training pairs computed once and timed (`Scored`: a method built on
+others reuses theirs and counts their seconds once), and every method run again on bootstrap
+resamples of the training pairs for the Jaccard of its circuits (`Refits`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal, TypedDict
+
+import torch
+
+from ra_lens import circuits, timing
+from ra_lens.circuits.masks import Objective, Rule
+from ra_lens.circuits.mib import MIB_SUBMISSION_FRACTIONS
+from ra_lens.tasks import ioi
+from ra_lens.tasks.ioi import PromptPair
+from ra_lens.types import HookedModel
+
+_MethodName = Literal[
+    "eap", "eap-ig", "exact", "exact-ig", "eap-ig-act", "random", "ensemble", "mask"
+]
+
+#: method label -> (circuits.attribute's method, IG steps, direction); "random" draws uniform
+#: scores. "-noise": the gradient on the clean run (EAP-IG's own choice), scores in MIB's sign.
+#: label -> (attribute's method, or "random" / "ensemble"; IG steps; direction)
+METHODS: dict[str, tuple[_MethodName, int, Literal["denoise", "noise"]]] = {
+    "eap": ("eap", 1, "denoise"),
+    "eap-noise": ("eap", 1, "noise"),
+    "eap-ig-5": ("eap-ig", 5, "denoise"),
+    "eap-ig-5-noise": ("eap-ig", 5, "noise"),
+    "eap-ig-20": ("eap-ig", 20, "denoise"),
+    "exact": ("exact", 1, "denoise"),
+    "exact-ig-5": ("exact-ig", 5, "denoise"),
+    "exact-ig-5-noise": ("exact-ig", 5, "noise"),
+    "random": ("random", 1, "denoise"),
+    "ens-ig": ("ensemble", 5, "denoise"),
+    "ens-eap-ig-exact": ("ensemble", 5, "denoise"),
+    "eap-ig-act-5-noise": ("eap-ig-act", 5, "noise"),
+    "hybrid-ens": ("ensemble", 5, "denoise"),
+    # circuits.learn_mask warm-started from eap-ig (5 steps), default budget (MASK_OPTIONS)
+    "mask": ("mask", 5, "denoise"),
+    "mask-faithful": ("mask", 5, "denoise"),
+    "mask-scaled": ("mask", 5, "denoise"),
+    # the mean of eap-ig's scores and the mask's log-odds (each over its rms), as Hybrid-Ens's
+    # best entry averages EAP-IG with Edge Pruning's masks
+    "ens-mask": ("ensemble", 5, "denoise"),
+    "ens-mask-faithful": ("ensemble", 5, "denoise"),
+    "ens-mask-scaled": ("ensemble", 5, "denoise"),
+}
+
+
+class MaskOptions(TypedDict, total=False):
+    """The `circuits.learn_mask` options a study's mask labels set (the rest: its defaults)."""
+
+    objective: Objective
+    rule: Rule
+
+
+#: mask label -> `circuits.learn_mask`'s options other than its defaults
+MASK_OPTIONS: dict[str, MaskOptions] = {
+    "mask": {},
+    "mask-faithful": {"objective": "faithful"},
+    "mask-scaled": {"rule": "scaled"},
+}
+#: The scores every learned mask starts from (computed once, its seconds counted in the mask's).
+MASK_WARM_START = "eap-ig-5"
+#: The label of `circuits.attribute`'s default (eap-ig, 5 steps, denoise): the goals are its.
+DEFAULT_METHOD = "eap-ig-5"
+#: ensemble label -> the methods it averages (`circuits.ensemble`: normalised, in MIB's sign);
+#: their scores are computed once per task, and the ensemble's seconds are the sum of theirs.
+ENSEMBLES: dict[str, tuple[str, ...]] = {
+    "ens-ig": ("eap-ig-5", "eap-ig-5-noise"),
+    "ens-eap-ig-exact": ("eap", "eap-ig-5", "exact"),
+    # Hybrid-Ens (circuits.ensemble.hybrid): EAP-IG's EAP, EAP-IG-inputs, EAP-IG-activations
+    "hybrid-ens": ("eap-noise", "eap-ig-5", "eap-ig-act-5-noise"),
+    "ens-mask": ("eap-ig-5", "mask"),
+    "ens-mask-faithful": ("eap-ig-5", "mask-faithful"),
+    "ens-mask-scaled": ("eap-ig-5", "mask-scaled"),
+}
+#: ensemble label -> its `circuits.ensemble` normalise where not "rms" (Hybrid-Ens: raw mean).
+ENSEMBLE_NORMALISE: dict[str, Literal["rms", "max", "none", "rank"]] = {"hybrid-ens": "none"}
+
+
+def random_scores(graph: circuits.Graph, seed: int = 0) -> circuits.EdgeScores:
+    """Uniform random scores on the graph's edges (the floor every method must beat)."""
+    generator = torch.Generator().manual_seed(seed)
+    scores = torch.rand(graph.real.shape, generator=generator, dtype=torch.float64)
+    return circuits.EdgeScores(graph, scores * graph.real, method="random", direction="denoise")
+
+
+class Scored:
+    """Each method's scores on the training pairs and their seconds (wall, CPU), once. A method
+    built on others (an ensemble's members, a mask's eap-ig warm start) reuses their scores, and
+    its seconds are its own work plus that of every method under it, each counted once."""
+
+    def __init__(
+        self,
+        model: HookedModel,
+        train: Sequence[PromptPair],
+        graph: circuits.Graph,
+        batch_size: int,
+    ) -> None:
+        self.model, self.graph, self.batch_size = model, graph, batch_size
+        self.clean, self.corrupted, self.metric = ioi.paired_batch(model, list(train))
+        self.scored: dict[str, circuits.EdgeScores] = {}
+        # label -> (its own seconds, the labels it was built from)
+        self.own: dict[str, tuple[dict[str, float], tuple[str, ...]]] = {}
+
+    def __call__(self, label: str) -> tuple[circuits.EdgeScores, dict[str, float]]:
+        if label not in self.scored:
+            self.scored[label] = self._score(label)
+        return self.scored[label], self._spent(label)
+
+    def _spent(self, label: str) -> dict[str, float]:
+        """Seconds of `label` and of everything under it, each label counted once."""
+        seen: set[str] = set()
+        todo = [label]
+        while todo:
+            current = todo.pop()
+            if current not in seen:
+                seen.add(current)
+                todo.extend(self.own[current][1])
+        return {
+            key: sum(self.own[s][0][key] for s in seen) for key in ("attribute", "attribute_cpu")
+        }
+
+    def _score(self, label: str) -> circuits.EdgeScores:
+        method, steps, direction = METHODS[label]
+        under = ENSEMBLES.get(label, ()) if method == "ensemble" else ()
+        if method == "mask":
+            under = (MASK_WARM_START,)
+        parts = [self(part)[0] for part in under]
+        spent: dict[str, float] = {}
+        with (
+            timing.timed(spent, "attribute"),
+            timing.timed(spent, "attribute_cpu", clock=timing.cpu_time),
+        ):
+            if method == "ensemble":
+                normalise = ENSEMBLE_NORMALISE.get(label, "rms")
+                result = circuits.ensemble(parts, normalise=normalise)
+            elif method == "random":
+                result = random_scores(self.graph)
+            elif method == "mask":
+                result = circuits.learn_mask(
+                    self.model, self.clean, self.corrupted, self.metric, warm_start=parts[0],
+                    batch_size=self.batch_size, **MASK_OPTIONS[label],
+                ).scores  # fmt: skip
+            else:
+                result = circuits.attribute(
+                    self.model, self.clean, self.corrupted, self.metric, method=method,
+                    steps=steps, direction=direction, batch_size=self.batch_size,
+                )  # fmt: skip
+        self.own[label] = (spent, tuple(under))
+        return result
+
+
+class Refits:
+    """Every method run again on bootstrap resamples of the training pairs, for the bootstrap
+    Jaccard of its circuits (`circuits.refit_jaccard`: a learned mask is not a mean of per-pair
+    scores, so each resample trains its own). One `Scored` per resample, shared by the
+    methods, so a mask starts from that resample's own eap-ig; all the pairs reuse the study's."""
+
+    def __init__(self, score: Scored, train: Sequence[PromptPair], n_boot: int) -> None:
+        self.score, self.train, self.n_boot = score, list(train), n_boot
+        self.resamples: dict[tuple[int, ...], Scored] = {tuple(range(len(train))): score}
+
+    def __call__(self, label: str) -> dict[str, Any]:
+        """The method's bootstrap Jaccard at MIB's submission sizes, signed and |score|
+        rankings (`CircuitStability.to_dict`), and the seconds the refits took."""
+        start = timing.now()
+
+        def fit(rows: list[int]) -> circuits.EdgeScores:
+            key = tuple(rows)
+            if key not in self.resamples:
+                s = self.score
+                self.resamples[key] = Scored(s.model, [self.train[i] for i in rows], s.graph, s.batch_size)  # fmt: skip
+            return self.resamples[key](label)[0]
+
+        out: dict[str, Any] = {
+            ranking: circuits.refit_jaccard(
+                fit,
+                len(self.train),
+                MIB_SUBMISSION_FRACTIONS,
+                n_boot=self.n_boot,
+                absolute=ranking == "abs",
+            ).to_dict()  # fmt: skip
+            for ranking in ("signed", "abs")
+        }
+        out["seconds"] = timing.now() - start
+        return out

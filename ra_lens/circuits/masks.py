@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -40,7 +39,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from ra_lens import capture, contract, pairs
+from ra_lens import capture, contract, pairs, timing
 from ra_lens._typing import Validated
 from ra_lens.capture import HookedModel
 from ra_lens.checks import check_count
@@ -275,7 +274,7 @@ def learn_mask(
             non-finite warm-start scores, a warm start of another graph, a mask that collapsed
             to empty (every m < 1/2) or went non-finite.
     """
-    start = time.process_time()
+    start = timing.cpu_time()
     check_count(steps, "steps", why="the number of training steps of the mask")
     check_count(ig_steps, "ig_steps")
     if budget_s is not None and not budget_s > 0:
@@ -310,7 +309,7 @@ def learn_mask(
     )  # fmt: skip
     log_alpha = log_alpha.detach().double() * real
     _check_learned(graph, log_alpha)
-    seconds = time.process_time() - start
+    seconds = timing.cpu_time() - start
     scores = _scores(graph, start_grouped, start_copies, log_alpha, seconds)
     mask = torch.sigmoid(log_alpha) * real
     return LearnedMask(scores, mask, log_alpha, warm, seconds=seconds, **curve)
@@ -347,7 +346,7 @@ def _train(
             with torch.no_grad():
                 log_alpha -= lr * grad / grad[real].pow(2).mean().sqrt().clamp_min(1e-30)
         curve["kept"].append(int((log_alpha.detach() >= 0)[real].sum()))
-        if budget_s is not None and time.process_time() - start >= budget_s:
+        if budget_s is not None and timing.cpu_time() - start >= budget_s:
             break
     return curve
 

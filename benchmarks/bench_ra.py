@@ -124,7 +124,7 @@ def full_plan(quick: bool, all_scaling: bool) -> Plan:
         reps_light=3 if quick else 5,
         reps_medium=2 if quick else 3,
         reps_heavy=1,
-        reps_goal=1 if quick else 2,
+        reps_goal=3 if quick else 5,
     )
 
 

@@ -246,7 +246,8 @@ class _Collector:
         # keep="maps": filled layer by layer, allocated at the first layer's backward hook;
         # stacking per-layer maps at the end would copy every map once more.
         self.maps: Tensor | None = None
-        self.kept_patterns: Tensor | None = None
+        # keep="maps": each layer's forward pattern as the result will hold it (see _finish).
+        self.kept_patterns: dict[int, Tensor] = {}
         # Real (non-pad) positions; RA at pads is zero by causality, the mask makes it exact.
         self.real: Tensor | None = batch.real_mask() if batch.padded else None
 
@@ -318,10 +319,13 @@ class _Collector:
             prompts = torch.arange(maps.shape[0], device=maps.device)
             rows = maps[prompts, :, self.row_positions.to(maps.device)]
             self.rows[layer] = rows.to("cpu", torch.float32)
-        if self.maps is not None and self.kept_patterns is not None:
+        if self.maps is not None:
             if maps is not slot:
                 self.maps[:, i].copy_(maps)
-            self.kept_patterns[:, i].copy_(pattern)
+            # The forward's own tensor, not a copy (a CPU float32 one where the model runs
+            # elsewhere or in half precision): no later forward writes into it, and the result
+            # stacks the layers only if `patterns` is read.
+            self.kept_patterns[layer] = _whole(pattern.to("cpu", torch.float32))
 
     def _slot(self, i: int, pattern: Tensor) -> Tensor | None:
         """With keep="maps", the buffer slice for layer i when RA can be written into it directly
@@ -331,7 +335,6 @@ class _Collector:
         if self.maps is None:
             shape = (pattern.shape[0], len(self.layers), *pattern.shape[1:])
             self.maps = torch.empty(shape, dtype=torch.float32)
-            self.kept_patterns = torch.empty(shape, dtype=torch.float32)
         direct = (
             pattern.device.type == "cpu"
             and upcast(pattern).dtype == torch.float32
@@ -353,6 +356,7 @@ class _Collector:
                 f"no gradient reached the attention of layers {missing}: the metric must depend "
                 "on the logits at positions these layers feed"
             )
+        patterns = [self.kept_patterns[la] for la in self.layers] if self.maps is not None else None
         return ReversedAttention(
             norms=stack_layers([self.norms[la] for la in self.layers]),
             pattern_norms=stack_layers([self.pattern_norms[la] for la in self.layers]),
@@ -364,8 +368,16 @@ class _Collector:
             scales=list(self.scales),
             routes=list(self.routes),
             maps=self.maps,
-            patterns=self.kept_patterns,
+            patterns=patterns,
             rows=stack_layers([self.rows[la] for la in self.layers]) if self.rows else None,
             row_positions=None if self.row_positions is None else self.row_positions.cpu(),
             str_tokens=str_tokens,
         )
+
+
+def _whole(tensor: Tensor) -> Tensor:
+    """`tensor` itself, or a compact copy where it is a view into a larger storage: a result
+    that kept the view would keep all of that storage alive."""
+    if tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size():
+        return tensor
+    return tensor.clone(memory_format=torch.contiguous_format)

@@ -37,6 +37,45 @@ _TENSORS = (
 )
 
 
+class _StackedOnRead:
+    """The field behind `ReversedAttention.patterns`: a [batch layer head query key] tensor, or
+    the per-layer [batch head query key] tensors it is stacked from when first read.
+
+    `reversed_attention` hands over the forward pass's own patterns this way: stacking them in
+    the call wrote a second result as large as the maps (1.1 GB at 1,024 tokens on SmolLM2),
+    which a caller who never reads `patterns` paid for nothing. A dataclass field whose default
+    is a descriptor passes `__init__`'s value to `__set__` (the dataclasses docs,
+    "Descriptor-typed fields"); the class-level read gives the field's default, None.
+    """
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._key = f"_{name}"
+
+    def __get__(self, obj: object | None, owner: type | None = None) -> Tensor | None:
+        if obj is None:
+            return None
+        value: Tensor | list[Tensor] | None = obj.__dict__[self._key]
+        if isinstance(value, list):
+            # Stacked once; the per-layer references go, so memory is one copy after the read.
+            value = obj.__dict__[self._key] = stack_layers(value)
+        return value
+
+    def __set__(self, obj: object, value: Tensor | list[Tensor] | None) -> None:
+        obj.__dict__[self._key] = value
+
+
+if TYPE_CHECKING:
+    # mypy reads the descriptor: `ra.patterns` is a Tensor or None, `patterns=` also takes a list.
+    _Patterns = _StackedOnRead
+else:
+    # The run-time checker (jaxtyping + beartype, tests) reads what __init__ accepts.
+    _Patterns = (
+        Float[Tensor, "batch layer head query key"]
+        | list[Float[Tensor, "batch head query key"]]
+        | None
+    )
+
+
 @dataclass
 class ReversedAttention:
     """Reversed Attention of a batch of prompts, for the chosen layers and every head.
@@ -44,7 +83,9 @@ class ReversedAttention:
     Attributes:
         maps: Float[Tensor, "batch layer head query key"] in `convention`; None with keep="norms".
         patterns: Float[Tensor, "batch layer head query key"], forward attention; None with
-            keep="norms".
+            keep="norms". `reversed_attention` keeps the forward pass's own per-layer tensors and
+            stacks them on the first read of `patterns` (one copy, paid only by a reader); the
+            constructor also takes that list of [batch head query key] tensors.
         norms: Float[Tensor, "batch layer head"], Frobenius norm of each map (always kept).
         pattern_norms: Float[Tensor, "batch layer head"], Frobenius norm of each forward pattern.
         tokens: Int[Tensor, "batch pos"], right-padded; lengths: Int[Tensor, "batch"].
@@ -74,7 +115,7 @@ class ReversedAttention:
     scales: list[float]
     routes: list[str]
     maps: Float[Tensor, "batch layer head query key"] | None = None
-    patterns: Float[Tensor, "batch layer head query key"] | None = None
+    patterns: _Patterns = _StackedOnRead()
     rows: Float[Tensor, "batch layer head key"] | None = None
     row_positions: Int[Tensor, "batch"] | None = None
     str_tokens: list[list[str]] | None = field(default=None, repr=False)

@@ -312,6 +312,41 @@ def test_layers_subset_equals_full():
     torch.testing.assert_close(part.maps, full.maps[:, 1:])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_patterns_are_the_forward_passs_own_tensors(arch, dtype):
+    """keep="maps" hands over each layer's hook_pattern tensor itself (float32 on the CPU; a
+    float32 copy in half precision), stacked bit for bit on the first read of `patterns`, once;
+    later forward passes allocate their own and leave the result as it was."""
+    model = tiny_model(arch, n_layers=3, dtype=dtype)
+    names = [capture.PATTERN.format(layer) for layer in range(3)]
+    seen: dict[str, torch.Tensor] = {}
+    hooks = [(name, lambda x, hook: seen.__setitem__(hook.name, x.detach())) for name in names]
+    with model.hooks(fwd_hooks=hooks):
+        ra = ra_lens.reversed_attention(model, PROMPT, target_nll([5]))
+    held = vars(ra)["_patterns"]  # before the first read: one tensor per layer
+    same = [t.data_ptr() == seen[name].data_ptr() for t, name in zip(held, names)]
+    # A copy only where the pattern is not float32 (some bf16 models run the softmax in float32).
+    assert same == [seen[name].dtype == torch.float32 for name in names]
+    patterns = ra.patterns
+    assert patterns is ra.patterns and patterns.dtype == torch.float32
+    for i, name in enumerate(names):
+        assert torch.equal(patterns[:, i], seen[name].float())
+    before = patterns.clone()
+    model(model.to_tokens(PROMPT))
+    ra_lens.reversed_attention(model, PROMPT, target_nll([7]))
+    assert torch.equal(ra.patterns, before)
+
+
+def test_patterns_never_keep_a_larger_storage_alive():
+    from ra_lens.core import _whole
+
+    whole = torch.randn(2, 3, 4, 4)
+    assert _whole(whole) is whole and _whole(whole.transpose(-1, -2)).data_ptr() == whole.data_ptr()
+    part = whole[:, :2]  # a view into a larger buffer: copied, equal
+    kept = _whole(part)
+    assert kept.untyped_storage().nbytes() == part.numel() * 4 and torch.equal(kept, part)
+
+
 def test_half_precision_computes_vjp_in_float32():
     model32 = tiny_model(live_archs()[-1 if "llama" in live_archs() else 0])
     model16 = tiny_model(live_archs()[-1 if "llama" in live_archs() else 0], dtype=torch.bfloat16)

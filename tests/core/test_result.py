@@ -157,3 +157,24 @@ def test_load_names_a_damaged_file(saved, tmp_path, damage):
     with pytest.raises(ValueError, match="not a readable ra-lens result file") as error:
         ra_lens.ReversedAttention.load(bad)
     assert str(bad) in str(error.value)
+
+
+def test_patterns_given_per_layer_read_as_one_tensor(small_ra):
+    """The constructor takes `patterns` as one [batch head query key] tensor per layer (what
+    reversed_attention hands over) and reads back the stacked [batch layer head query key]
+    tensor: equal, stacked once, and through save, concat, replace and records alike."""
+    import dataclasses
+
+    from ra_lens.record import decode, encode
+
+    stacked = small_ra.patterns
+    fields = {f.name: getattr(small_ra, f.name) for f in dataclasses.fields(small_ra)}
+    per_layer = [stacked[:, i].clone() for i in range(stacked.shape[1])]
+    lazy = ReversedAttention(**{**fields, "patterns": per_layer})
+    assert torch.equal(lazy.patterns, stacked) and lazy.patterns is lazy.patterns
+    assert ReversedAttention.__dataclass_fields__["patterns"].default is None
+    assert ReversedAttention(**{**fields, "maps": None, "patterns": None}).patterns is None
+    again = ReversedAttention(**{**fields, "patterns": list(per_layer)})
+    assert torch.equal(ReversedAttention.concat([again, lazy]).patterns, torch.cat([stacked] * 2))
+    assert torch.equal(dataclasses.replace(lazy).patterns, stacked)
+    assert torch.equal(decode(encode(lazy)).patterns, stacked)

@@ -8,8 +8,10 @@ Imported as `from helpers import ...` (pytest puts tests/ on sys.path: it has no
 from __future__ import annotations
 
 import contextlib
+import os
 import resource
 import signal
+import subprocess
 import sys
 from collections import Counter
 from collections.abc import Iterator
@@ -111,6 +113,21 @@ def snapshot(model: Any) -> tuple[Any, ...]:
         [None if p.grad is None else p.grad.clone() for p in params],
         hook_count(model),
     )
+
+
+def run_in_other_env(python: str, script: str, *args: str, out: Path) -> Any:
+    """Run `script` (`python -c`) in the other TransformerLens environment with the repository on
+    its path and one thread, and return what it saved with torch.save to `out` (its first
+    argument; `args` follow). Starting that environment costs ~5 s of imports, so a test module
+    runs it once for all its cases (a module-scoped fixture, marked
+    ``xdist_group("other_env")`` so that ``make test-fast``'s --dist loadgroup keeps the module's
+    cases on one worker)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [python, "-c", script, str(out), *args], env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return torch.load(out, weights_only=False)
 
 
 @contextlib.contextmanager

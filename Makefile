@@ -79,13 +79,11 @@ test-tl2: setup-tl2
 # Byte code cached even where the shell sets PYTHONDONTWRITEBYTECODE: without it every worker
 # compiles ~1,200 modules from source and pytest rewrites the asserts of every test file again
 # (about 11 s of CPU per process, half of collection).
-# --dist loadgroup: the tests marked xdist_group("other_env") share one start of the other
-# TransformerLens environment (~5 s of imports each) on one worker (tests/helpers.run_in_other_env).
 test-fast: setup
-	PYTHONDONTWRITEBYTECODE= OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadgroup -m "not real_model and not notebook and not slow" tests ra_lens
+	PYTHONDONTWRITEBYTECODE= OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 -m "not real_model and not notebook and not slow" tests ra_lens
 
 test-fast-tl2: setup-tl2
-	PYTHONDONTWRITEBYTECODE= OMP_NUM_THREADS=1 $(PY_TL2) -m pytest -q -n 2 --dist loadgroup -m "not real_model and not notebook and not slow and not tl4" tests ra_lens
+	PYTHONDONTWRITEBYTECODE= OMP_NUM_THREADS=1 $(PY_TL2) -m pytest -q -n 2 -m "not real_model and not notebook and not slow and not tl4" tests ra_lens
 
 demo: setup
 	$(VENV)/bin/ra-lens maps --prompt "I like Italy and France. I visited the city of" \

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+from filelock import FileLock
 
 from ra_lens import contract
 from ra_lens.capture import Z
@@ -115,18 +116,25 @@ def snapshot(model: Any) -> tuple[Any, ...]:
     )
 
 
-def run_in_other_env(python: str, script: str, *args: str, out: Path) -> Any:
+def run_in_other_env(
+    python: str, script: str, *args: str, name: str, tmp_path_factory: pytest.TempPathFactory
+) -> Any:
     """Run `script` (`python -c`) in the other TransformerLens environment with the repository on
-    its path and one thread, and return what it saved with torch.save to `out` (its first
-    argument; `args` follow). Starting that environment costs ~5 s of imports, so a test module
-    runs it once for all its cases (a module-scoped fixture, marked
-    ``xdist_group("other_env")`` so that ``make test-fast``'s --dist loadgroup keeps the module's
-    cases on one worker)."""
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(
-        [python, "-c", script, str(out), *args], env=env, capture_output=True, text=True
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    its path and one thread, and return what it saved with torch.save to its first argument
+    (`args` follow). Once per test session: starting that environment costs ~5 s of imports, so
+    a test module runs it once for all its cases, and pytest-xdist workers share the file `name`
+    (under a lock) in the session's temporary folder."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the session's folder, above each worker's own
+    out = root / name
+    with FileLock(f"{out}.lock"):
+        if not out.exists():
+            env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+            done = subprocess.run(
+                [python, "-c", script, str(out), *args], env=env, capture_output=True, text=True
+            )
+            assert done.returncode == 0, done.stderr[-3000:]
     return torch.load(out, weights_only=False)
 
 

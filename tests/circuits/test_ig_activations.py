@@ -76,13 +76,14 @@ BRIDGE_ARCHS = ("gpt2", "llama", "gpt_neox", "phi")
 def tl2_references(other_env_python, tmp_path_factory):
     """{arch: (reference scores, clean, corrupted)} of every BRIDGE_ARCHS, computed by TL 2 in
     one start of its environment."""
-    out = tmp_path_factory.mktemp("tl2") / "references.pt"
     tests = str(Path(__file__).resolve().parents[1])
-    return run_in_other_env(other_env_python, OTHER_ENV, ",".join(BRIDGE_ARCHS), tests, out=out)
+    return run_in_other_env(
+        other_env_python, OTHER_ENV, ",".join(BRIDGE_ARCHS), tests,
+        name="tl2_eap_ig_act_references.pt", tmp_path_factory=tmp_path_factory,
+    )  # fmt: skip
 
 
 @pytest.mark.skipif(not has_bridge(), reason="TransformerBridge (TL 4) against TL 2's reference")
-@pytest.mark.xdist_group("other_env")
 @pytest.mark.parametrize("arch", BRIDGE_ARCHS)
 def test_bridge_eap_ig_act_equals_the_reference_on_tl2(arch, tl2_references):
     from ra_lens.toy_models import tiny_model

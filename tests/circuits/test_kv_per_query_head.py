@@ -260,13 +260,14 @@ TL2_ARCHS = ("llama", "qwen2")
 @pytest.fixture(scope="module")
 def tl2_scores(other_env_python, tmp_path_factory):
     """{(arch, method): TL 2's ungrouped scores} of every TL2_ARCHS, in one start of TL 2."""
-    out = tmp_path_factory.mktemp("tl2") / "scores.pt"
     script = OTHER_ENV_SCORES.format(clean=CLEAN, corrupted=CORRUPTED)
-    return run_in_other_env(other_env_python, script, ",".join(TL2_ARCHS), out=out)
+    return run_in_other_env(
+        other_env_python, script, ",".join(TL2_ARCHS),
+        name="tl2_kv_scores.pt", tmp_path_factory=tmp_path_factory,
+    )  # fmt: skip
 
 
 @pytest.mark.skipif(not has_bridge(), reason="compares TL 4 with TL 2 (run from TL 4)")
-@pytest.mark.xdist_group("other_env")
 @pytest.mark.parametrize("arch", TL2_ARCHS)
 def test_bridge_copies_equal_hooked_transformer_copies(arch, tl2_scores):
     model = tiny_model(arch, dtype=torch.float64, spread=True)

@@ -8,8 +8,10 @@ Imported as `from helpers import ...` (pytest puts tests/ on sys.path: it has no
 from __future__ import annotations
 
 import contextlib
+import os
 import resource
 import signal
+import subprocess
 import sys
 from collections import Counter
 from collections.abc import Iterator
@@ -18,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+from filelock import FileLock
 
 from ra_lens import contract
 from ra_lens.capture import Z
@@ -111,6 +114,28 @@ def snapshot(model: Any) -> tuple[Any, ...]:
         [None if p.grad is None else p.grad.clone() for p in params],
         hook_count(model),
     )
+
+
+def run_in_other_env(
+    python: str, script: str, *args: str, name: str, tmp_path_factory: pytest.TempPathFactory
+) -> Any:
+    """Run `script` (`python -c`) in the other TransformerLens environment with the repository on
+    its path and one thread, and return what it saved with torch.save to its first argument
+    (`args` follow). Once per test session: starting that environment costs ~5 s of imports, so
+    a test module runs it once for all its cases, and pytest-xdist workers share the file `name`
+    (under a lock) in the session's temporary folder."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the session's folder, above each worker's own
+    out = root / name
+    with FileLock(f"{out}.lock"):
+        if not out.exists():
+            env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+            done = subprocess.run(
+                [python, "-c", script, str(out), *args], env=env, capture_output=True, text=True
+            )
+            assert done.returncode == 0, done.stderr[-3000:]
+    return torch.load(out, weights_only=False)
 
 
 @contextlib.contextmanager

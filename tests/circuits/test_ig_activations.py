@@ -7,8 +7,6 @@ TransformerLens 4's bridge against that reference computed in the TransformerLen
 
 from __future__ import annotations
 
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -22,6 +20,7 @@ from helpers import (
     eap_ig_act_reference,
     has_bridge,
     hooked_toy,
+    run_in_other_env,
     snapshot,
 )
 
@@ -58,10 +57,13 @@ from ra_lens.capture import to_batch
 from ra_lens.toy_models import hooked_matrix_model
 from helpers import eap_ig_act_reference as reference
 from test_ig_activations import CLEAN, CORRUPTED, STEPS
-model = hooked_matrix_model(sys.argv[1], dtype=torch.float64)
-clean, corrupted = to_batch(model, CLEAN), to_batch(model, CORRUPTED)
-theirs = reference(model, clean.tokens, corrupted.tokens, clean.lengths, STEPS)
-torch.save((theirs, clean, corrupted), sys.argv[2])
+out = {}
+for arch in sys.argv[2].split(","):
+    model = hooked_matrix_model(arch, dtype=torch.float64)
+    clean, corrupted = to_batch(model, CLEAN), to_batch(model, CORRUPTED)
+    theirs = reference(model, clean.tokens, corrupted.tokens, clean.lengths, STEPS)
+    out[arch] = theirs, clean, corrupted
+torch.save(out, sys.argv[1])
 """
 
 
@@ -70,21 +72,24 @@ torch.save((theirs, clean, corrupted), sys.argv[2])
 BRIDGE_ARCHS = ("gpt2", "llama", "gpt_neox", "phi")
 
 
+@pytest.fixture(scope="module")
+def tl2_references(other_env_python, tmp_path_factory):
+    """{arch: (reference scores, clean, corrupted)} of every BRIDGE_ARCHS, computed by TL 2 in
+    one start of its environment."""
+    tests = str(Path(__file__).resolve().parents[1])
+    return run_in_other_env(
+        other_env_python, OTHER_ENV, ",".join(BRIDGE_ARCHS), tests,
+        name="tl2_eap_ig_act_references.pt", tmp_path_factory=tmp_path_factory,
+    )  # fmt: skip
+
+
 @pytest.mark.skipif(not has_bridge(), reason="TransformerBridge (TL 4) against TL 2's reference")
 @pytest.mark.parametrize("arch", BRIDGE_ARCHS)
-def test_bridge_eap_ig_act_equals_the_reference_on_tl2(arch, other_env_python, tmp_path):
+def test_bridge_eap_ig_act_equals_the_reference_on_tl2(arch, tl2_references):
     from ra_lens.toy_models import tiny_model
 
     model = tiny_model(arch, dtype=torch.float64, spread=True)
-    out = tmp_path / "reference.pt"
-    tests = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": str(tests.parent), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(
-        [other_env_python, "-c", OTHER_ENV, arch, str(out), str(tests)],
-        env=env, capture_output=True, text=True,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    theirs, clean, corrupted = torch.load(out, weights_only=False)
+    theirs, clean, corrupted = tl2_references[arch]
     with torch.no_grad():  # the bridge adds its own norm hooks on a first forward pass
         model(clean.tokens)
     before = snapshot(model)

@@ -6,13 +6,10 @@ against brute force for the exact softmax, and across the two TransformerLens wo
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-from pathlib import Path
 
 import pytest
 import torch
-from helpers import has_bridge, hooked_toy
+from helpers import has_bridge, hooked_toy, run_in_other_env
 
 from ra_lens import capture
 from ra_lens.capture import to_batch
@@ -247,35 +244,39 @@ import sys, torch
 from ra_lens.circuits.attribute import attribute
 from ra_lens.metrics import logit_diff
 from ra_lens.toy_models import hooked_matrix_model
-model = hooked_matrix_model(sys.argv[1])
 clean, corrupted = {clean!r}, {corrupted!r}
 out = {{}}
-for method in ("eap", "exact"):
-    s = attribute(model, clean, corrupted, logit_diff([294, 50], [52, 60]), method=method)
-    out[method] = s.ungrouped_scores
-torch.save(out, sys.argv[2])
+for arch in sys.argv[2].split(","):
+    model = hooked_matrix_model(arch)
+    for method in ("eap", "exact"):
+        s = attribute(model, clean, corrupted, logit_diff([294, 50], [52, 60]), method=method)
+        out[arch, method] = s.ungrouped_scores
+torch.save(out, sys.argv[1])
 """
+#: Grouped-query architectures TL 2 builds from the same HuggingFace weights.
+TL2_ARCHS = ("llama", "qwen2")
+
+
+@pytest.fixture(scope="module")
+def tl2_scores(other_env_python, tmp_path_factory):
+    """{(arch, method): TL 2's ungrouped scores} of every TL2_ARCHS, in one start of TL 2."""
+    script = OTHER_ENV_SCORES.format(clean=CLEAN, corrupted=CORRUPTED)
+    return run_in_other_env(
+        other_env_python, script, ",".join(TL2_ARCHS),
+        name="tl2_kv_scores.pt", tmp_path_factory=tmp_path_factory,
+    )  # fmt: skip
 
 
 @pytest.mark.skipif(not has_bridge(), reason="compares TL 4 with TL 2 (run from TL 4)")
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_bridge_copies_equal_hooked_transformer_copies(arch, other_env_python, tmp_path):
+@pytest.mark.parametrize("arch", TL2_ARCHS)
+def test_bridge_copies_equal_hooked_transformer_copies(arch, tl2_scores):
     model = tiny_model(arch, dtype=torch.float64, spread=True)
-    out = tmp_path / "tl2.pt"
-    repo = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"}
-    script = OTHER_ENV_SCORES.format(clean=CLEAN, corrupted=CORRUPTED)
-    done = subprocess.run(
-        [other_env_python, "-c", script, arch, str(out)], env=env, capture_output=True, text=True
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    theirs = torch.load(out)
     for method in ("eap", "exact"):
         ours = attribute(model, CLEAN, CORRUPTED, METRIC, method=method).ungrouped_scores
         kv = _kv_columns(Graph.from_model(model))
         # HuggingFace's eager attention takes its softmax in float32 even in a float64 model
         scale = float(ours.abs().max())
-        assert float((ours[:, kv] - theirs[method][:, kv]).abs().max()) < 1e-6 * scale
+        assert float((ours[:, kv] - tl2_scores[arch, method][:, kv]).abs().max()) < 1e-6 * scale
 
 
 # ------------------------------------------------------------------- ranking, files, round trip

@@ -98,20 +98,23 @@ def pattern_grad_and_values(model, tokens, target, layer):
     return grad[0].double(), seen["a"][0].detach().double()
 
 
-def patched_pattern(model, tokens, name, source, position):
-    """One layer's pattern [head query key] with activation `name` (hook_q or hook_k) at
-    `position` taken from `source`: the exact softmax, whatever the model computes."""
+def patched_patterns(model, tokens, name, source):
+    """One layer's pattern [position head query key] with activation `name` (hook_q or hook_k)
+    at that position taken from `source`: the exact softmax, whatever the model computes. One
+    forward pass of one row per position (rows never mix)."""
+    n = tokens.shape[1]
+    rows = torch.arange(n)
 
     def patch(x, hook):
         x = x.clone()
-        x[:, position] = source[:, position]
+        x[rows, rows] = source[0, rows]
         return x
 
     pattern = PATTERN.format(int(name.split(".")[1]))
     with torch.no_grad(), model.hooks(fwd_hooks=[(name, patch)]):
         with capture.recorded(model, [pattern]) as acts:
-            model(tokens)
-    return acts[pattern][0].double()
+            model(tokens.expand(n, -1))
+    return acts[pattern].double()
 
 
 @pytest.mark.parametrize("arch", live_archs())
@@ -132,11 +135,10 @@ def test_exact_qk_attribution_equals_exact_patterns_times_the_gradient(arch):
             grad, base = pattern_grad_and_values(model, tokens, target, layer)
             for kind in "qk":
                 name = f"blocks.{layer}.attn.hook_{kind}"
-                for position in range(tokens.shape[1]):
-                    # every head (or key/value head) at once: a head's pattern reads only its
-                    # own query and its key/value head's keys
-                    new = patched_pattern(model, tokens, name, sources[name], position)
-                    expected[layer] += (grad * (new - base)).sum((1, 2)) / len(CLEAN)
+                # every head (or key/value head) at once: a head's pattern reads only its own
+                # query and its key/value head's keys; summed over the patched positions
+                new = patched_patterns(model, tokens, name, sources[name])
+                expected[layer] += (grad * (new - base)).sum((0, 2, 3)) / len(CLEAN)
     scores = rk.exact_qk_attribution(model, CLEAN, CORRUPTED, TARGETS, batch_size=2)
     # the HF toys' near-uniform attention gives effects of 1e-8..1e-7 (HF takes the softmax in
     # float32 even for float64 models: errors up to 6e-11); HookedTransformer's are ~1e-5

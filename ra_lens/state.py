@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ra_lens._typing import no_type_check
 from ra_lens.contract import PATTERN, RESID_PRE, HookedModel  # noqa: F401  (doctests use them)
 
 #: Which thread holds each model inside an ra-lens call, and how deeply (`exclusive`), held
@@ -156,6 +157,7 @@ def recorded(
     store: dict[str, Tensor] = {}
 
     def keep(name: str) -> Callable[[Tensor, Any], None]:
+        @no_type_check  # built per call (see ra_lens._typing.no_type_check)
         def hook(value: Tensor, hook: Any) -> None:
             if name not in store:
                 store[name] = value.detach().clone()

@@ -49,6 +49,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from ra_lens import capture
+from ra_lens._typing import no_type_check
 from ra_lens.capture import RESID_PRE, HookedModel
 from ra_lens.circuits.graph import Graph
 from ra_lens.contract import LN2_IN, MLP_OUT, RESID_POST
@@ -282,6 +283,7 @@ class EdgeRun:
         return value
 
     def _resid_hook(self, layer: int) -> Callable[[Tensor, Any], Tensor | None]:
+        @no_type_check  # built per call (see ra_lens._typing.no_type_check)
         def hook(value: Tensor, hook: Any) -> Tensor | None:
             base = self.first_slot(value)
             self.resid[layer] = base
@@ -301,6 +303,7 @@ class EdgeRun:
         n_q, n_kv = g.n_heads, g.n_kv_heads
         first = {"q": 0, "k": n_q, "v": n_q + n_kv}[kind]
 
+        @no_type_check  # built per call (see ra_lens._typing.no_type_check)
         def hook(value: Tensor, hook: Any) -> Tensor:
             if self.copy_mask is not None:
                 return self._slot_qkv(layer, kind, value)
@@ -361,6 +364,7 @@ class EdgeRun:
         return out.view_as(value)
 
     def _z_hook(self, layer: int) -> Callable[[Tensor, Any], Tensor | None]:
+        @no_type_check  # built per call (see ra_lens._typing.no_type_check)
         def hook(value: Tensor, hook: Any) -> Tensor | None:
             z = value
             if self.slots > 1:  # each head's z from its own slot (module docstring)
@@ -378,6 +382,7 @@ class EdgeRun:
         return hook
 
     def _post_in_hook(self, layer: int) -> Callable[[Tensor, Any], None]:
+        @no_type_check  # built per call (see ra_lens._typing.no_type_check)
         def hook(value: Tensor, hook: Any) -> None:
             self.post_input[layer] = self.first_slot(value).detach()
 
@@ -415,6 +420,7 @@ class EdgeRun:
         """A parallel block whose MLP reads the attention's norm (GPT-J, Phi, Falcon): the MLP's
         input is ln1(resid - delta), recomputed only when its delta is not empty."""
 
+        @no_type_check  # built per call (see ra_lens._typing.no_type_check)
         def hook(value: Tensor, hook: Any) -> Tensor:
             (reader,) = self._readers_of(layer)[-1:]
             deltas = self._delta([reader], self.first_slot(value))
@@ -426,6 +432,7 @@ class EdgeRun:
         return hook
 
     def _subtract_hook(self, layer: int, kind: str) -> Callable[[Tensor, Any], Tensor]:
+        @no_type_check  # built per call (see ra_lens._typing.no_type_check)
         def hook(value: Tensor, hook: Any) -> Tensor:
             (reader,) = self._readers_of(layer)[-1:]
             deltas = self._delta([reader], self.first_slot(value))

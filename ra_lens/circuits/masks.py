@@ -40,7 +40,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from ra_lens import capture, contract, pairs, timing
-from ra_lens._typing import Validated
+from ra_lens._typing import Validated, no_type_check
 from ra_lens.capture import HookedModel
 from ra_lens.checks import check_count
 from ra_lens.circuits import _edges
@@ -82,6 +82,7 @@ class MaskedRun(_edges.EdgeRun):
         self.chunks.append(outputs.detach())
 
     def _post_in_hook(self, layer: int) -> Any:
+        @no_type_check  # built per call (see ra_lens._typing.no_type_check)
         def hook(value: Tensor, hook: Any) -> None:
             self.post_input[layer] = value  # not detached: the mask's gradient flows through it
 

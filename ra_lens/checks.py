@@ -1,7 +1,7 @@
 """The one check of a whole-number argument (a count such as `steps`, `batch_size`, `k`,
-`n_boot`) and of a list of layers: every function that takes one refuses a bad value with the
-same message, naming the parameter. On the ground floor: it imports nothing of ra_lens but its
-type aliases."""
+`n_boot`), of a list of layers and of `reversed_attention`'s options: every function that takes
+one refuses a bad value with the same message, naming the parameter. On the ground floor: it
+imports nothing of ra_lens but its type aliases and `math`'s names."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from typing import Any
 from torch import Tensor
 
 from ra_lens._typing import Validated
+from ra_lens.math import CONVENTIONS
 
 
 def check_count(value: Any, name: str, minimum: int = 1, why: str = "") -> int:
@@ -72,3 +73,20 @@ def check_layer_list(layers: Validated[Sequence[int]]) -> list[int]:
     if chosen != sorted(chosen):
         raise ValueError(f"layers {chosen} are not in increasing order: pass {sorted(chosen)}")
     return chosen
+
+
+def check_ra_options(keep: str, convention: str, rows_at: Any) -> None:
+    """`reversed_attention`'s keep / convention / rows_at, refused naming the choices (the same
+    for TransformerLens and nnsight models).
+
+    >>> check_ra_options("rows", "qk", None)
+    >>> check_ra_options("all", "qk", None)
+    Traceback (most recent call last):
+    ValueError: unknown keep 'all': choose 'maps', 'norms' or 'rows'
+    """
+    if convention not in CONVENTIONS:
+        raise ValueError(f"unknown convention {convention!r}: choose one of {CONVENTIONS}")
+    if keep not in ("maps", "norms", "rows"):
+        raise ValueError(f"unknown keep {keep!r}: choose 'maps', 'norms' or 'rows'")
+    if rows_at is not None and keep != "rows":
+        raise ValueError("rows_at chooses the rows of keep='rows': pass keep='rows' with it")

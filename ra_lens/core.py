@@ -20,9 +20,9 @@ from torch import Tensor
 from ra_lens import capture
 from ra_lens._typing import Validated
 from ra_lens.capture import PATTERN, RESID_PRE, SCORES, Batch, HookedModel, V, Z
+from ra_lens.checks import check_ra_options
 from ra_lens.layerwise import layerwise_backward
 from ra_lens.math import (
-    CONVENTIONS,
     Convention,
     convert,
     frobenius_norms,
@@ -121,12 +121,7 @@ def reversed_attention(
         )  # fmt: skip
     if remote is not False:
         raise ValueError("remote= is for nnsight models: this is a TransformerLens model")
-    if convention not in CONVENTIONS:
-        raise ValueError(f"unknown convention {convention!r}: choose one of {CONVENTIONS}")
-    if keep not in ("maps", "norms", "rows"):
-        raise ValueError(f"unknown keep {keep!r}: choose 'maps', 'norms' or 'rows'")
-    if rows_at is not None and keep != "rows":
-        raise ValueError("rows_at chooses the rows of keep='rows': pass keep='rows' with it")
+    check_ra_options(keep, convention, rows_at)
     if memory not in ("full", "layerwise"):
         raise ValueError(f"unknown memory {memory!r}: choose 'full' or 'layerwise'")
     shape = capture.model_shape(model)

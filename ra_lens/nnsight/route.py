@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from ra_lens.capture import Batch
-from ra_lens.math import CONVENTIONS
+from ra_lens.checks import check_ra_options
 from ra_lens.metrics import metric_lengths
 from ra_lens.nnsight import adapter
 from ra_lens.nnsight._trace import ra_in_trace
@@ -58,7 +58,7 @@ def reversed_attention(
         RuntimeError: nnsight could not trace the model; NDIF refused or failed the request
             (the fix named: hosted models, API key, eager attention).
     """
-    _check_options(keep, convention, rows_at)
+    check_ra_options(keep, convention, rows_at)
     if remote is not False:
         from ra_lens.nnsight import remote as remote_run
 
@@ -100,15 +100,6 @@ def reversed_attention(
             refused = None if remote is False else remote_run.explained(error)
             raise (refused or _explained(error)) from error
     return _result(model, out, batch, chosen, convention, scales, positions)
-
-
-def _check_options(keep: str, convention: str, rows_at: Tensor | None) -> None:
-    if convention not in CONVENTIONS:
-        raise ValueError(f"unknown convention {convention!r}: choose one of {CONVENTIONS}")
-    if keep not in ("maps", "norms", "rows"):
-        raise ValueError(f"unknown keep {keep!r}: choose 'maps', 'norms' or 'rows'")
-    if rows_at is not None and keep != "rows":
-        raise ValueError("rows_at chooses the rows of keep='rows': pass keep='rows' with it")
 
 
 def _chosen_layers(layers: Sequence[int] | None, n_layers: int) -> list[int]:

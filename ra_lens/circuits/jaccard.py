@@ -193,9 +193,7 @@ def bootstrap_jaccard(
             "score at least 2 pairs with circuits.pair_scores(model, clean, corrupted, metric, "
             "method=...)"
         )
-    check_count(n_boot, "n_boot", why="a number of resamples")
-    if n_boot < 2:
-        raise ValueError(f"n_boot={n_boot}: pairwise Jaccard needs at least 2 resamples")
+    _check_resamples(n_boot)
     per_pair = scores.per_pair.detach().to("cpu", torch.float64)
     if not bool(per_pair[:, scores.graph.real].isfinite().all()):
         raise ValueError(
@@ -212,7 +210,8 @@ def bootstrap_jaccard(
         return [_edge_set(resampled, n, absolute, units) for n in sizes]
 
     boots = [chosen(index[b]) for b in tqdm(range(n_boot), desc="bootstrap circuits", disable=not progress)]  # fmt: skip
-    return _stability(scores, chosen(None), boots, fractions, sizes, absolute, units, seed)
+    n_pairs = int(per_pair.shape[0])
+    return _stability(scores, chosen(None), boots, fractions, sizes, absolute, units, seed, n_pairs)
 
 
 def refit_jaccard(
@@ -252,9 +251,7 @@ def refit_jaccard(
     check_count(n_pairs, "n_pairs", why="the number of pairs to resample")
     if n_pairs < 2:
         raise ValueError(f"n_pairs={n_pairs}: resampling needs at least 2 pairs")
-    check_count(n_boot, "n_boot", why="a number of resamples")
-    if n_boot < 2:
-        raise ValueError(f"n_boot={n_boot}: pairwise Jaccard needs at least 2 resamples")
+    _check_resamples(n_boot)
     fractions = list(check_fractions(fractions))
     index = bootstrap_indices(n_pairs, n_boot, seed)
     full = _fitted(fit, list(range(n_pairs)), None)
@@ -267,6 +264,12 @@ def refit_jaccard(
     boots = [chosen(index[b].tolist()) for b in tqdm(range(n_boot), desc="refit circuits", disable=not progress)]  # fmt: skip
     first = [_edge_set(full, n, absolute, units) for n in sizes]
     return _stability(full, first, boots, fractions, sizes, absolute, units, seed, n_pairs)
+
+
+def _check_resamples(n_boot: int) -> None:
+    check_count(n_boot, "n_boot", why="a number of resamples")
+    if n_boot < 2:
+        raise ValueError(f"n_boot={n_boot}: pairwise Jaccard needs at least 2 resamples")
 
 
 def _fitted(fit: Callable[[list[int]], EdgeScores], rows: list[int], like: EdgeScores | None) -> EdgeScores:  # fmt: skip
@@ -294,7 +297,7 @@ def _stability(
     absolute: bool,
     units: Units,
     seed: int,
-    n_pairs: int | None = None,
+    n_pairs: int,
 ) -> CircuitStability:
     """CircuitStability from each size's circuit on all pairs (`full`) and on every resample
     (`boots[b][size]`), Bool over the graph's real edges."""
@@ -304,9 +307,6 @@ def _stability(
         sets = torch.stack([boot[s] for boot in boots])
         pairwise[s] = _mean_pairwise(sets)
         to_full[s] = _jaccard(sets, full[s][None])[:, 0]
-    if n_pairs is None:
-        assert scores.per_pair is not None
-        n_pairs = int(scores.per_pair.shape[0])
     return CircuitStability(
         scores.method, absolute, units, fractions, sizes, pairwise, to_full, n_pairs, seed
     )

@@ -200,7 +200,14 @@ def nnsight_vs_bridge(
 def split_devices(device: str, smoke: bool) -> tuple[str, str] | str:
     """(first, second) devices of the split, or why there is no second one."""
     if device.startswith("cuda"):
-        return "cuda:0", "cpu"
+        if torch.cuda.device_count() >= 2:
+            return "cuda:0", "cuda:1"
+        # Seen on an H200 (TL 4.3): boot_transformers raises its MIXED_OFFLOAD_GPU_ERROR for a
+        # map that puts layers on a GPU and on the CPU, so one GPU has nothing to split over.
+        return (
+            "one CUDA device: TransformerLens 4.3's bridge refuses a device_map that mixes a GPU "
+            "with CPU/disk offload, and a split across GPUs needs two"
+        )
     if smoke:
         return "cpu", "disk"  # accelerate's disk offload stands in for the second device
     return "no CUDA device to split over (the CPU run of the split is --smoke's cpu+disk one)"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from unittest import mock
 
 import pytest
 from helpers import benchmark_modules
@@ -78,7 +79,10 @@ def test_sections_that_cannot_run_say_why(tmp_path):
     with benchmark_modules("gpu_check") as modules:
         gc = modules.gpu_check
         assert isinstance(gc.split_devices("cpu", smoke=False), str)
-        assert gc.split_devices("cuda", smoke=False) == ("cuda:0", "cpu")
+        with mock.patch.object(gc.torch.cuda, "device_count", return_value=2):
+            assert gc.split_devices("cuda", smoke=False) == ("cuda:0", "cuda:1")
+        with mock.patch.object(gc.torch.cuda, "device_count", return_value=1):
+            assert "mixes a GPU with CPU/disk offload" in gc.split_devices("cuda", smoke=False)
         report = {"seconds": {}}
         with gc.section(report, "broken", lambda s: None):
             raise ValueError("no such thing")

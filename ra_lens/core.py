@@ -308,12 +308,14 @@ class _Collector:
             keep = real[:, None, :, None] & real[:, None, None, :]
             maps = maps * keep
             pattern = pattern * keep
-        self.norms[layer] = frobenius_norms(maps).to("cpu", torch.float32)
-        self.pattern_norms[layer] = frobenius_norms(pattern).to("cpu", torch.float32)
+        # Left on the layer's device until `result`: a copy to the CPU here would make the GPU
+        # wait for it twice per layer inside the backward pass.
+        self.norms[layer] = frobenius_norms(maps).to(torch.float32)
+        self.pattern_norms[layer] = frobenius_norms(pattern).to(torch.float32)
         if self.row_positions is not None:
             prompts = torch.arange(maps.shape[0], device=maps.device)
             rows = maps[prompts, :, self.row_positions.to(maps.device)]
-            self.rows[layer] = rows.to("cpu", torch.float32)
+            self.rows[layer] = rows.to(torch.float32)
         if self.maps is not None:
             if maps is not slot:
                 self.maps[:, i].copy_(maps)
@@ -353,8 +355,8 @@ class _Collector:
             )
         patterns = [self.kept_patterns[la] for la in self.layers] if self.maps is not None else None
         return ReversedAttention(
-            norms=stack_layers([self.norms[la] for la in self.layers]),
-            pattern_norms=stack_layers([self.pattern_norms[la] for la in self.layers]),
+            norms=_stacked_on_cpu(self.norms, self.layers),
+            pattern_norms=_stacked_on_cpu(self.pattern_norms, self.layers),
             tokens=self.batch.tokens.cpu(),
             lengths=self.batch.lengths.cpu(),
             metric_values=metric_values,
@@ -364,7 +366,7 @@ class _Collector:
             routes=list(self.routes),
             maps=self.maps,
             patterns=patterns,
-            rows=stack_layers([self.rows[la] for la in self.layers]) if self.rows else None,
+            rows=_stacked_on_cpu(self.rows, self.layers) if self.rows else None,
             row_positions=None if self.row_positions is None else self.row_positions.cpu(),
             str_tokens=str_tokens,
         )
@@ -376,3 +378,9 @@ def _whole(tensor: Tensor) -> Tensor:
     if tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size():
         return tensor
     return tensor.clone(memory_format=torch.contiguous_format)
+
+
+def _stacked_on_cpu(per_layer: dict[int, Tensor], layers: list[int]) -> Tensor:
+    """The layers' tensors gathered on the CPU once the backward pass is over (a split model's
+    layers sit on several devices)."""
+    return stack_layers([per_layer[la].to("cpu") for la in layers])

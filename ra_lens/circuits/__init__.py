@@ -16,6 +16,7 @@ from ra_lens.circuits.mib import (
     ChosenCircuits,
     mib_circuits,
 )
+from ra_lens.circuits.negatives import NegativeScale, calibrate_negatives, scale_negatives
 from ra_lens.circuits.nodes import NodeScores, attribute_nodes
 from ra_lens.circuits.refine import Refinement, refine
 from ra_lens.circuits.scores import EdgeScores
@@ -36,12 +37,14 @@ __all__ = [
     "FaithfulnessEvaluator",
     "Graph",
     "LearnedMask",
+    "NegativeScale",
     "NodeScores",
     "Refinement",
     "SmallestCircuit",
     "attribute",
     "attribute_nodes",
     "bootstrap_jaccard",
+    "calibrate_negatives",
     "ensemble",
     "export_mib",
     "faithfulness",
@@ -51,6 +54,7 @@ __all__ = [
     "pair_scores",
     "refit_jaccard",
     "refine",
+    "scale_negatives",
     "smallest_circuit",
     "stable",
 ]

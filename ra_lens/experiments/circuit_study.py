@@ -201,9 +201,10 @@ def _compare_heads(
     """The method's head node scores on the truth's pairs (an extra attribution when those are
     fewer than the pairs) and their Pearson r to the truth, into `record` (the task's "truth").
     An ensemble is left out (its scores are its members', compared on their own), and so is a
-    learned mask (its scores are a mask, not an attribution of the truth's pairs)."""
+    learned mask, calibrated or not (its scores are a mask, not an attribution of the truth's
+    pairs)."""
     method, steps, direction = METHODS[label]
-    if method == "ensemble" or method == "mask":
+    if method == "ensemble" or method == "mask" or method == "calibrated":
         return
     subset = scores
     if truth_pairs < len(pairs) and method != "random":
@@ -252,7 +253,7 @@ def run_task(
     """
     measure = Measured(model, pairs, batch_size)
     graph = circuits.Graph.from_model(model)
-    score = Scored(model, list(train) or list(pairs), graph, batch_size)
+    score = Scored(model, list(train) or list(pairs), graph, batch_size, own_copies)
     refit = Refits(score, list(train) or list(pairs), refits) if refits else None
     sizes = edge_sizes(graph.n_edges_ungrouped, fractions, edge_counts)  # MIB's units
     start = timing.now()

@@ -18,7 +18,7 @@ from ra_lens.tasks.ioi import PromptPair
 from ra_lens.types import HookedModel
 
 _MethodName = Literal[
-    "eap", "eap-ig", "exact", "exact-ig", "eap-ig-act", "random", "ensemble", "mask"
+    "eap", "eap-ig", "exact", "exact-ig", "eap-ig-act", "random", "ensemble", "mask", "calibrated"
 ]
 
 #: method label -> (circuits.attribute's method, IG steps, direction); "random" draws uniform
@@ -42,6 +42,9 @@ METHODS: dict[str, tuple[_MethodName, int, Literal["denoise", "noise"]]] = {
     "mask": ("mask", 5, "denoise"),
     "mask-faithful": ("mask", 5, "denoise"),
     "mask-scaled": ("mask", 5, "denoise"),
+    # mask-scaled with its negative scores scaled by the factor whose |score| circuits have the
+    # lowest CMD on the training pairs (circuits.calibrate_negatives)
+    "mask-scaled-cal": ("calibrated", 5, "denoise"),
     # the mean of eap-ig's scores and the mask's log-odds (each over its rms), as Hybrid-Ens's
     # best entry averages EAP-IG with Edge Pruning's masks
     "ens-mask": ("ensemble", 5, "denoise"),
@@ -63,6 +66,8 @@ MASK_OPTIONS: dict[str, MaskOptions] = {
     "mask-faithful": {"objective": "faithful"},
     "mask-scaled": {"rule": "scaled"},
 }
+#: calibrated label -> the method whose negative scores it calibrates on the training pairs
+CALIBRATED: dict[str, str] = {"mask-scaled-cal": "mask-scaled"}
 #: The scores every learned mask starts from (computed once, its seconds counted in the mask's).
 MASK_WARM_START = "eap-ig-5"
 #: The label of `circuits.attribute`'s default (eap-ig, 5 steps, denoise): the goals are its.
@@ -100,8 +105,10 @@ class Scored:
         train: Sequence[PromptPair],
         graph: circuits.Graph,
         batch_size: int,
+        own_copies: bool = False,
     ) -> None:
         self.model, self.graph, self.batch_size = model, graph, batch_size
+        self.own_copies = own_copies  # how the study chooses circuits: the calibration's too
         self.clean, self.corrupted, self.metric = ioi.paired_batch(model, list(train))
         self.scored: dict[str, circuits.EdgeScores] = {}
         # label -> (its own seconds, the labels it was built from)
@@ -130,6 +137,8 @@ class Scored:
         under = ENSEMBLES.get(label, ()) if method == "ensemble" else ()
         if method == "mask":
             under = (MASK_WARM_START,)
+        if method == "calibrated":
+            under = (CALIBRATED[label],)
         parts = [self(part)[0] for part in under]
         spent: dict[str, float] = {}
         with (
@@ -139,6 +148,11 @@ class Scored:
             if method == "ensemble":
                 normalise = ENSEMBLE_NORMALISE.get(label, "rms")
                 result = circuits.ensemble(parts, normalise=normalise)
+            elif method == "calibrated":
+                result = circuits.calibrate_negatives(
+                    self.model, parts[0], self.clean, self.corrupted, self.metric,
+                    own_copies=self.own_copies, batch_size=self.batch_size,
+                ).scores  # fmt: skip
             elif method == "random":
                 result = random_scores(self.graph)
             elif method == "mask":
@@ -174,7 +188,7 @@ class Refits:
             key = tuple(rows)
             if key not in self.resamples:
                 s = self.score
-                self.resamples[key] = Scored(s.model, [self.train[i] for i in rows], s.graph, s.batch_size)  # fmt: skip
+                self.resamples[key] = Scored(s.model, [self.train[i] for i in rows], s.graph, s.batch_size, s.own_copies)  # fmt: skip
             return self.resamples[key](label)[0]
 
         out: dict[str, Any] = {

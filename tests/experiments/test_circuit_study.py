@@ -419,6 +419,31 @@ def test_a_method_built_on_others_reuses_them_and_counts_each_once(monkeypatch):
     assert torch.equal(ens.scores, expected.scores)
 
 
+def test_calibrated_mask_is_the_mask_with_its_negatives_scaled_on_the_training_pairs(monkeypatch):
+    """mask-scaled-cal: the study's mask-scaled scores, computed once, calibrated on the same
+    training pairs with the study's own_copies; its seconds are the mask's plus its own."""
+    model = tiny_model(arch_or_hooked("llama"), n_layers=1)
+    train = task_pairs(model, "toy", 3)
+    graph = circuits.Graph.from_model(model)
+    seen: list[tuple[circuits.EdgeScores, bool]] = []
+    real_calibrate, real_mask = circuits.calibrate_negatives, circuits.learn_mask
+
+    def calibrate_negatives(model, scores, *args, **kwargs):
+        seen.append((scores, kwargs["own_copies"]))
+        return real_calibrate(model, scores, *args, **{**kwargs, "sizes": [0.5, 1.0]})
+
+    monkeypatch.setattr(circuits, "calibrate_negatives", calibrate_negatives)
+    monkeypatch.setattr(circuits, "learn_mask", lambda *a, **k: real_mask(*a, **{**k, "steps": 2}))
+    scored = methods_module.Scored(model, train, graph, batch_size=4, own_copies=True)
+    calibrated, spent = scored("mask-scaled-cal")
+    mask, mask_spent = scored("mask-scaled")
+    assert len(seen) == 1 and seen[0][0] is mask and seen[0][1] is True
+    chosen = real_calibrate(model, mask, scored.clean, scored.corrupted, scored.metric, sizes=[0.5, 1.0], own_copies=True)  # fmt: skip
+    assert torch.equal(calibrated.scores, chosen.scores.scores)
+    own = scored.own["mask-scaled-cal"][0]["attribute_cpu"]
+    assert spent["attribute_cpu"] == pytest.approx(mask_spent["attribute_cpu"] + own)
+
+
 def test_refits_run_every_method_again_on_resamples_of_the_training_pairs(monkeypatch):
     """--refits: each resample of the training pairs gets its own eap-ig-5 and its own mask
     warm-started from it (all the pairs reuse the study's); the Jaccard compares those runs'

@@ -1,0 +1,151 @@
+"""How far down the |score| ranking a method's harmful edges go, chosen on the training pairs.
+
+MIB's CMD takes circuits by |score|: an edge that hurts the metric (a negative score in MIB's
+sign) enters them as early as an edge that helps as much. A learned mask's log-odds overstate the
+edges that hurt (patching them raises the metric, so training pushes them further down than their
+effect warrants), and its |score| circuits then keep too many of them. `scale_negatives`
+multiplies every negative score (each query head's copy on its own, where the scores have copies)
+by one factor c in (0, 1]: the signed ranking, hence CPR, is unchanged where each score stands
+alone (a model without grouped keys, or per-copy circuits, `own_copies=True`, as MIB's evaluator
+patches); only where the negatives enter the |score| ranking moves. (A grouped key/value edge is
+the sum of its copies, so where its copies differ in sign its grouped score moves too.) `calibrate_negatives` chooses c among a few candidates by the CMD
+of the |score| circuits on the training pairs (the pairs the scores were computed on): one
+faithfulness pass per distinct circuit, a circuit the candidates share measured once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import torch
+
+from ra_lens import timing
+from ra_lens._typing import Validated
+from ra_lens.circuits.circuit import Circuit
+from ra_lens.circuits.faithfulness import Ablation, FaithfulnessEvaluator
+from ra_lens.circuits.graph import UNITS, Units
+from ra_lens.circuits.mib import MIB_FRACTIONS, ChosenCircuits, check_fractions, mib_sign
+from ra_lens.circuits.scores import EdgeScores
+from ra_lens.math import trapezoid_auc
+from ra_lens.progress import tqdm
+from ra_lens.types import HookedModel, MetricFn, Tokens
+
+#: The factors `calibrate_negatives` tries by default (1: the scores as they are).
+CANDIDATES: tuple[float, ...] = (1.0, 0.5, 0.25)
+
+
+def scale_negatives(scores: EdgeScores, scale: float) -> EdgeScores:
+    """`scores` with every score that hurts the metric (negative in MIB's sign) times `scale`.
+
+    Where the scores have per-copy scores (`ungrouped_scores`), each copy is scaled by its own
+    sign and the grouped scores are rebuilt as the sums of their copies, as EAP-IG's are.
+
+    Args:
+        scores: EdgeScores of any method.
+        scale: in (0, 1]; 1 returns `scores` itself.
+
+    Returns:
+        EdgeScores of the same graph, method and direction (`seconds` kept).
+    """
+    if not (isinstance(scale, (int, float)) and math.isfinite(scale) and 0 < scale <= 1):
+        raise ValueError(f"scale={scale!r}: give a number in (0, 1] (1 leaves the scores as they are)")  # fmt: skip
+    if scale == 1:  # as they are: rebuilt sums of copies would differ from them by rounding
+        return scores
+    sign = mib_sign(scores.direction)
+
+    def scaled(values: torch.Tensor) -> torch.Tensor:
+        values = values.detach().to("cpu", torch.float64)
+        return torch.where(sign * values < 0, values * scale, values)
+
+    ungrouped = scores.ungrouped_scores
+    if ungrouped is None:
+        return dataclasses.replace(scores, scores=scaled(scores.scores))
+    copies = scaled(ungrouped)
+    graph = scores.graph
+    grouped = torch.zeros(graph.real.shape, dtype=torch.float64).index_add_(1, graph.ungrouped_target, copies)  # fmt: skip
+    return dataclasses.replace(scores, scores=grouped * graph.real, ungrouped_scores=copies)
+
+
+@dataclass(frozen=True)
+class NegativeScale:
+    """The factor `calibrate_negatives` chose and what it saw.
+
+    Attributes:
+        scale: the chosen factor (the smallest training CMD; the first candidate on a tie).
+        cmd: candidate -> CMD of its |score| circuits on the training pairs.
+        scores: the input scores with their negatives times `scale`.
+        seconds: CPU seconds of the calibration (the faithfulness passes).
+    """
+
+    scale: float
+    cmd: dict[float, float]
+    scores: EdgeScores = field(repr=False)
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"scale": self.scale, "cmd": {str(c): v for c, v in self.cmd.items()}, "seconds": self.seconds}  # fmt: skip
+
+    def table(self) -> str:
+        rows = [f"| {c:g} | {v:.4f} |{' chosen' if c == self.scale else ''}" for c, v in self.cmd.items()]  # fmt: skip
+        return "\n".join(["| negative scale | training CMD |", "|---|---|", *rows])
+
+
+def calibrate_negatives(
+    model: HookedModel,
+    scores: EdgeScores,
+    clean: Tokens,
+    corrupted: Tokens,
+    metric: MetricFn,
+    *,
+    candidates: Sequence[float] = CANDIDATES,
+    sizes: Sequence[float] | None = None,
+    ablation: str = "patching",
+    units: Validated[Units] = "ungrouped",
+    own_copies: bool = False,
+    batch_size: int = 8,
+    progress: bool = False,
+) -> NegativeScale:
+    """Choose the factor on the negative scores that gives the lowest CMD on these pairs.
+
+    Args:
+        model: the model the scores are for.
+        scores: EdgeScores computed (or trained) on these pairs.
+        clean, corrupted, metric: the training pairs and the metric (`circuits.faithfulness`).
+        candidates: factors in (0, 1] to try, in order of preference on a tie.
+        sizes: fractions of the edges (default MIB's, `MIB_FRACTIONS`).
+        ablation, units, own_copies: as `faithfulness_curve` takes them.
+        batch_size: pairs per forward pass.
+        progress: show a progress bar.
+
+    Returns:
+        NegativeScale: the chosen factor, the CMD of every candidate, the scaled scores.
+    """
+    if not candidates:
+        raise ValueError("candidates is empty: give at least one factor in (0, 1], e.g. (1.0, 0.5, 0.25)")  # fmt: skip
+    if units not in UNITS:
+        raise ValueError(f"units={units!r}: expected one of {UNITS}")
+    scaled = {float(c): scale_negatives(scores, c) for c in candidates}  # checks each factor
+    fractions = check_fractions(MIB_FRACTIONS if sizes is None else sizes)
+    start = timing.cpu_time()
+    evaluator = FaithfulnessEvaluator(
+        model, clean, corrupted, metric, batch_size=batch_size, ablation=cast("Ablation", ablation)
+    )
+    measured: dict[bytes, float] = {}
+
+    def value(circuit: Circuit) -> float:
+        key = circuit.copies.numpy().tobytes()
+        if key not in measured:
+            measured[key] = float(evaluator(circuit).value)
+        return measured[key]
+
+    cmd = {}
+    for c, candidate in tqdm(scaled.items(), desc="negative scale", disable=not progress):
+        chosen = ChosenCircuits(candidate, "top", own_copies and units == "ungrouped")
+        values = [value(circuit) for circuit in chosen.at(fractions, absolute=True, units=units)]
+        cmd[c] = trapezoid_auc(fractions, [abs(1.0 - v) for v in values])
+    best = min(cmd, key=lambda c: cmd[c])  # the first of equal minima
+    return NegativeScale(best, cmd, scaled[best], seconds=timing.cpu_time() - start)

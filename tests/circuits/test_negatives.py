@@ -1,0 +1,131 @@
+"""`circuits.negatives`: scaling the scores that hurt leaves the signed ranking (CPR's circuits)
+alone and moves only where they enter the |score| ranking; the calibration's CMD per candidate is
+`faithfulness_curve`'s CMD of the scaled scores on the same pairs, and the smallest one is chosen.
+Float64 tiny models, both TransformerLens worlds: GPT-2-like and Llama-like (grouped-query: each
+query head's copy scaled by its own sign)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from helpers import (
+    LLAMA_LIKE,
+    PAIR_CLEAN,
+    PAIR_CORRUPTED,
+    PAIR_METRIC,
+    has_bridge,
+    hooked_toy,
+    snapshot,
+)
+
+from ra_lens.circuits import (
+    attribute,
+    calibrate_negatives,
+    faithfulness_curve,
+    learn_mask,
+    mib_circuits,
+    scale_negatives,
+)
+from ra_lens.circuits.mib import ChosenCircuits, mib_sign
+from ra_lens.toy_models import tiny_model
+
+SIZES = [0.1, 0.3, 0.6, 1.0]
+
+
+def build(kind: str):
+    if has_bridge():
+        return tiny_model(kind, dtype=torch.float64)
+    return hooked_toy(**(LLAMA_LIKE if kind == "llama" else {}))
+
+
+@pytest.fixture(scope="module", params=["gpt2", "llama"])
+def model(request):
+    return build(request.param)
+
+
+@pytest.fixture(scope="module")
+def mask_scores(model):
+    """A learned mask's scores (their negatives are what the calibration is for)."""
+    warm = attribute(model, PAIR_CLEAN, PAIR_CORRUPTED, PAIR_METRIC, method="eap-ig", steps=3)
+    learned = learn_mask(
+        model, PAIR_CLEAN, PAIR_CORRUPTED, PAIR_METRIC, warm_start=warm, steps=3, rule="scaled"
+    )
+    return learned.scores
+
+
+def test_negatives_scaled_positives_kept(mask_scores):
+    """Each score that hurts (each copy, where there are copies) times the factor, the rest
+    as they were; grouped scores the sums of their scaled copies."""
+    scaled = scale_negatives(mask_scores, 0.5)
+    copies = mask_scores.ungrouped_scores is not None
+    before = (mask_scores.ungrouped_scores if copies else mask_scores.scores).double()
+    after = (scaled.ungrouped_scores if copies else scaled.scores).double()
+    hurts = mib_sign(mask_scores.direction) * before < 0
+    assert hurts.any() and (~hurts & (before != 0)).any()
+    assert torch.equal(after[hurts], 0.5 * before[hurts])
+    assert torch.equal(after[~hurts], before[~hurts])
+    if copies:
+        graph = mask_scores.graph
+        summed = torch.zeros_like(scaled.scores).index_add_(1, graph.ungrouped_target, after)
+        torch.testing.assert_close(scaled.scores, summed * graph.real, rtol=0, atol=1e-12)
+    assert (scaled.method, scaled.direction, scaled.graph) == (mask_scores.method, mask_scores.direction, mask_scores.graph)  # fmt: skip
+
+
+def test_signed_circuits_unchanged_abs_circuits_move(mask_scores):
+    """Per copy (each query head's copy ranked by its own score, as MIB's evaluator does) and
+    on a model without grouped keys, the signed circuits stay; a grouped key/value edge whose
+    copies differ in sign is the sum of its copies, so its grouped score moves."""
+    scaled = scale_negatives(mask_scores, 0.25)
+    own = mask_scores.ungrouped_scores is not None
+    signed = [ChosenCircuits(s, "top", own).at(SIZES, absolute=False) for s in (mask_scores, scaled)]  # fmt: skip
+    assert [c.copies.tolist() for c in signed[0]] == [c.copies.tolist() for c in signed[1]]
+    by_abs = [mib_circuits(s, SIZES, absolute=True) for s in (mask_scores, scaled)]
+    assert [c.copies.tolist() for c in by_abs[0]] != [c.copies.tolist() for c in by_abs[1]]
+    assert scale_negatives(mask_scores, 1.0) is mask_scores
+
+
+@pytest.mark.parametrize("bad", [0, -0.5, 1.5, math.nan, math.inf])
+def test_bad_scale_refused(mask_scores, bad):
+    with pytest.raises(ValueError, match=r"in \(0, 1\]"):
+        scale_negatives(mask_scores, bad)
+
+
+def test_calibration_is_the_curves_cmd_and_its_minimum(model, mask_scores):
+    before = snapshot(model)
+    candidates = (1.0, 0.5, 0.25)
+    got = calibrate_negatives(
+        model,
+        mask_scores,
+        PAIR_CLEAN,
+        PAIR_CORRUPTED,
+        PAIR_METRIC,
+        candidates=candidates,
+        sizes=SIZES,  # fmt: skip
+    )
+    assert snapshot(model)[:2] == before[:2]
+    assert list(got.cmd) == list(candidates)
+    for c in candidates:
+        curve = faithfulness_curve(
+            model,
+            scale_negatives(mask_scores, c),
+            PAIR_CLEAN,
+            PAIR_CORRUPTED,
+            PAIR_METRIC,
+            sizes=SIZES,  # fmt: skip
+        )
+        assert got.cmd[c] == pytest.approx(curve.cmd, rel=1e-12, abs=1e-12)
+    assert got.cmd[got.scale] == min(got.cmd.values())
+    assert torch.equal(got.scores.scores, scale_negatives(mask_scores, got.scale).scores)
+    assert "chosen" in got.table() and got.to_dict()["scale"] == got.scale
+
+
+def test_calibration_refuses_bad_input(model, mask_scores):
+    args = (model, mask_scores, PAIR_CLEAN, PAIR_CORRUPTED, PAIR_METRIC)
+    with pytest.raises(ValueError, match="candidates is empty"):
+        calibrate_negatives(*args, candidates=())
+    with pytest.raises(ValueError, match=r"in \(0, 1\]"):
+        calibrate_negatives(*args, candidates=(1.0, 2.0))
+    with pytest.raises(ValueError, match="units="):
+        calibrate_negatives(*args, units="heads")

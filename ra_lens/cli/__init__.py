@@ -19,8 +19,8 @@ from typing import cast
 
 from ra_lens.cli._parser import MODEL_HELP as MODEL_HELP
 from ra_lens.cli._parser import build_parser as build_parser
-from ra_lens.cli._shared import _check_outputs
-from ra_lens.cli._shared import _emit_json as _emit_json
+from ra_lens.cli._shared import check_outputs
+from ra_lens.cli._shared import emit_json as emit_json
 from ra_lens.cli.pairs import CIRCUIT_TASKS as CIRCUIT_TASKS
 from ra_lens.cli.pairs import PAIR_KEYS as PAIR_KEYS
 
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        _check_outputs(args)
+        check_outputs(args)
         return cast(int, args.run(args))  # every command's run returns its exit status
     except (ValueError, RuntimeError, OSError) as error:
         print(f"ra-lens {args.command}: error: {error}", file=sys.stderr)

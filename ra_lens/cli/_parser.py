@@ -9,15 +9,15 @@ from typing import Any
 from ra_lens.cli import attribute as attribute_command
 from ra_lens.cli import circuit as circuit_command
 from ra_lens.cli import maps as maps_command
-from ra_lens.cli._shared import _positive_float, _positive_int
+from ra_lens.cli._shared import positive_float, positive_int
 from ra_lens.cli.pairs import CIRCUIT_TASKS
 from ra_lens.cli.patch_rank import (
     RANK_LEGEND,
     RANK_TIME,
-    _run_patch,
-    _run_rank,
     patch_out_files,
     rank_out_files,
+    run_patch,
+    run_rank,
 )
 
 MODEL_HELP = (
@@ -61,7 +61,7 @@ def _add_maps_command(sub: Any) -> None:
     )
     maps.add_argument("--convention", default="qk", choices=["qk", "scores", "pattern"])
     maps.add_argument(
-        "--top", type=_positive_int, default=10, metavar="K", help="heads in the table (10)"
+        "--top", type=positive_int, default=10, metavar="K", help="heads in the table (10)"
     )
     _common(maps)
     maps.set_defaults(run=maps_command._run_maps, out_files=maps_command.OUT_FILES)
@@ -89,7 +89,7 @@ def _add_patch_command(sub: Any) -> None:
         help="comma-separated scales (default: the paper's grid, extended)",
     )
     _common(patch)
-    patch.set_defaults(run=_run_patch, out_files=patch_out_files)
+    patch.set_defaults(run=run_patch, out_files=patch_out_files)
 
 
 def _add_rank_command(sub: Any) -> None:
@@ -123,7 +123,7 @@ def _add_rank_command(sub: Any) -> None:
         "--fractions", default=None, help="comma-separated fractions of heads kept (0,0.1,...,1)"
     )
     _common(rank)
-    rank.set_defaults(run=_run_rank, out_files=rank_out_files)
+    rank.set_defaults(run=run_rank, out_files=rank_out_files)
 
 
 def _add_attribute_command(sub: Any) -> None:
@@ -145,7 +145,7 @@ def _add_attribute_command(sub: Any) -> None:
     attribute.add_argument("--method", default="exact", choices=["exact", "exact-ig", "linear"])
     attribute.add_argument("--direction", default="denoise", choices=["denoise", "noise"])
     attribute.add_argument(
-        "--top", type=_positive_int, default=10, metavar="K", help="rows per table (10)"
+        "--top", type=positive_int, default=10, metavar="K", help="rows per table (10)"
     )
     _common(attribute)
     attribute.set_defaults(
@@ -176,7 +176,7 @@ def _add_circuit_command(sub: Any) -> None:
     circuit.add_argument("--direction", default="denoise", choices=["denoise", "noise"])
     circuit.add_argument(
         "--steps",
-        type=_positive_int,
+        type=positive_int,
         default=5,
         help="IG steps (eap-ig, exact-ig; 5; mask warm-starts from eap-ig with 5)",
     )
@@ -199,7 +199,7 @@ def _add_circuit_command(sub: Any) -> None:
     _circuit_size_args(circuit)
     circuit.add_argument(
         "--batch-size",
-        type=_positive_int,
+        type=positive_int,
         default=8,
         help="pairs per pass, for scoring and every faithfulness pass (8)",
     )
@@ -213,7 +213,7 @@ def _circuit_size_args(circuit: argparse.ArgumentParser) -> None:
     size = circuit.add_mutually_exclusive_group()
     size.add_argument(
         "--faithfulness",
-        type=_positive_float,
+        type=positive_float,
         default=None,
         metavar="F",
         help="the circuit drawn and saved is the smallest (by |score|) whose faithfulness reaches "
@@ -222,7 +222,7 @@ def _circuit_size_args(circuit: argparse.ArgumentParser) -> None:
     )
     size.add_argument(
         "--edges",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         metavar="N",
         help="instead of --faithfulness: the N edges with the largest |score|, counted as MIB "
@@ -286,7 +286,7 @@ def _pair_source_args(parser: argparse.ArgumentParser, *, required: bool) -> Non
         "(answers one token; clean and corrupted the same token length)",
     )
     parser.add_argument(
-        "--n-pairs", type=_positive_int, default=16, metavar="N", help="pairs used (16)"
+        "--n-pairs", type=positive_int, default=16, metavar="N", help="pairs used (16)"
     )
 
 

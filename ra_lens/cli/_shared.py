@@ -29,13 +29,13 @@ def _load(name: str, backend: str = "auto") -> HookedModel:
     return load_model(name, backend=backend, device="cpu")
 
 
-def _model(args: argparse.Namespace) -> HookedModel:
+def load_model_of(args: argparse.Namespace) -> HookedModel:
     """The model of --model and --backend, loaded by this module's `_load`, looked up on every
     call: tests hand a command a model they already have by replacing that attribute."""
     return _load(args.model, args.backend)
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
@@ -45,7 +45,7 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _positive_float(text: str) -> float:
+def positive_float(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
@@ -129,7 +129,7 @@ def _clash_message(a: _Place, b: _Place) -> str:
     return f"{a.flag} {a.path} and {b.flag} {b.path} name the same file: give them different names"
 
 
-def _check_outputs(args: argparse.Namespace) -> None:
+def check_outputs(args: argparse.Namespace) -> None:
     """Fail before the computation (which can take hours on a real model), not after it: an
     output that cannot be written (--out or --mib a file, --json or --html a folder, a parent
     that is not writable), or two options naming the same file (`_check_overlaps`). Every
@@ -149,7 +149,7 @@ def _check_outputs(args: argparse.Namespace) -> None:
     _check_overlaps(args)
 
 
-def _emit_json(target: str | None, payload: dict[str, Any]) -> None:
+def emit_json(target: str | None, payload: dict[str, Any]) -> None:
     """Print the report (`-`), or write it with the library's one writer: through symlinks,
     keeping an existing file's mode, directly into a FIFO or /dev/stdout, atomically otherwise."""
     if target is None:
@@ -162,12 +162,12 @@ def _emit_json(target: str | None, payload: dict[str, Any]) -> None:
     write_file(target, text + "\n", make_folders=True)
 
 
-def _say(args: argparse.Namespace, message: str) -> None:
+def say(args: argparse.Namespace, message: str) -> None:
     # With --json - the JSON owns stdout; everything else goes to stderr.
     print(message, file=sys.stderr if args.json == "-" else sys.stdout)
 
 
-def _floats(text: str) -> list[float]:
+def floats(text: str) -> list[float]:
     try:
         return [float(x) for x in text.split(",") if x.strip()]
     except ValueError:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ra_lens.cli._shared import _emit_json, _model, _say
-from ra_lens.cli.pairs import _circuit_pairs, _read_pairs
+from ra_lens.cli._shared import emit_json, load_model_of, say
+from ra_lens.cli.pairs import circuit_pairs, read_pairs
 from ra_lens.types import HookedModel
 
 #: What `ra-lens attribute --out DIR` writes into DIR.
@@ -28,7 +28,7 @@ def _run_attribute(args: argparse.Namespace) -> int:
     file_pairs = _attribute_source(args)
     seconds: dict[str, float] = {}
     with timed(seconds, "load_model"):
-        model = _model(args)
+        model = load_model_of(args)
     clean, corrupted, metric, metric_name = _attribute_inputs(args, model, file_pairs)
     with timed(seconds, "attention_attribution"):
         att = attention_attribution(
@@ -37,19 +37,19 @@ def _run_attribute(args: argparse.Namespace) -> int:
     att = _with_clean_labels(att, model, clean)
 
     report = att.to_dict(k=args.top)
-    _say(args, f"model: {args.model}   metric: {metric_name}   {args.method}, {args.direction}")
+    say(args, f"model: {args.model}   metric: {metric_name}   {args.method}, {args.direction}")
     clean_value, corrupted_value = (
         float(att.clean_metric.mean()),
         float(att.corrupted_metric.mean()),
     )
     n_pairs = len(att.clean_metric)
-    _say(
+    say(
         args,
         f"{metric_name}: clean {clean_value:.3f}, corrupted {corrupted_value:.3f}"
         + (f" (means over {n_pairs} pairs)" if n_pairs > 1 else ""),
     )
-    _say(args, "\n" + att.table(args.top))
-    _say(args, f"\nall heads in {seconds['attention_attribution']:.2f} s")
+    say(args, "\n" + att.table(args.top))
+    say(args, f"\nall heads in {seconds['attention_attribution']:.2f} s")
 
     files = []
     if args.out is not None:
@@ -62,8 +62,8 @@ def _run_attribute(args: argparse.Namespace) -> int:
         heads = list(dict.fromkeys((e["layer"], e["head"]) for e in report["top_edges"]))[:8]
         viz.attribution_edges_page(att, heads, save=files[2])
         for f in files:
-            _say(args, f"wrote {f}")
-    _emit_json(
+            say(args, f"wrote {f}")
+    emit_json(
         args.json,
         {
             "model": args.model,
@@ -97,7 +97,7 @@ def _attribute_source(args: argparse.Namespace) -> list[Any]:
                 f"--{one[0]} with --task/--pairs: give one pair (--clean, --corrupted, --target) "
                 "or many (--task or --pairs), not both"
             )
-        return [] if args.pairs is None else _read_pairs(args.pairs)
+        return [] if args.pairs is None else read_pairs(args.pairs)
     missing = [f"--{flag}" for flag in ("clean", "corrupted", "target") if not getattr(args, flag)]
     if missing:
         raise ValueError(
@@ -117,7 +117,7 @@ def _attribute_inputs(
 
     metric: metrics.Metric
     if args.clean is None:
-        clean, corrupted, metric = ioi.paired_batch(model, _circuit_pairs(args, model, file_pairs))
+        clean, corrupted, metric = ioi.paired_batch(model, circuit_pairs(args, model, file_pairs))
         return clean, corrupted, metric, "logit(answer) - logit(wrong)"
     target = _first_token(model, args.target, "--target")
     if args.wrong is None:

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ra_lens.cli._shared import _emit_json, _floats, _model, _say
-from ra_lens.cli.pairs import PAIR_KEYS, _circuit_pairs, _read_pairs
+from ra_lens.cli._shared import emit_json, floats, load_model_of, say
+from ra_lens.cli.pairs import PAIR_KEYS, circuit_pairs, read_pairs
 
 if TYPE_CHECKING:  # the CLI imports torch and the circuits only once a command runs
     from ra_lens import circuits
@@ -56,17 +56,17 @@ def _run_circuit(args: argparse.Namespace) -> int:
 
     if args.method == "mask" and args.direction != "denoise":
         raise ValueError("--method mask trains from the corrupted run (denoise): drop --direction noise")  # fmt: skip
-    file_pairs = [] if args.pairs is None else _read_pairs(args.pairs)  # before the model loads
+    file_pairs = [] if args.pairs is None else read_pairs(args.pairs)  # before the model loads
     seconds: dict[str, float] = {}
     with timed(seconds, "load_model"):
-        model = _model(args)
-    pairs = _circuit_pairs(args, model, file_pairs)
+        model = load_model_of(args)
+    pairs = circuit_pairs(args, model, file_pairs)
     run = _Run(args, model, pairs, *ioi.paired_batch(model, pairs), seconds=seconds)
     _score_and_curve(run)
     _choose_circuit(run)
     _report(run)
     _write_files(run)
-    _emit_json(args.json, _summary(run))
+    emit_json(args.json, _summary(run))
     return 0
 
 
@@ -105,7 +105,7 @@ def _score_and_curve(run: _Run) -> None:
             run.clean,
             run.corrupted,
             run.metric,
-            sizes=None if args.sizes is None else _floats(args.sizes),
+            sizes=None if args.sizes is None else floats(args.sizes),
             ablation=args.ablation,
             selection=args.selection,
             units=args.units,
@@ -155,20 +155,20 @@ def _report(run: _Run) -> None:
     """The run's numbers on stdout (unless --quiet): metrics, scores, the curve, the circuit."""
     args, kept, circuit, scores, curve = run.args, run.kept, run.circuit, run.scores, run.curve
     assert kept is not None and circuit is not None and scores is not None and curve is not None
-    _say(
+    say(
         args,
         f"model: {args.model}   {run.source}: {len(run.pairs)} pairs   metric: logit(answer) - "
         f"logit(wrong)   clean {kept.clean_metric:.3f}, corrupted {kept.corrupted_metric:.3f}, "
         f"empty circuit ({args.ablation}) {kept.empty_metric:.3f}",
     )
-    _say(
+    say(
         args,
         f"scores: {args.method} ({args.direction}) over {scores.graph.n_edges} edges in "
         f"{run.seconds['attribute']:.1f} s\n",
     )
-    _say(args, curve.table())
+    say(args, curve.table())
     if run.found is None:
-        _say(
+        say(
             args,
             f"\ncircuit: the {run.n_asked} edges with the largest |score| ({args.selection}), "
             f"counted as MIB counts (ungrouped); {circuit.n_edges_ungrouped} after pruning "
@@ -176,7 +176,7 @@ def _report(run: _Run) -> None:
             f"{kept.value:.4f}",
         )
     else:
-        _say(args, f"\ncircuit: {run.found.summary()}; {len(circuit.nodes)} nodes")
+        say(args, f"\ncircuit: {run.found.summary()}; {len(circuit.nodes)} nodes")
 
 
 def _write_files(run: _Run) -> None:
@@ -221,7 +221,7 @@ def _write_files(run: _Run) -> None:
         page.save(args.html)
         run.files.append(args.html)
     for f in run.files:
-        _say(args, f"wrote {f}")
+        say(args, f"wrote {f}")
 
 
 def _summary(run: _Run) -> dict[str, Any]:

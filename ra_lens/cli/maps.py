@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from ra_lens.cli._shared import _emit_json, _model, _say
+from ra_lens.cli._shared import emit_json, load_model_of, say
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -26,7 +26,7 @@ def _run_maps(args: argparse.Namespace) -> int:
 
     seconds: dict[str, float] = {}
     with timed(seconds, "load_model"):
-        model = _model(args)
+        model = load_model_of(args)
 
     prompt_tokens = to_batch(model, args.prompt).tokens  # refuses text longer than n_ctx
     target_ids = model.to_tokens(args.target, prepend_bos=False)[0].tolist()
@@ -52,21 +52,21 @@ def _run_maps(args: argparse.Namespace) -> int:
     report = ra.to_dict(k=args.top)
 
     first = model.tokenizer.decode([target_ids[0]])
-    _say(args, f"model: {args.model}   prompt: {args.prompt!r}   target: {args.target!r}")
-    _say(
+    say(args, f"model: {args.model}   prompt: {args.prompt!r}   target: {args.target!r}")
+    say(
         args,
         f"metric: -log p({first!r}) = {report['metric']:.3f}"
         if not args.completion
         else f"metric: mean NLL of {args.target!r} = {report['metric']:.3f}",
     )
-    _say(
+    say(
         args,
         "top predictions: "
         + ", ".join(f"{p['token']!r} {p['prob']:.1%}" for p in predictions)
         + f"   (target {first!r}: {target_prob:.1%})",
     )
-    _say(args, "\n" + ra.table(args.top))
-    _say(
+    say(args, "\n" + ra.table(args.top))
+    say(
         args,
         f"\nRA of {ra.norms.shape[1] * ra.norms.shape[2]} heads in "
         f"{seconds['reversed_attention']:.2f} s (one forward + one backward pass)",
@@ -82,8 +82,8 @@ def _run_maps(args: argparse.Namespace) -> int:
         viz.top_heads_grid(ra, k=min(4, args.top), save=files[1])
         viz.circuitsvis_heads(ra, ra.top_heads(min(8, args.top)), save=files[2])
         for f in files:
-            _say(args, f"wrote {f}")
-    _emit_json(
+            say(args, f"wrote {f}")
+    emit_json(
         args.json,
         {
             "model": args.model,

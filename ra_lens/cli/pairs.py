@@ -14,7 +14,7 @@ CIRCUIT_TASKS = ("ioi", "country-capital")
 PAIR_KEYS = ("clean", "corrupted", "answer", "wrong")
 
 
-def _read_pairs(path: Path) -> list[Any]:
+def read_pairs(path: Path) -> list[Any]:
     """PromptPairs from a JSONL file, one {"clean", "corrupted", "answer", "wrong"} a line."""
     from ra_lens.tasks.ioi import PromptPair
 
@@ -55,9 +55,7 @@ def _read_pairs(path: Path) -> list[Any]:
     return pairs
 
 
-def _circuit_pairs(
-    args: argparse.Namespace, model: HookedModel, file_pairs: list[Any]
-) -> list[Any]:
+def circuit_pairs(args: argparse.Namespace, model: HookedModel, file_pairs: list[Any]) -> list[Any]:
     """The pairs to use: the first --n-pairs of the file (each must suit the tokenizer) or of
     the task's pairs that suit it."""
     from ra_lens.tasks import ioi

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ra_lens.cli._shared import _emit_json, _floats, _model, _say
+from ra_lens.cli._shared import emit_json, floats, load_model_of, say
 
 #: What the columns of `ra-lens rank`'s table mean: printed under it and in `ra-lens rank --help`.
 RANK_LEGEND = """\
@@ -25,11 +25,11 @@ time: SmolLM2-135M on a CPU with the defaults (all rankings, 25 prompts, every t
   --n-test shorten it; a tiny-* model takes seconds."""
 
 
-def _run_patch(args: argparse.Namespace) -> int:
+def run_patch(args: argparse.Namespace) -> int:
     from ra_lens.experiments import DEFAULT_SCALES, attention_patching
 
-    scales = DEFAULT_SCALES if args.scales is None else _floats(args.scales)
-    model = _model(args)
+    scales = DEFAULT_SCALES if args.scales is None else floats(args.scales)
+    model = load_model_of(args)
     result = attention_patching(
         model,
         args.task,
@@ -38,26 +38,26 @@ def _run_patch(args: argparse.Namespace) -> int:
         scales=scales,
         n_test=args.n_test,
     )
-    _say(args, result.table())
+    say(args, result.table())
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         path = args.out / patch_out_files(args)[0]
         result.plot(save=path)
-        _say(args, f"wrote {path}")
-    _emit_json(args.json, result.to_dict())
+        say(args, f"wrote {path}")
+    emit_json(args.json, result.to_dict())
     return 0
 
 
-def _run_rank(args: argparse.Namespace) -> int:
+def run_rank(args: argparse.Namespace) -> int:
     from ra_lens.experiments import head_ranking
     from ra_lens.experiments.head_ranking import check_rankings
 
-    extra: dict[str, Any] = {} if args.fractions is None else {"fractions": _floats(args.fractions)}
+    extra: dict[str, Any] = {} if args.fractions is None else {"fractions": floats(args.fractions)}
     if args.rankings is not None:
         extra["rankings"] = check_rankings(
             [n.strip() for n in args.rankings.split(",") if n.strip()]
         )
-    model = _model(args)
+    model = load_model_of(args)
     results = []
     for task in args.task:
         result = head_ranking(
@@ -70,15 +70,15 @@ def _run_rank(args: argparse.Namespace) -> int:
             **extra,
         )
         results.append(result)
-        _say(args, result.table())
-        _say(args, RANK_LEGEND)
+        say(args, result.table())
+        say(args, RANK_LEGEND)
         if args.out is not None:
             out = args.out if len(args.task) == 1 else args.out / task  # as rank_out_files
             for path in result.plots(out):
-                _say(args, f"wrote {path}")
+                say(args, f"wrote {path}")
     # One task: its result as before; several: {"results": [one per task]}.
     dicts = [r.to_dict() for r in results]
-    _emit_json(args.json, dicts[0] if len(dicts) == 1 else {"results": dicts})
+    emit_json(args.json, dicts[0] if len(dicts) == 1 else {"results": dicts})
     return 0
 
 

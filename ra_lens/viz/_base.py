@@ -4,7 +4,10 @@ layer x head heat-map panel, colorbars, and reading token labels and maps out of
 Signed maps use a diverging map centred at zero with a symmetric range (vmin == -vmax), red
 positive and blue negative; forward patterns use a sequential green map on [0, 1], so that no
 colour of a pattern reads as a sign of RA beside it; masked cells (the causal upper triangle) are
-grey. Every colorbar says what its colours mean (`_ra_colour_label`, `_attribution_colour_label`).
+grey. Every colorbar says what its colours mean (`ra_colour_label`, `attribution_colour_label`).
+
+A private module: `viz` re-exports only `__all__`; the other names are the helpers its sibling
+modules share.
 """
 
 from __future__ import annotations
@@ -38,10 +41,10 @@ PATTERN_CMAP = "Greens"
 NORM_CMAP = "viridis"
 MASK_COLOR = "#d9d9d9"
 # circuitsvis draws positive values blue by default; match RdBu_r (positive = red) instead
-_POSITIVE, _NEGATIVE = "#b2182b", "#2166ac"
+POSITIVE, NEGATIVE = "#b2182b", "#2166ac"
 
 _MAP_NAMES = {"qk": "Reversed Attention", "scores": "dL/d scores", "pattern": "dL/dA"}
-_SHORT_NAMES = {"qk": "RA", "scores": "dL/dS", "pattern": "dL/dA"}
+SHORT_NAMES = {"qk": "RA", "scores": "dL/dS", "pattern": "dL/dA"}
 # What each convention differentiates the metric M by (paper-notes section 1: RA = dM/d(QK^T) =
 # (dM/dS) / s, S = QK^T / s + mask the pre-softmax scores, A = softmax(S) the pattern).
 _WITH_RESPECT_TO = {
@@ -52,12 +55,12 @@ _WITH_RESPECT_TO = {
 PATTERN_LABEL = "attention weight A (0 to 1)"
 
 
-def _ra_colour_label(convention: str) -> str:
+def ra_colour_label(convention: str) -> str:
     """The colorbar label of a signed map in `convention`: what red and blue mean. M is the
     metric that was differentiated: for a loss (e.g. `metrics.target_nll`) red means the loss
     rises with the link, so gradient descent weakens it (the paper patches with eta < 0).
 
-    >>> print(_ra_colour_label("qk"))
+    >>> print(ra_colour_label("qk"))
     RA = dM/d(QK^T)
     red > 0: a larger query-key logit raises M
     blue < 0: it lowers M (M a loss: red = descent weakens the link)
@@ -69,10 +72,10 @@ def _ra_colour_label(convention: str) -> str:
     )
 
 
-def _attribution_colour_label(direction: str) -> str:
+def attribution_colour_label(direction: str) -> str:
     """The colorbar label of attribution estimates M(patched) - M(run) for `direction`.
 
-    >>> print(_attribution_colour_label("denoise"))
+    >>> print(attribution_colour_label("denoise"))
     estimate of M(patched) - M
     red > 0: moving the node corrupted -> clean raises M
     """
@@ -94,13 +97,13 @@ def visible_token(token: str) -> str:
     return out
 
 
-def _numpy(values: ArrayLike) -> np.ndarray:
+def as_numpy(values: ArrayLike) -> np.ndarray:
     if isinstance(values, Tensor):
         return values.detach().float().cpu().numpy()
     return np.asarray(values, dtype=float)
 
 
-def _new_figure(width: float, height: float) -> Figure:
+def new_figure(width: float, height: float) -> Figure:
     return Figure(figsize=(width, height), layout="constrained")
 
 
@@ -114,13 +117,13 @@ def save_figure(fig: Figure, save: PathLike | None) -> Figure:
     return fig
 
 
-def _cmap(name: str) -> Colormap:
+def colour_map(name: str) -> Colormap:
     from matplotlib import colormaps
 
     return colormaps[name].with_extremes(bad=MASK_COLOR)
 
 
-def _symmetric_limit(values: np.ndarray) -> float:
+def symmetric_limit(values: np.ndarray) -> float:
     """max |value| over the finite entries, never 0 (a zero range breaks the colour norm)."""
     finite = np.abs(values[np.isfinite(values)]) if values.size else np.zeros(0)
     limit = float(finite.max()) if finite.size else 0.0
@@ -131,12 +134,12 @@ def _tick_step(n: int, most: int) -> int:
     return max(1, math.ceil(n / most))
 
 
-def _token_fontsize(n: int) -> float:
+def token_fontsize(n: int) -> float:
     """Font size for n token labels: 9pt for short prompts, shrinking to 5pt past ~40 tokens."""
     return float(min(9.0, max(5.0, 11.0 - 0.15 * n)))
 
 
-def _colorbar(fig: Figure | SubFigure, image: Any, ax: Axes, label: str | None = None) -> None:
+def add_colorbar(fig: Figure | SubFigure, image: Any, ax: Axes, label: str | None = None) -> None:
     bar = fig.colorbar(image, ax=ax, shrink=0.8, pad=0.02)
     bar.ax.tick_params(labelsize=7)
     if isinstance(bar.formatter, ScalarFormatter):
@@ -146,11 +149,11 @@ def _colorbar(fig: Figure | SubFigure, image: Any, ax: Axes, label: str | None =
         bar.set_label(label, fontsize=8)
 
 
-def _legend(ax: Axes, n: int) -> None:
+def add_legend(ax: Axes, n: int) -> None:
     ax.legend(fontsize=8 if n <= 6 else 7, frameon=True, framealpha=0.85)
 
 
-def _layer_head_panel(
+def layer_head_panel(
     fig: Figure,
     ax: Axes,
     values: np.ndarray,
@@ -168,10 +171,10 @@ def _layer_head_panel(
         finite = values[np.isfinite(values)]
         signed = bool(finite.size and finite.min() < 0 < finite.max())
     if signed:
-        limit = _symmetric_limit(values)
+        limit = symmetric_limit(values)
         image = ax.imshow(
             values,
-            cmap=_cmap(cmap or SIGNED_CMAP),
+            cmap=colour_map(cmap or SIGNED_CMAP),
             vmin=-limit,
             vmax=limit,
             aspect="auto",
@@ -179,7 +182,7 @@ def _layer_head_panel(
         )
     else:
         image = ax.imshow(
-            values, cmap=_cmap(cmap or NORM_CMAP), aspect="auto", interpolation="nearest"
+            values, cmap=colour_map(cmap or NORM_CMAP), aspect="auto", interpolation="nearest"
         )
     step = _tick_step(n_layers, 40)
     ax.set_yticks(range(0, n_layers, step), [str(layers[i]) for i in range(0, n_layers, step)])
@@ -191,26 +194,26 @@ def _layer_head_panel(
     ax.set_title(title, fontsize=10)
     if label is None and signed:
         label = "red > 0, blue < 0 (centred at 0)"
-    _colorbar(fig, image, ax, label)
+    add_colorbar(fig, image, ax, label)
 
 
-def _layer_head_figure(n_panels: int, n_layers: int, n_heads: int) -> Figure:
+def layer_head_figure(n_panels: int, n_layers: int, n_heads: int) -> Figure:
     width = n_panels * min(8.0, max(3.4, 0.32 * n_heads + 1.9))
     height = min(14.0, max(2.6, 0.24 * n_layers + 1.3))
-    return _new_figure(width, height)
+    return new_figure(width, height)
 
 
-def _map_name(ra: ReversedAttention) -> str:
+def map_name(ra: ReversedAttention) -> str:
     return _MAP_NAMES.get(ra.convention, ra.convention)
 
 
-def _layer_index(ra: ReversedAttention, layer: int) -> int:
+def layer_index(ra: ReversedAttention, layer: int) -> int:
     if layer not in ra.layers:
         raise ValueError(f"layer {layer} was not computed: this result holds layers {ra.layers}")
     return ra.layers.index(layer)
 
 
-def _labels(result: ReversedAttention | AttentionAttribution, prompt: int) -> list[str]:
+def token_labels(result: ReversedAttention | AttentionAttribution, prompt: int) -> list[str]:
     """One prompt's real tokens as axis labels: its string tokens made visible by
     `visible_token`, or the token ids when the result holds no strings."""
     n = int(result.lengths[prompt])
@@ -219,14 +222,14 @@ def _labels(result: ReversedAttention | AttentionAttribution, prompt: int) -> li
     return [visible_token(t) for t in result.str_tokens[prompt][:n]]
 
 
-def _head_matrices(
+def head_matrices(
     ra: ReversedAttention, layer: int, head: int, prompt: int
 ) -> tuple[np.ndarray, np.ndarray]:
     """(RA, forward pattern) of one head for one prompt, each [query key], cut to its length."""
     if ra.maps is None or ra.patterns is None:
         raise ValueError("maps were not kept: call reversed_attention(..., keep='maps')")
-    li, n = _layer_index(ra, layer), int(ra.lengths[prompt])
+    li, n = layer_index(ra, layer), int(ra.lengths[prompt])
     return (
-        _numpy(ra.maps[prompt, li, head, :n, :n]),
-        _numpy(ra.patterns[prompt, li, head, :n, :n]),
+        as_numpy(ra.maps[prompt, li, head, :n, :n]),
+        as_numpy(ra.patterns[prompt, li, head, :n, :n]),
     )

@@ -15,19 +15,19 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from ra_lens.viz._base import (
-    _NEGATIVE,
-    _POSITIVE,
+    NEGATIVE,
+    POSITIVE,
     ArrayLike,
     PathLike,
-    _attribution_colour_label,
-    _labels,
-    _layer_head_figure,
-    _layer_head_panel,
-    _new_figure,
-    _numpy,
-    _symmetric_limit,
-    _token_fontsize,
+    as_numpy,
+    attribution_colour_label,
+    layer_head_figure,
+    layer_head_panel,
+    new_figure,
     save_figure,
+    symmetric_limit,
+    token_fontsize,
+    token_labels,
 )
 
 # Results import their views; views name results for type hints only.
@@ -59,12 +59,12 @@ def attribution_heatmaps(att: AttentionAttribution, *, save: PathLike | None = N
     """
     kinds = list(att.scores)
     n_layers = len(att.layers)
-    fig = _layer_head_figure(len(kinds), n_layers, att.n_heads)
+    fig = layer_head_figure(len(kinds), n_layers, att.n_heads)
     axes = fig.subplots(1, len(kinds), squeeze=False)[0]
     for ax, kind in zip(axes, kinds, strict=True):
         title = f"{_KIND_TITLES[kind]}\n{att.method}, {att.direction}"
-        _layer_head_panel(fig, ax, _numpy(att.scores[kind]), att.layers, title, signed=True,
-                          label=_attribution_colour_label(att.direction))  # fmt: skip
+        layer_head_panel(fig, ax, as_numpy(att.scores[kind]), att.layers, title, signed=True,
+                          label=attribution_colour_label(att.direction))  # fmt: skip
         if kind == "key":
             ax.set_xlabel("key/value head", fontsize=9)
     return save_figure(fig, save)
@@ -88,15 +88,15 @@ def estimate_scatter(
     ['linear (r=1.00)']
     """
     kinds = list(truth)
-    fig = _new_figure(3.6 * len(kinds), 3.4)
+    fig = new_figure(3.6 * len(kinds), 3.4)
     axes = fig.subplots(1, len(kinds), squeeze=False)[0]
     markers = ["o", "x", "s", "^"]
     for ax, kind in zip(axes, kinds, strict=True):
-        x = _numpy(truth[kind]).ravel()
-        limit = _symmetric_limit(x)
+        x = as_numpy(truth[kind]).ravel()
+        limit = symmetric_limit(x)
         ax.plot([-limit, limit], [-limit, limit], color="#888888", lw=0.8, ls="--", zorder=0)
         for i, (name, table) in enumerate(estimates.items()):
-            y = _numpy(table[kind]).ravel()
+            y = as_numpy(table[kind]).ravel()
             r = float(np.corrcoef(x, y)[0, 1]) if x.std() > 0 and y.std() > 0 else float("nan")
             ax.scatter(x, y, s=12, marker=markers[i % 4], alpha=0.7, label=f"{name} (r={r:.2f})")
         ax.set_xlabel("activation patching (true effect)", fontsize=9)
@@ -121,16 +121,16 @@ def top_edges_on_tokens(
     3
     """
     n = int(att.lengths[prompt])
-    labels = _labels(att, prompt)
+    labels = token_labels(att, prompt)
     top = att.top_edges(k, batch=prompt)
-    fig = _new_figure(max(7.0, 0.55 * n + 3.0), 3.6)
+    fig = new_figure(max(7.0, 0.55 * n + 3.0), 3.6)
     ax = fig.subplots()
     for i, label in enumerate(labels):
-        ax.text(i, -0.05, label, ha="right", va="top", fontsize=_token_fontsize(n), rotation=45)
+        ax.text(i, -0.05, label, ha="right", va="top", fontsize=token_fontsize(n), rotation=45)
     largest = max((abs(e[4]) for e in top), default=1.0) or 1.0
     peak_top = 0.0
     for rank, (layer, head, query, key, value) in enumerate(top, 1):
-        color = _POSITIVE if value > 0 else _NEGATIVE
+        color = POSITIVE if value > 0 else NEGATIVE
         x = np.linspace(key, query, 60)
         half = max((query - key) / 2, 0.5)
         height = 0.25 + 0.22 * math.sqrt(query - key) + 0.06 * rank

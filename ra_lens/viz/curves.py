@@ -15,7 +15,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, NullFormatter
 
 from ra_lens.math import trapezoid_auc
-from ra_lens.viz._base import ArrayLike, PathLike, _legend, _new_figure, _numpy, save_figure
+from ra_lens.viz._base import ArrayLike, PathLike, add_legend, as_numpy, new_figure, save_figure
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -34,7 +34,7 @@ def _check_curves(x: np.ndarray, curves: Mapping[str, ArrayLike]) -> dict[str, n
         raise ValueError("no curves to plot")
     out = {}
     for name, values in curves.items():
-        ys = _numpy(values).reshape(-1)
+        ys = as_numpy(values).reshape(-1)
         if ys.shape != x.shape:
             raise ValueError(f"curve {name!r} has {ys.size} values for {x.size} x values")
         out[name] = ys
@@ -70,10 +70,10 @@ def scale_sweep(
     >>> fig.axes[0].get_xscale()
     'symlog'
     """
-    xs = _numpy(scales).reshape(-1)
+    xs = as_numpy(scales).reshape(-1)
     data = _check_curves(xs, curves)
     order = np.argsort(xs, kind="stable")
-    fig = _new_figure(7.0, 4.2)
+    fig = new_figure(7.0, 4.2)
     ax = fig.subplots()
     for i, (name, ys) in enumerate(data.items()):
         # Baselines often sit on top of each other (e.g. all at zero): vary the dash and marker.
@@ -98,12 +98,12 @@ def scale_sweep(
     ax.set_xlabel("patching scale (symlog; negative = gradient-descent direction)", fontsize=9)
     ax.set_ylabel(ylabel, fontsize=9)
     ax.set_title(title, fontsize=11)
-    _legend(ax, len(data) + (baseline is not None))
+    add_legend(ax, len(data) + (baseline is not None))
     return save_figure(fig, save)
 
 
 def _fractions(fractions: ArrayLike) -> np.ndarray:
-    xs = _numpy(fractions).reshape(-1)
+    xs = as_numpy(fractions).reshape(-1)
     if xs.size and (xs.min() < 0 or xs.max() > 1):
         raise ValueError(f"fractions must lie in [0, 1], got {xs.min()} to {xs.max()}")
     return xs
@@ -131,7 +131,7 @@ def _ablation_axis(
     ax.set_xlabel("fraction of heads kept", fontsize=9)
     ax.set_ylabel(ylabel, fontsize=9)
     ax.set_title(title, fontsize=11)
-    _legend(ax, len(data))
+    add_legend(ax, len(data))
 
 
 def ablation_curves(
@@ -158,7 +158,7 @@ def ablation_curves(
     """
     xs = _fractions(fractions)
     data = _check_curves(xs, curves)
-    fig = _new_figure(6.5, 4.2)
+    fig = new_figure(6.5, 4.2)
     _ablation_axis(fig.subplots(), xs, data, ylabel, title)
     return save_figure(fig, save)
 
@@ -190,7 +190,7 @@ def ablation_curves_pair(
         (_check_curves(xs, top), "Keeping the top-ranked heads"),
         (_check_curves(xs, bottom), "Keeping the bottom-ranked heads"),
     ]
-    fig = _new_figure(12.0, 4.4)
+    fig = new_figure(12.0, 4.4)
     axes = fig.subplots(1, 2, sharey=True)
     for ax, (data, panel_title) in zip(axes, panels, strict=True):
         _ablation_axis(ax, xs, data, ylabel, panel_title)
@@ -215,10 +215,10 @@ def named_bars(
     >>> [(t.get_text(), int(t.get_position()[1])) for t in fig.axes[0].get_yticklabels()]
     [('a0.h1', 1), ('m0', 0)]
     """
-    xs = _numpy(values)
+    xs = as_numpy(values)
     if len(names) != len(xs):
         raise ValueError(f"{len(names)} names for {len(xs)} values: pass one value per name")
-    fig = _new_figure(6.0, 1.2 + 0.25 * max(1, len(names)))
+    fig = new_figure(6.0, 1.2 + 0.25 * max(1, len(names)))
     ax = fig.subplots()
     colours = ["#4c72b0" if ok else "#bbbbbb" for ok in (kept or [True] * len(xs))]
     ax.barh(list(range(len(xs)))[::-1], xs, color=colours)
@@ -250,11 +250,11 @@ def stability_curve(
     ['pairs of resamples', 'resample vs all pairs']
     """
     xs = _fractions(fractions)
-    fig = _new_figure(6.0, 3.8)
+    fig = new_figure(6.0, 3.8)
     ax = fig.subplots()
-    ax.plot(xs, _numpy(pairwise), marker="o", lw=1.5, label="pairs of resamples")
-    ax.plot(xs, _numpy(to_full), marker="s", lw=1.2, label="resample vs all pairs")
-    ax.fill_between(xs, _numpy(low), _numpy(high), alpha=0.2, label="95 % of resamples")
+    ax.plot(xs, as_numpy(pairwise), marker="o", lw=1.5, label="pairs of resamples")
+    ax.plot(xs, as_numpy(to_full), marker="s", lw=1.2, label="resample vs all pairs")
+    ax.fill_between(xs, as_numpy(low), as_numpy(high), alpha=0.2, label="95 % of resamples")
     ax.axhline(bar, color="grey", ls="--", lw=0.9)
     ax.text(0.01, bar, f"stable ({bar:g})", va="bottom", fontsize=8, color="grey",
             transform=ax.get_yaxis_transform())  # fmt: skip

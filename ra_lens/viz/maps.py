@@ -17,25 +17,25 @@ from matplotlib.figure import Figure, SubFigure
 from torch import Tensor
 
 from ra_lens.viz._base import (
-    _SHORT_NAMES,
     PATTERN_CMAP,
     PATTERN_LABEL,
+    SHORT_NAMES,
     SIGNED_CMAP,
     PathLike,
-    _cmap,
-    _colorbar,
-    _head_matrices,
-    _labels,
-    _layer_head_figure,
-    _layer_head_panel,
-    _layer_index,
-    _map_name,
-    _new_figure,
-    _numpy,
-    _ra_colour_label,
-    _symmetric_limit,
-    _token_fontsize,
+    add_colorbar,
+    as_numpy,
+    colour_map,
+    head_matrices,
+    layer_head_figure,
+    layer_head_panel,
+    layer_index,
+    map_name,
+    new_figure,
+    ra_colour_label,
     save_figure,
+    symmetric_limit,
+    token_fontsize,
+    token_labels,
 )
 
 # Results import their views; views name results for type hints only.
@@ -56,10 +56,10 @@ def _token_panel(
 ) -> Any:
     """One attention-shaped map with token labels; returns the image (for a colorbar)."""
     if signed:
-        limit = _symmetric_limit(np.tril(matrix))
+        limit = symmetric_limit(np.tril(matrix))
         image = ax.imshow(
             _mask_upper(matrix),
-            cmap=_cmap(SIGNED_CMAP),
+            cmap=colour_map(SIGNED_CMAP),
             vmin=-limit,
             vmax=limit,
             interpolation="nearest",
@@ -67,12 +67,12 @@ def _token_panel(
     else:
         image = ax.imshow(
             _mask_upper(matrix),
-            cmap=_cmap(PATTERN_CMAP),
+            cmap=colour_map(PATTERN_CMAP),
             vmin=0.0,
             vmax=1.0,
             interpolation="nearest",
         )
-    n, size = len(labels), _token_fontsize(len(labels))
+    n, size = len(labels), token_fontsize(len(labels))
     ax.set_xticks(range(n), labels, rotation=90, fontsize=size)
     ax.set_yticks(range(n), labels, fontsize=size)
     ax.tick_params(length=2, pad=1)
@@ -83,20 +83,20 @@ def _token_panel(
 
 
 def _head_title(ra: ReversedAttention, layer: int, head: int, prompt: int) -> str:
-    norm = float(ra.norms[prompt, _layer_index(ra, layer), head])
-    return f"L{layer} H{head}  |{_SHORT_NAMES.get(ra.convention, 'RA')}|={norm:.3g}"
+    norm = float(ra.norms[prompt, layer_index(ra, layer), head])
+    return f"L{layer} H{head}  |{SHORT_NAMES.get(ra.convention, 'RA')}|={norm:.3g}"
 
 
 def _draw_pair(
     fig: Figure | SubFigure, ra: ReversedAttention, layer: int, head: int, prompt: int
 ) -> None:
-    ra_map, pattern = _head_matrices(ra, layer, head, prompt)
-    labels = _labels(ra, prompt)
+    ra_map, pattern = head_matrices(ra, layer, head, prompt)
+    labels = token_labels(ra, prompt)
     ax_fwd, ax_ra = fig.subplots(1, 2)
     image = _token_panel(ax_fwd, pattern, labels, "Forward attention", signed=False)
-    _colorbar(fig, image, ax_fwd, PATTERN_LABEL)
-    image = _token_panel(ax_ra, ra_map, labels, _map_name(ra), signed=True)
-    _colorbar(fig, image, ax_ra, _ra_colour_label(ra.convention))
+    add_colorbar(fig, image, ax_fwd, PATTERN_LABEL)
+    image = _token_panel(ax_ra, ra_map, labels, map_name(ra), signed=True)
+    add_colorbar(fig, image, ax_ra, ra_colour_label(ra.convention))
     fig.suptitle(_head_title(ra, layer, head, prompt), fontsize=12)
 
 
@@ -105,7 +105,7 @@ def _pair_size(labels: list[str]) -> tuple[float, float]:
     n = len(labels)
     side = min(10.0, max(3.6, 0.2 * n + 1.8))
     longest = max((len(label) for label in labels), default=1)
-    label = min(2.5, longest * _token_fontsize(n) * 0.62 / 72) + 0.35
+    label = min(2.5, longest * token_fontsize(n) * 0.62 / 72) + 0.35
     return 2 * (side + label + 0.9), side + label + 0.95
 
 
@@ -126,13 +126,13 @@ def head_norm_heatmaps(ra: ReversedAttention, *, save: PathLike | None = None) -
     >>> [ax.get_title() for ax in head_norm_heatmaps(ra).axes[:2]]
     ['Reversed Attention norm', 'Forward attention norm']
     """
-    ra_norms, fwd_norms = _numpy(ra.head_norms()), _numpy(ra.forward_norms())
-    fig = _layer_head_figure(2, *ra_norms.shape)
+    ra_norms, fwd_norms = as_numpy(ra.head_norms()), as_numpy(ra.forward_norms())
+    fig = layer_head_figure(2, *ra_norms.shape)
     ax_ra, ax_fwd = fig.subplots(1, 2)
-    short = _SHORT_NAMES.get(ra.convention, ra.convention)
-    _layer_head_panel(fig, ax_ra, ra_norms, ra.layers, f"{_map_name(ra)} norm", signed=False,
+    short = SHORT_NAMES.get(ra.convention, ra.convention)
+    layer_head_panel(fig, ax_ra, ra_norms, ra.layers, f"{map_name(ra)} norm", signed=False,
                       label=f"mean Frobenius norm of {short}\n(larger: the metric depends more on\nthis head's attention)")  # fmt: skip
-    _layer_head_panel(fig, ax_fwd, fwd_norms, ra.layers, "Forward attention norm", signed=False,
+    layer_head_panel(fig, ax_fwd, fwd_norms, ra.layers, "Forward attention norm", signed=False,
                       label="mean Frobenius norm of A")  # fmt: skip
     return save_figure(fig, save)
 
@@ -168,8 +168,8 @@ def head_pair(
     >>> low == -high == -ra.head(1, 2).abs().max().item()  # centred at zero
     True
     """
-    width, height = _pair_size(_labels(ra, prompt))
-    fig = _new_figure(width, height)
+    width, height = _pair_size(token_labels(ra, prompt))
+    fig = new_figure(width, height)
     _draw_pair(fig, ra, layer, head, prompt)
     return save_figure(fig, save)
 
@@ -195,8 +195,8 @@ def top_heads_grid(
     2
     """
     heads = ra.top_heads(k)
-    width, height = _pair_size(_labels(ra, prompt))
-    fig = _new_figure(width, len(heads) * height)
+    width, height = _pair_size(token_labels(ra, prompt))
+    fig = new_figure(width, len(heads) * height)
     rows = fig.subfigures(len(heads), 1, squeeze=False)[:, 0]
     for row, (layer, head, _) in zip(rows, heads, strict=True):
         _draw_pair(row, ra, layer, head, prompt)
@@ -229,7 +229,7 @@ def ranking_maps(
     """
     if not rankings:
         raise ValueError("no rankings to plot")
-    values = {name: _numpy(v) for name, v in rankings.items()}
+    values = {name: as_numpy(v) for name, v in rankings.items()}
     shapes = {v.shape for v in values.values()}
     if len(shapes) != 1 or len(next(iter(shapes))) != 2:
         raise ValueError(f"rankings must all be [layer, head] of one shape, got {shapes}")
@@ -237,8 +237,8 @@ def ranking_maps(
     labels = list(layers) if layers is not None else list(range(n_layers))
     if len(labels) != n_layers:
         raise ValueError(f"{len(labels)} layer labels for {n_layers} layers")
-    fig = _layer_head_figure(len(values), n_layers, n_heads)
+    fig = layer_head_figure(len(values), n_layers, n_heads)
     axes = fig.subplots(1, len(values), squeeze=False)[0]
     for ax, (name, grid) in zip(axes, values.items(), strict=True):
-        _layer_head_panel(fig, ax, grid, labels, name)
+        layer_head_panel(fig, ax, grid, labels, name)
     return save_figure(fig, save)

@@ -17,15 +17,15 @@ import numpy as np
 
 from ra_lens.files import write_file
 from ra_lens.viz._base import (
-    _NEGATIVE,
-    _POSITIVE,
-    _SHORT_NAMES,
+    NEGATIVE,
+    POSITIVE,
+    SHORT_NAMES,
     PathLike,
-    _head_matrices,
-    _labels,
-    _map_name,
-    _numpy,
-    _symmetric_limit,
+    as_numpy,
+    head_matrices,
+    map_name,
+    symmetric_limit,
+    token_labels,
 )
 
 # Results import their views; views name results for type hints only.
@@ -68,15 +68,15 @@ def circuitsvis_heads(
     chosen = _parse_heads(ra, heads)
     if not chosen:
         raise ValueError("no heads to show")
-    pairs = [_head_matrices(ra, layer, head, prompt) for layer, head in chosen]
+    pairs = [head_matrices(ra, layer, head, prompt) for layer, head in chosen]
     ra_maps = np.stack([np.tril(p[0]) for p in pairs])
     patterns = np.stack([p[1] for p in pairs])
-    limit = _symmetric_limit(ra_maps)
-    labels = _labels(ra, prompt)
-    short = _SHORT_NAMES.get(ra.convention, "RA")
+    limit = symmetric_limit(ra_maps)
+    labels = token_labels(ra, prompt)
+    short = SHORT_NAMES.get(ra.convention, "RA")
     sections = [
         (
-            f"{_map_name(ra)} (signed; red = raising this logit raises the metric, blue = "
+            f"{map_name(ra)} (signed; red = raising this logit raises the metric, blue = "
             f"lowers it; colour range \u00b1{limit:.3g})",
             _signed_heads(ra_maps, labels, [f"L{la}H{h} {short}" for la, h in chosen], limit),
         ),
@@ -118,12 +118,12 @@ def attribution_edges_page(
         raise ValueError("no heads to show")
     n = int(att.lengths[prompt])
     idx = [att.layers.index(la) for la, _ in chosen]
-    edges = np.stack([_numpy(att.edges[prompt, i, h, :n, :n]) for i, (_, h) in zip(idx, chosen)])
+    edges = np.stack([as_numpy(att.edges[prompt, i, h, :n, :n]) for i, (_, h) in zip(idx, chosen)])
     patterns = np.stack(
-        [_numpy(att.patterns[prompt, i, h, :n, :n]) for i, (_, h) in zip(idx, chosen)]
+        [as_numpy(att.patterns[prompt, i, h, :n, :n]) for i, (_, h) in zip(idx, chosen)]
     )
-    limit = _symmetric_limit(edges)
-    labels = _labels(att, prompt)
+    limit = symmetric_limit(edges)
+    labels = token_labels(att, prompt)
     sections = [
         (
             f"Edges R * (A_other - A), {att.direction}: the metric change each query-key link "
@@ -161,8 +161,8 @@ def _signed_heads(values: Any, labels: list[str], names: list[str], limit: float
         attention_head_names=names,
         max_value=limit,
         min_value=-limit,
-        negative_color=_NEGATIVE,
-        positive_color=_POSITIVE,
+        negative_color=NEGATIVE,
+        positive_color=POSITIVE,
         mask_upper_tri=True,
     )
 

@@ -151,7 +151,7 @@ def test_cli_json_is_written_atomically(tmp_path, monkeypatch):
     monkeypatch.setattr(cli.json, "dumps", lambda *a, **k: "{}")
     monkeypatch.setattr(os, "replace", fail)
     with pytest.raises(OSError):
-        cli._emit_json(str(target), {"new": True})
+        cli.emit_json(str(target), {"new": True})
     assert target.read_text() == '{"old": true}'  # untouched, and no temporary left behind
     assert [p.name for p in tmp_path.iterdir()] == ["r.json"]
 

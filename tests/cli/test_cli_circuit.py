@@ -92,7 +92,7 @@ def test_batch_size_reaches_every_pass_and_mib_folder(
     model.blocks[0].register_forward_pre_hook(
         lambda module, args: seen.append(args[0].shape[0]) if args[0].shape[1] > 3 else None
     )
-    monkeypatch.setattr(cli_circuit, "_model", lambda args: model)
+    monkeypatch.setattr(cli_circuit, "load_model_of", lambda args: model)
     pairs = _write_pairs(tmp_path / "pairs.jsonl", PAIRS)
     code = main(
         ["circuit", "--pairs", str(pairs), "--model", f"tiny-{ARCH}", "--method", "eap",

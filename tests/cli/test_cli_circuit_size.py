@@ -25,7 +25,7 @@ def _run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys, *extra: str):
     import ra_lens.cli.circuit as cli_circuit
 
     model = one_layer_model(n_layers=2, n_key_value_heads=2)  # 4 query heads on 2 kv heads
-    monkeypatch.setattr(cli_circuit, "_model", lambda args: model)
+    monkeypatch.setattr(cli_circuit, "load_model_of", lambda args: model)
     pairs = tmp_path / "pairs.jsonl"
     keys = ("clean", "corrupted", "answer", "wrong")
     pairs.write_text("".join(json.dumps({k: getattr(p, k) for k in keys}) + "\n" for p in PAIRS))

@@ -290,7 +290,9 @@ def test_backend_untouched():
 
 
 def test_all_lists_every_public_function():
-    """`viz.__all__` is exactly the public functions of its modules, each importable from viz."""
+    """`viz.__all__` is exactly the public functions of its modules, each importable from viz;
+    `_base` (a private module) also holds the helpers its sibling modules share, which it leaves
+    out of its `__all__`."""
     import inspect
 
     from ra_lens.viz import _base, attribution, circuit_draw, circuit_page, curves, maps, pages
@@ -304,7 +306,10 @@ def test_all_lists_every_public_function():
             and value.__module__ == module.__name__
             and not name.startswith("_")
         }
-        assert set(module.__all__) == defined, module.__name__
+        if module is _base:
+            assert set(module.__all__) < defined, module.__name__
+        else:
+            assert set(module.__all__) == defined, module.__name__
     assert viz.__all__ == sorted(name for module in modules for name in module.__all__)
     assert all(callable(getattr(viz, name)) for name in viz.__all__)
 

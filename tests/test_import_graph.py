@@ -263,3 +263,18 @@ def test_code_lines_leave_the_docstring_out():
     (bare,) = ast.parse("def g(x):\n    return x\n").body
     assert isinstance(function, ast.FunctionDef) and isinstance(bare, ast.FunctionDef)
     assert (code_lines(function), code_lines(bare)) == (3, 2)
+
+
+def test_no_underscore_name_is_imported_from_another_module():
+    """A name with a leading underscore stays in its module: what siblings share has a plain
+    name (in a private module where only the package uses it). Private modules themselves
+    (`from ra_lens.circuits import _edges`) may be imported within their package."""
+    found = []
+    for name, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("ra_lens"):
+                for alias in node.names:
+                    private = alias.name.startswith("_") and not alias.name.startswith("__")
+                    if private and f"{node.module}.{alias.name}" not in MODULES:
+                        found.append(f"{name}: from {node.module} import {alias.name}")
+    assert found == []

@@ -98,13 +98,23 @@ _NOT_TL = (
 
 @dataclass(frozen=True)
 class ModelShape:
-    """The attention geometry of a model, read from its config."""
+    """The attention geometry of a model and the config switches that change what reads what,
+    read from its config.
+
+    positions: `cfg.positional_embedding_type` ("standard": a learned W_pos, "rotary",
+        "shortformer", ...; "" where the config has none).
+    norm_before_and_after: TransformerLens 2's post-norm blocks (Gemma-2/3 as HookedTransformer).
+    """
 
     n_layers: int
     n_heads: int
     n_kv_heads: int
     d_head: int
     n_ctx: int | None
+    d_model: int = 0
+    parallel_attn_mlp: bool = False
+    positions: str = ""
+    norm_before_and_after: bool = False
 
 
 def model_shape(model: Validated[HookedModel]) -> ModelShape:
@@ -113,8 +123,11 @@ def model_shape(model: Validated[HookedModel]) -> ModelShape:
     Raises:
         TypeError: the model is not a TransformerLens model or lacks attention hooks.
 
-    >>> model_shape(model)
-    ModelShape(n_layers=2, n_heads=4, n_kv_heads=4, d_head=8, n_ctx=64)
+    >>> shape = model_shape(model)
+    >>> shape.n_layers, shape.n_heads, shape.n_kv_heads, shape.d_head, shape.n_ctx, shape.d_model
+    (2, 4, 4, 8, 64, 32)
+    >>> shape.positions, shape.parallel_attn_mlp
+    ('standard', False)
     """
     hook_dict = getattr(model, "hook_dict", None)
     cfg = getattr(model, "cfg", None)
@@ -128,7 +141,13 @@ def model_shape(model: Validated[HookedModel]) -> ModelShape:
     n_heads = int(cfg.n_heads)
     n_kv = getattr(cfg, "n_key_value_heads", None) or n_heads
     n_ctx = getattr(cfg, "n_ctx", None)
-    return ModelShape(n_layers, n_heads, int(n_kv), int(cfg.d_head), int(n_ctx) if n_ctx else None)
+    return ModelShape(
+        n_layers, n_heads, int(n_kv), int(cfg.d_head), int(n_ctx) if n_ctx else None,
+        d_model=int(cfg.d_model),
+        parallel_attn_mlp=bool(getattr(cfg, "parallel_attn_mlp", False)),
+        positions=str(getattr(cfg, "positional_embedding_type", "") or ""),
+        norm_before_and_after=bool(getattr(cfg, "use_normalization_before_and_after", False)),
+    )  # fmt: skip
 
 
 def check_model(model: Validated[HookedModel]) -> ModelShape:
@@ -476,12 +495,14 @@ class BlockLayout:
     parallel: attention and MLP read the same residual (GPT-NeoX/Pythia, GPT-J, Phi, Falcon).
     mlp_reads_attn_norm: in a parallel block, the MLP reads the attention's norm output (GPT-J,
         Phi, Falcon: one norm), not its own (GPT-NeoX's ln2).
+    has_mlp: False in an attention-only model (`cfg.attn_only`).
     """
 
     pre_norm: Any
     post_attn_norm: Any
     parallel: bool
     mlp_reads_attn_norm: bool
+    has_mlp: bool = True
 
 
 def block_layout(model: HookedModel, layer: int) -> BlockLayout:
@@ -504,6 +525,7 @@ def block_layout(model: HookedModel, layer: int) -> BlockLayout:
         mlp_reads_attn_norm=parallel
         and not hasattr(block, "ln2")
         and MLP_IN.format(layer) in model.hook_dict,
+        has_mlp=not getattr(model.cfg, "attn_only", False),
     )
 
 

@@ -96,15 +96,14 @@ def _has(attn: Any, name: str) -> bool:
 def check_supported(model: HookedModel, facts: ModelFacts | None = None) -> None:
     """Refuse models whose readers this module cannot rewrite, naming why (`facts`: the
     model's `contract.model_facts`, read here when not given)."""
-    cfg = model.cfg
-    if getattr(cfg, "use_normalization_before_and_after", False):
+    facts = model_facts(model) if facts is None else facts
+    if facts.shape.norm_before_and_after:
         raise NotImplementedError(
             "post-norm blocks on HookedTransformer (TransformerLens 2's Gemma-2/3): their norm "
             "after the attention has no input hook here, so a head's share of it cannot be "
             "taken; load the model as a TransformerBridge (TransformerLens >= 3), where "
             "ra_lens.circuits supports post-norm blocks"
         )
-    facts = model_facts(model) if facts is None else facts
     for layer, layout in enumerate(facts.layouts):
         if layout.post_attn_norm is not None:
             _check_post_norm(model, layer)
@@ -113,7 +112,7 @@ def check_supported(model: HookedModel, facts: ModelFacts | None = None) -> None
         "ra_lens.circuits patches and scores key/value inputs",
         "; circuit files still list key/value edges per query head, as EAP-IG reads them",
     )
-    if getattr(cfg, "positional_embedding_type", "") == "shortformer":
+    if facts.shape.positions == "shortformer":
         raise NotImplementedError(
             "shortformer positional embeddings (added to q/k inputs only) are not supported by "
             "ra_lens.circuits: the attention input is not the residual stream"

@@ -104,7 +104,6 @@ class EdgeRun:
     leaf: dict[int, Tensor] = field(default_factory=dict)
     resid: dict[int, Tensor] = field(default_factory=dict)
     _deltas: dict[int, dict[int, Tensor]] = field(default_factory=dict)
-    attn_only: bool = False
     # Edge patching: every writer's (output - reference) so far, filled in as writers fire, and
     # their running sum (the delta of a reader that keeps no edge).
     _diffs: Tensor | None = None
@@ -253,8 +252,6 @@ class EdgeRun:
 
     def hooks(self, model: HookedModel) -> list[tuple[str, Any]]:
         g = self.graph
-        # Attention-only models have no MLPs: their m{l} writers output zero (z hook below).
-        self.attn_only = bool(getattr(model.cfg, "attn_only", False))
         hooks: list[tuple[str, Any]] = [(RESID_PRE.format(0), self._input_hook)]
         for layer in range(g.n_layers):
             hooks += [
@@ -266,8 +263,8 @@ class EdgeRun:
             ]
             if self.weights[layer].post_attn is not None:  # heads write through N(a)
                 hooks.append((capture.POST_ATTN_IN.format(layer), self._post_in_hook(layer)))
-            if not self.attn_only:
-                layout = self.weights[layer].layout
+            layout = self.weights[layer].layout
+            if layout.has_mlp:  # attention-only: the m{l} writers output zero (z hook below)
                 if layout.mlp_reads_attn_norm:  # give it its own
                     mlp_in = (capture.MLP_IN.format(layer), self._renorm_hook(layer))
                 else:
@@ -373,7 +370,7 @@ class EdgeRun:
                 z = slots[heads % self.graph.group, :, :, heads].permute(1, 2, 0, 3)
             W_O = self.weights[layer].W_O.to(value.dtype)
             self._add_writers(torch.einsum("bphe,hed->hbpd", z, W_O))
-            if self.attn_only:
+            if not self.weights[layer].layout.has_mlp:
                 self._add_writers(
                     torch.zeros_like(z[None, :, :, 0, :1]).expand(1, -1, -1, W_O.shape[-1])
                 )

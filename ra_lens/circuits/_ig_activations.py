@@ -47,6 +47,7 @@ from ra_lens import capture
 from ra_lens.capture import HookedModel
 from ra_lens.circuits import _edges
 from ra_lens.circuits.graph import Graph
+from ra_lens.contract import ModelShape
 from ra_lens.weights import LayerWeights
 
 MLP_OUT = _edges.MLP_OUT
@@ -111,6 +112,7 @@ def _replace(value: Tensor) -> Callable[[Tensor, Any], Tensor]:
 def batch_scores(
     model: HookedModel,
     graph: Graph,
+    shape: ModelShape,
     weights: list[LayerWeights],
     base_tokens: Tensor,
     other_tokens: Tensor,
@@ -127,10 +129,10 @@ def batch_scores(
     other_run, other_z = _record(model, graph, weights, other_tokens)
     base_out, other_out = base_run.outputs(), other_run.outputs()
     diffs = base_run.residual_effects(other_out - base_out)
-    attn_only = bool(getattr(model.cfg, "attn_only", False))
+    attn_only = not weights[0].layout.has_mlp
     # EAP-IG's backward hooks see the embeddings' direct readers only through a learned W_pos
-    learned_positions = getattr(model.cfg, "positional_embedding_type", "") == "standard"
-    parallel = bool(getattr(model.cfg, "parallel_attn_mlp", False))
+    learned_positions = shape.positions == "standard"
+    parallel = shape.parallel_attn_mlp
     grads: list[Tensor] = []
     copies: dict[int, tuple[Tensor | None, Tensor]] = {}
     step: GradientStep | None = None

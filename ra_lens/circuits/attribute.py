@@ -134,7 +134,7 @@ def attribute(
     n_steps = steps if "-ig" in method else 1
     per_batch = n_steps
     if method == "eap-ig-act":
-        attn_only = bool(getattr(model.cfg, "attn_only", False))
+        attn_only = not facts.layouts[0].has_mlp
         per_batch = n_steps * len(_ig_activations.nodes(graph, attn_only))
     base_b, other_b = (corrupted_b, clean_b) if direction == "denoise" else (clean_b, corrupted_b)
     n = base_b.tokens.shape[0]
@@ -211,7 +211,7 @@ class _Batch:
             return _Step(self.model, self.graph, self.weights, self.facts, self.base, self.metric, point, False, replace)  # fmt: skip
 
         part, kv_part = _ig_activations.batch_scores(
-            self.model, self.graph, self.weights, self.base.tokens, self.other.tokens,
+            self.model, self.graph, self.facts.shape, self.weights, self.base.tokens, self.other.tokens,
             make_step, self.n_steps, self.base.real_mask(), on_pass=lambda: self.bar.update(1),
         )  # fmt: skip
         return part.cpu(), None if kv_part is None else kv_part.cpu()

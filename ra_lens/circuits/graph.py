@@ -101,13 +101,12 @@ class Graph:
         Graph(n_layers=2, n_heads=4, n_kv_heads=4, d_model=32, parallel_attn_mlp=False)
         """
         shape = model_shape(model)
-        cfg = model.cfg
         return cls(
             n_layers=shape.n_layers,
             n_heads=shape.n_heads,
             n_kv_heads=shape.n_kv_heads,
-            d_model=int(cfg.d_model),
-            parallel_attn_mlp=bool(getattr(cfg, "parallel_attn_mlp", False)),
+            d_model=shape.d_model,
+            parallel_attn_mlp=shape.parallel_attn_mlp,
         )
 
     @property

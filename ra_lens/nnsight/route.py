@@ -9,8 +9,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ra_lens._typing import Validated
 from ra_lens.capture import Batch
-from ra_lens.checks import check_ra_options
+from ra_lens.checks import check_layers, check_ra_options
 from ra_lens.metrics import metric_lengths
 from ra_lens.nnsight import adapter
 from ra_lens.nnsight._trace import ra_in_trace
@@ -23,7 +24,7 @@ def reversed_attention(
     tokens: Tensor | Batch | str | Sequence[str],
     metric: Any,
     *,
-    layers: Sequence[int] | None = None,
+    layers: Validated[Sequence[int]] | None = None,
     keep: str = "maps",
     convention: str = "qk",
     rows_at: Tensor | None = None,
@@ -64,7 +65,7 @@ def reversed_attention(
 
         remote_run.check(model, remote)
     found = adapter.layout(model)
-    chosen = _chosen_layers(layers, len(found.attention_paths))
+    chosen = check_layers(layers, len(found.attention_paths))
     batch = to_batch(model, tokens)
     paths = [found.attention_paths[la] for la in chosen]
     facts = [adapter.scale_and_softcap(model, p) for p in paths]
@@ -100,14 +101,6 @@ def reversed_attention(
             refused = None if remote is False else remote_run.explained(error)
             raise (refused or _explained(error)) from error
     return _result(model, out, batch, chosen, convention, scales, positions)
-
-
-def _chosen_layers(layers: Sequence[int] | None, n_layers: int) -> list[int]:
-    """The layers asked for, sorted; a ValueError unless distinct and in range."""
-    chosen = list(range(n_layers)) if layers is None else [int(la) for la in layers]
-    if not chosen or any(not 0 <= la < n_layers for la in chosen) or len(set(chosen)) < len(chosen):
-        raise ValueError(f"layers {list(layers or [])} must be distinct, in [0, {n_layers})")
-    return sorted(chosen)
 
 
 def _result(

@@ -134,6 +134,24 @@ def test_a_metric_of_the_wrong_shape_is_refused() -> None:
         ra_lens.reversed_attention(model, TOKENS, lambda logits: logits[:, -1, :3])
 
 
+@pytest.mark.parametrize(
+    ("layers", "error", "message"),
+    [
+        ([1, 0], ValueError, r"not in increasing order: pass \[0, 1\]"),
+        ([0, 0], ValueError, "repeat a layer"),
+        ([0, 7], ValueError, "out of range"),
+        (1, TypeError, "sequence of ints"),
+    ],
+)
+def test_layers_are_checked_as_the_transformer_lens_route_checks_them(layers, error, message):
+    """One check (`checks.check_layers`): refused, never sorted or deduplicated in silence."""
+    model, hf = wrapped()
+    before = state(hf)
+    with pytest.raises(error, match=message):
+        ra_lens.reversed_attention(model, TOKENS, target_nll([5]), layers=layers)
+    assert same(state(hf), before)
+
+
 def test_the_trace_module_imports_only_what_a_server_has() -> None:
     """ra_lens.nnsight._trace is shipped to servers without ra-lens: torch and the stdlib only."""
     import ast

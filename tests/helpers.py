@@ -367,6 +367,16 @@ def hooked_toy(**overrides: Any) -> Any:
     return model.to(torch.float64).eval()
 
 
+def circuit_toy(kind: str) -> Any:
+    """The circuit tests' float64 toy: "gpt2", "llama" (grouped-query, rotary) or "gemma2"
+    (post-norm, TL 4 only): a TransformerBridge under TL 4, a HookedTransformer under TL 2."""
+    if kind == "gemma2":
+        return bridge_model("gemma2", dtype=torch.float64)
+    if has_bridge():
+        return tiny_model(kind, dtype=torch.float64)
+    return hooked_toy(**(LLAMA_LIKE if kind == "llama" else {}))
+
+
 def dropout_model() -> Any:
     """A tiny float64 model in train mode whose forward pass is random unless every module is in
     eval mode: under TL 4 a GPT-2 bridge with dropout 0.3 (residual, embedding, attention; the

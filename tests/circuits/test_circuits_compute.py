@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from helpers import has_bridge, hooked_toy, one_layer_model, snapshot
+from helpers import LLAMA_LIKE, circuit_toy, has_bridge, hooked_toy, one_layer_model, snapshot
 
 from ra_lens import capture
 from ra_lens.capture import to_batch
@@ -29,19 +29,11 @@ METRIC = logit_diff([294, 50], [52, 60])
 
 
 LLAMA_ATTENTION = dict(positional_embedding_type="rotary", n_key_value_heads=2)
-LLAMA_LIKE = dict(**LLAMA_ATTENTION, normalization_type="RMS", act_fn="silu", gated_mlp=True)
-
-
-def build(kind: str):
-    """ "gpt2" or "llama" (GQA + rotary): a bridge under TL 4, a HookedTransformer under TL 2."""
-    if has_bridge():
-        return tiny_model(kind, dtype=torch.float64)
-    return hooked_toy(**(LLAMA_LIKE if kind == "llama" else {}))
 
 
 @pytest.fixture(scope="module", params=["gpt2", "llama"])
 def model(request):
-    model = build(request.param)
+    model = circuit_toy(request.param)
     with torch.no_grad():  # a bridge adds its own pre-hooks on its first forward pass
         model(model.to_tokens("Q: hot"))
     return model
@@ -453,7 +445,7 @@ def test_the_model_argument_is_checked():
         "(HookedTransformer or TransformerBridge), e.g. ra_lens.load_model() or "
         "TransformerBridge.boot_transformers(name)"
     )
-    meta = build("gpt2").to("meta")
+    meta = circuit_toy("gpt2").to("meta")
     for call in (
         lambda m: attribute(m, CLEAN, CORRUPTED, METRIC, method="eap"),
         lambda m: FaithfulnessEvaluator(m, CLEAN, CORRUPTED, METRIC),

@@ -9,13 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import (
-    LLAMA_LIKE,
     PAIR_CLEAN,
     PAIR_CORRUPTED,
     PAIR_METRIC,
-    bridge_model,
-    has_bridge,
-    hooked_toy,
+    circuit_toy,
     snapshot,
 )
 
@@ -31,24 +28,14 @@ from ra_lens.circuits import (
 )
 from ra_lens.circuits.masks import masked_values
 from ra_lens.metrics import logit_diff
-from ra_lens.toy_models import tiny_model
 
 CLEAN, CORRUPTED, METRIC = PAIR_CLEAN, PAIR_CORRUPTED, PAIR_METRIC  # right-padded: unequal lengths
-
-
-def build(kind: str):
-    """ "gpt2", "llama" (GQA + rotary) or "gemma2" (post-norm, TL 4 only), float64."""
-    if kind == "gemma2":
-        return bridge_model("gemma2", dtype=torch.float64)
-    if has_bridge():
-        return tiny_model(kind, dtype=torch.float64)
-    return hooked_toy(**(LLAMA_LIKE if kind == "llama" else {}))
 
 
 # gemma2: post-norm blocks are patched only on a TransformerBridge (TL >= 3); tl4 marks it.
 @pytest.fixture(scope="module", params=["gpt2", "llama", pytest.param("gemma2", marks=pytest.mark.tl4)])  # fmt: skip
 def model(request):
-    model = build(request.param)
+    model = circuit_toy(request.param)
     with torch.no_grad():  # a bridge adds its own pre-hooks on its first forward pass
         model(model.to_tokens("Q: hot"))
     return model
@@ -139,7 +126,7 @@ def test_the_gradient_is_the_directional_finite_difference(model):
 
 def test_the_gradient_of_each_edge_is_its_finite_difference():
     # GPT-2-like toy: float64 end to end, so one edge's tiny step is exact to 1e-5.
-    model = build("gpt2")
+    model = circuit_toy("gpt2")
     graph = Graph.from_model(model)
     mask = _random_mask(graph, 0)
     grad = _gradient(model, mask)

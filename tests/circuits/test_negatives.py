@@ -11,12 +11,10 @@ import math
 import pytest
 import torch
 from helpers import (
-    LLAMA_LIKE,
     PAIR_CLEAN,
     PAIR_CORRUPTED,
     PAIR_METRIC,
-    has_bridge,
-    hooked_toy,
+    circuit_toy,
     snapshot,
 )
 
@@ -29,20 +27,13 @@ from ra_lens.circuits import (
     scale_negatives,
 )
 from ra_lens.circuits.mib import ChosenCircuits, mib_sign
-from ra_lens.toy_models import tiny_model
 
 SIZES = [0.1, 0.3, 0.6, 1.0]
 
 
-def build(kind: str):
-    if has_bridge():
-        return tiny_model(kind, dtype=torch.float64)
-    return hooked_toy(**(LLAMA_LIKE if kind == "llama" else {}))
-
-
 @pytest.fixture(scope="module", params=["gpt2", "llama"])
 def model(request):
-    return build(request.param)
+    return circuit_toy(request.param)
 
 
 @pytest.fixture(scope="module")

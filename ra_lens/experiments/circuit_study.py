@@ -279,6 +279,8 @@ def run_task(
             spent,
             own_copies=own_copies,
         )
+        if label in score.calibrations:
+            out["methods"][label]["negative_scale"] = score.calibrations[label]
         if refit is not None:
             out["methods"][label]["jaccard"] = refit(label)
         out["seconds"] = timing.now() - start

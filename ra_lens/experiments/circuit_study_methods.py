@@ -111,6 +111,8 @@ class Scored:
         self.own_copies = own_copies  # how the study chooses circuits: the calibration's too
         self.clean, self.corrupted, self.metric = ioi.paired_batch(model, list(train))
         self.scored: dict[str, circuits.EdgeScores] = {}
+        #: calibrated label -> what `calibrate_negatives` chose and saw (`NegativeScale.to_dict`)
+        self.calibrations: dict[str, dict[str, Any]] = {}
         # label -> (its own seconds, the labels it was built from)
         self.own: dict[str, tuple[dict[str, float], tuple[str, ...]]] = {}
 
@@ -149,10 +151,12 @@ class Scored:
                 normalise = ENSEMBLE_NORMALISE.get(label, "rms")
                 result = circuits.ensemble(parts, normalise=normalise)
             elif method == "calibrated":
-                result = circuits.calibrate_negatives(
+                calibration = circuits.calibrate_negatives(
                     self.model, parts[0], self.clean, self.corrupted, self.metric,
                     own_copies=self.own_copies, batch_size=self.batch_size,
-                ).scores  # fmt: skip
+                )  # fmt: skip
+                self.calibrations[label] = calibration.to_dict()
+                result = calibration.scores
             elif method == "random":
                 result = random_scores(self.graph)
             elif method == "mask":

@@ -221,6 +221,7 @@ def markdown(study: dict[str, Any]) -> str:
         lines += _ablation_tables(study, ablation)
     lines += _truth_table(study)
     lines += _jaccard_table(study)
+    lines += _negative_scale_lines(study)
     if study.get("goals"):
         lines += _goal_lines(study["goals"])
     return "\n".join(lines)
@@ -337,6 +338,21 @@ def _jaccard_table(study: dict[str, Any]) -> list[str]:
         ]
         lines.append(f"| {name} | {label} | " + " | ".join(cells) + " |")
     return [*lines, ""]
+
+
+def _negative_scale_lines(study: dict[str, Any]) -> list[str]:
+    """The factor each calibrated method chose on its training pairs, and the training CMD of
+    every candidate (`circuits.calibrate_negatives`)."""
+    lines = [
+        f"- {name}, {label}: negative scores x {result['negative_scale']['scale']:g}, chosen on "
+        "the training pairs (training CMD "
+        + ", ".join(f"x {c}: {v:.4f}" for c, v in result["negative_scale"]["cmd"].items())
+        + ")"
+        for name, task in study["tasks"].items()
+        for label, result in task["methods"].items()
+        if "negative_scale" in result
+    ]
+    return ["### Negative scales", "", *lines, ""] if lines else []
 
 
 def _number(value: float | None) -> str:

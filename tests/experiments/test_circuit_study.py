@@ -440,6 +440,10 @@ def test_calibrated_mask_is_the_mask_with_its_negatives_scaled_on_the_training_p
     assert len(seen) == 1 and seen[0][0] is mask and seen[0][1] is True
     chosen = real_calibrate(model, mask, scored.clean, scored.corrupted, scored.metric, sizes=[0.5, 1.0], own_copies=True)  # fmt: skip
     assert torch.equal(calibrated.scores, chosen.scores.scores)
+    assert scored.calibrations["mask-scaled-cal"]["scale"] == chosen.scale
+    assert scored.calibrations["mask-scaled-cal"]["cmd"] == {
+        str(c): v for c, v in chosen.cmd.items()
+    }
     own = scored.own["mask-scaled-cal"][0]["attribute_cpu"]
     assert spent["attribute_cpu"] == pytest.approx(mask_spent["attribute_cpu"] + own)
 
@@ -485,3 +489,25 @@ def test_refits_run_every_method_again_on_resamples_of_the_training_pairs(monkey
             union = first | second
             expected = len(first & second) / len(union) if union else None
             assert result["signed"]["pairwise"][i] == (expected if expected is None else pytest.approx(expected, abs=1e-12))  # fmt: skip
+
+
+def test_the_markdown_names_each_calibrated_methods_negative_scale():
+    from ra_lens.experiments.circuit_study_report import _negative_scale_lines
+
+    study = {
+        "tasks": {
+            "ioi": {
+                "methods": {
+                    "eap-ig-5": {},
+                    "mask-scaled-cal": {"negative_scale": {"scale": 0.5, "cmd": {"1.0": 0.1, "0.5": 0.05}}},
+                }
+            }
+        }
+    }  # fmt: skip
+    assert _negative_scale_lines(study) == [
+        "### Negative scales",
+        "",
+        "- ioi, mask-scaled-cal: negative scores x 0.5, chosen on the training pairs (training CMD x 1.0: 0.1000, x 0.5: 0.0500)",
+        "",
+    ]  # fmt: skip
+    assert _negative_scale_lines({"tasks": {"ioi": {"methods": {"eap": {}}}}}) == []

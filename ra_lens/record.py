@@ -1,6 +1,6 @@
 """A result's fields as one JSON file and back, exactly: `Recorded`, the `save` / `load` that the
 results which are not safetensors files inherit (`NodeScores`, `Faithfulness`, `Refinement`,
-`EditDynamics`, `AblationCurve`, the experiments' results).
+`EditDynamics`, `AblationCurve`, `LearnedMask`, `NegativeScale`, the experiments' results).
 
 The file is the result's `to_dict()` report (what scripts and readers of the JSON use) with one
 more key, `"ra_lens.record"`: every dataclass field encoded so that `load` rebuilds an equal

@@ -89,6 +89,14 @@ def _patching(model, scores):
                               scales=[0.0, -4.0], progress=False)  # fmt: skip
 
 
+def _learned_mask(model, scores):
+    return circuits.learn_mask(model, CLEAN, CORRUPTED, METRIC, warm_start=scores, steps=2)
+
+
+def _negative_scale(model, scores):
+    return circuits.calibrate_negatives(model, scores, CLEAN, CORRUPTED, METRIC, sizes=[0.5, 1.0])
+
+
 def _edit_dynamics(model, scores):
     from ra_lens.dynamics import edit_dynamics
 
@@ -138,6 +146,8 @@ BUILDERS: list[tuple[str, Callable[[Any, Any], Any], str]] = [
         "json",
     ),  # fmt: skip
     ("AblationCurve", _ablation_curve, "json"),
+    ("LearnedMask", _learned_mask, "json"),
+    ("NegativeScale", _negative_scale, "json"),
     ("PatchingResult", _patching, "json"),
     ("HeadRankingResult", _head_ranking, "json"),
     ("StudyResult", _study, "json"),

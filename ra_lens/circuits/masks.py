@@ -33,7 +33,8 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from jaxtyping import Float
@@ -48,8 +49,12 @@ from ra_lens.circuits.attribute import attribute
 from ra_lens.circuits.graph import Graph
 from ra_lens.circuits.scores import EdgeScores
 from ra_lens.progress import tqdm
+from ra_lens.record import Recorded
 from ra_lens.types import MetricFn, Tokens
 from ra_lens.weights import LayerWeights, check_supported, layer_weights
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 #: Fewest training pairs `learn_mask` takes: the mask is fitted to them, and one pair is a
 #: single prompt's quirks.
@@ -124,7 +129,7 @@ class MaskedRun(_edges.EdgeRun):
 
 
 @dataclass
-class LearnedMask:
+class LearnedMask(Recorded):
     """The result of `learn_mask`.
 
     Attributes:
@@ -159,6 +164,25 @@ class LearnedMask:
             "kept": self.kept,
             "seconds": self.seconds,
         }
+
+    def table(self) -> str:
+        """A Markdown table: the loss, faithfulness and edges kept at each step."""
+        rows = [
+            f"| {step} | {loss:.4f} | {f:.3f} | {kept} |"
+            for step, (loss, f, kept) in enumerate(zip(self.losses, self.faithfulness, self.kept))
+        ]
+        head = f"{self.scores.method}: {len(self.losses)} steps, {self.seconds:.1f} CPU s"
+        return "\n".join([head, "", "| step | loss | f (training pairs) | edges kept |", "|---|---|---|---|", *rows])  # fmt: skip
+
+    def plot(self, save: str | Path | None = None) -> Figure:
+        """The training curve: f of the masked run and the edges kept, per step; `save` also
+        writes it."""
+        from ra_lens.viz.curves import training_curve
+
+        return training_curve(
+            {"f of the masked run": self.faithfulness}, {"edges kept (m >= 1/2)": self.kept},
+            title=f"{self.scores.method}: learned edge mask", save=save,
+        )  # fmt: skip
 
 
 def masked_values(

@@ -19,7 +19,8 @@ import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, cast
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -32,7 +33,11 @@ from ra_lens.circuits.mib import MIB_FRACTIONS, ChosenCircuits, check_fractions,
 from ra_lens.circuits.scores import EdgeScores
 from ra_lens.math import trapezoid_auc
 from ra_lens.progress import tqdm
+from ra_lens.record import Recorded
 from ra_lens.types import HookedModel, MetricFn, Tokens
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 #: The factors `calibrate_negatives` tries by default (1: the scores as they are).
 CANDIDATES: tuple[float, ...] = (1.0, 0.5, 0.25)
@@ -71,27 +76,44 @@ def scale_negatives(scores: EdgeScores, scale: float) -> EdgeScores:
 
 
 @dataclass(frozen=True)
-class NegativeScale:
+class NegativeScale(Recorded):
     """The factor `calibrate_negatives` chose and what it saw.
 
     Attributes:
-        scale: the chosen factor (the smallest training CMD; the first candidate on a tie).
-        cmd: candidate -> CMD of its |score| circuits on the training pairs.
+        scale: the chosen factor (the smallest CMD; the first candidate on a tie).
+        candidates: the factors tried, in order of preference on a tie.
+        cmds: CMD of each candidate's |score| circuits on the calibration pairs.
         scores: the input scores with their negatives times `scale`.
         seconds: CPU seconds of the calibration (the faithfulness passes).
     """
 
     scale: float
-    cmd: dict[float, float]
+    candidates: list[float]
+    cmds: list[float]
     scores: EdgeScores = field(repr=False)
     seconds: float = 0.0
+
+    @property
+    def cmd(self) -> dict[float, float]:
+        """candidate -> CMD of its |score| circuits on the calibration pairs."""
+        return dict(zip(self.candidates, self.cmds, strict=True))
 
     def to_dict(self) -> dict[str, Any]:
         return {"scale": self.scale, "cmd": {str(c): v for c, v in self.cmd.items()}, "seconds": self.seconds}  # fmt: skip
 
     def table(self) -> str:
-        rows = [f"| {c:g} | {v:.4f} |{' chosen' if c == self.scale else ''}" for c, v in self.cmd.items()]  # fmt: skip
-        return "\n".join(["| negative scale | training CMD |", "|---|---|", *rows])
+        rows = [f"| {c:g} | {v:.4f} | {'yes' if c == self.scale else ''} |" for c, v in self.cmd.items()]  # fmt: skip
+        return "\n".join(["| negative scale | CMD | chosen |", "|---|---|---|", *rows])
+
+    def plot(self, save: str | Path | None = None) -> Figure:
+        """CMD of each candidate factor, the chosen one coloured; `save` also writes it."""
+        from ra_lens.viz.curves import named_bars
+
+        return named_bars(
+            [f"negatives x {c:g}" for c in self.candidates], self.cmds,
+            title=f"{self.scores.method}: CMD by negative scale", xlabel="CMD (lower is better)",
+            kept=[c == self.scale for c in self.candidates], save=save,
+        )  # fmt: skip
 
 
 def calibrate_negatives(
@@ -148,4 +170,5 @@ def calibrate_negatives(
         values = [value(circuit) for circuit in chosen.at(fractions, absolute=True, units=units)]
         cmd[c] = trapezoid_auc(fractions, [abs(1.0 - v) for v in values])
     best = min(cmd, key=lambda c: cmd[c])  # the first of equal minima
-    return NegativeScale(best, cmd, scaled[best], seconds=timing.cpu_time() - start)
+    seconds = timing.cpu_time() - start
+    return NegativeScale(best, list(cmd), list(cmd.values()), scaled[best], seconds=seconds)

@@ -43,8 +43,10 @@ METHODS: dict[str, tuple[_MethodName, int, Literal["denoise", "noise"]]] = {
     "mask-faithful": ("mask", 5, "denoise"),
     "mask-scaled": ("mask", 5, "denoise"),
     # mask-scaled with its negative scores scaled by the factor whose |score| circuits have the
-    # lowest CMD on the training pairs (circuits.calibrate_negatives)
+    # lowest CMD (circuits.calibrate_negatives) on the training pairs, or (-xcal) on the half of
+    # them that a mask trained on the other half did not see (CALIBRATED)
     "mask-scaled-cal": ("calibrated", 5, "denoise"),
+    "mask-scaled-xcal": ("calibrated", 5, "denoise"),
     # the mean of eap-ig's scores and the mask's log-odds (each over its rms), as Hybrid-Ens's
     # best entry averages EAP-IG with Edge Pruning's masks
     "ens-mask": ("ensemble", 5, "denoise"),
@@ -66,8 +68,16 @@ MASK_OPTIONS: dict[str, MaskOptions] = {
     "mask-faithful": {"objective": "faithful"},
     "mask-scaled": {"rule": "scaled"},
 }
-#: calibrated label -> the method whose negative scores it calibrates on the training pairs
-CALIBRATED: dict[str, str] = {"mask-scaled-cal": "mask-scaled"}
+#: Where a calibrated method chooses its factor: "train", on the training pairs its scores were
+#: fitted to; "apart", the method fitted again on the first half of the training pairs and the
+#: factor chosen on the second half, which that fit did not see (then applied to the scores
+#: fitted on all of them). A learned mask behaves differently on the pairs it was trained on.
+CalibrationPairs = Literal["train", "apart"]
+#: calibrated label -> (the method whose negative scores it scales, where the factor is chosen)
+CALIBRATED: dict[str, tuple[str, CalibrationPairs]] = {
+    "mask-scaled-cal": ("mask-scaled", "train"),
+    "mask-scaled-xcal": ("mask-scaled", "apart"),
+}
 #: The scores every learned mask starts from (computed once, its seconds counted in the mask's).
 MASK_WARM_START = "eap-ig-5"
 #: The label of `circuits.attribute`'s default (eap-ig, 5 steps, denoise): the goals are its.
@@ -109,7 +119,8 @@ class Scored:
     ) -> None:
         self.model, self.graph, self.batch_size = model, graph, batch_size
         self.own_copies = own_copies  # how the study chooses circuits: the calibration's too
-        self.clean, self.corrupted, self.metric = ioi.paired_batch(model, list(train))
+        self.train = list(train)
+        self.clean, self.corrupted, self.metric = ioi.paired_batch(model, self.train)
         self.scored: dict[str, circuits.EdgeScores] = {}
         #: calibrated label -> what `calibrate_negatives` chose and saw (`NegativeScale.to_dict`)
         self.calibrations: dict[str, dict[str, Any]] = {}
@@ -140,7 +151,7 @@ class Scored:
         if method == "mask":
             under = (MASK_WARM_START,)
         if method == "calibrated":
-            under = (CALIBRATED[label],)
+            under = (CALIBRATED[label][0],)
         parts = [self(part)[0] for part in under]
         spent: dict[str, float] = {}
         with (
@@ -151,12 +162,7 @@ class Scored:
                 normalise = ENSEMBLE_NORMALISE.get(label, "rms")
                 result = circuits.ensemble(parts, normalise=normalise)
             elif method == "calibrated":
-                calibration = circuits.calibrate_negatives(
-                    self.model, parts[0], self.clean, self.corrupted, self.metric,
-                    own_copies=self.own_copies, batch_size=self.batch_size,
-                )  # fmt: skip
-                self.calibrations[label] = calibration.to_dict()
-                result = calibration.scores
+                result = self._calibrated(label, parts[0])
             elif method == "random":
                 result = random_scores(self.graph)
             elif method == "mask":
@@ -171,6 +177,25 @@ class Scored:
                 )  # fmt: skip
         self.own[label] = (spent, tuple(under))
         return result
+
+    def _calibrated(self, label: str, scores: circuits.EdgeScores) -> circuits.EdgeScores:
+        """`scores` with their negatives times the factor `calibrate_negatives` chooses where
+        CALIBRATED says; what it chose and saw goes to `self.calibrations`."""
+        under, pairs = CALIBRATED[label]
+        fitted, judge = scores, self
+        if pairs == "apart":
+            if len(self.train) < 4:
+                raise ValueError(f"{label}: {len(self.train)} training pairs cannot be split into a fit half and a calibration half of two or more each: give at least 4")  # fmt: skip
+            half = (len(self.train) + 1) // 2
+            fit, held = self.train[:half], self.train[half:]
+            fitted = Scored(self.model, fit, self.graph, self.batch_size, self.own_copies)(under)[0]  # fmt: skip
+            judge = Scored(self.model, held, self.graph, self.batch_size, self.own_copies)
+        calibration = circuits.calibrate_negatives(
+            self.model, fitted, judge.clean, judge.corrupted, judge.metric,
+            own_copies=self.own_copies, batch_size=self.batch_size,
+        )  # fmt: skip
+        self.calibrations[label] = {**calibration.to_dict(), "pairs": pairs, "n_pairs": len(judge.train)}  # fmt: skip
+        return circuits.scale_negatives(scores, calibration.scale)
 
 
 class Refits:

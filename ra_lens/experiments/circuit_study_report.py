@@ -341,16 +341,20 @@ def _jaccard_table(study: dict[str, Any]) -> list[str]:
 
 
 def _negative_scale_lines(study: dict[str, Any]) -> list[str]:
-    """The factor each calibrated method chose on its training pairs, and the training CMD of
-    every candidate (`circuits.calibrate_negatives`)."""
+    """The factor each calibrated method chose, where it chose it, and the CMD there of every
+    candidate (`circuits.calibrate_negatives`)."""
+    where = {
+        "train": "the training pairs",
+        "apart": "the half of the training pairs its fit on the other half did not see",
+    }
     lines = [
-        f"- {name}, {label}: negative scores x {result['negative_scale']['scale']:g}, chosen on "
-        "the training pairs (training CMD "
-        + ", ".join(f"x {c}: {v:.4f}" for c, v in result["negative_scale"]["cmd"].items())
+        f"- {name}, {label}: negative scores x {scale['scale']:g}, chosen on "
+        f"{where[scale.get('pairs', 'train')]} (CMD there "
+        + ", ".join(f"x {c}: {v:.4f}" for c, v in scale["cmd"].items())
         + ")"
         for name, task in study["tasks"].items()
         for label, result in task["methods"].items()
-        if "negative_scale" in result
+        if (scale := result.get("negative_scale")) is not None
     ]
     return ["### Negative scales", "", *lines, ""] if lines else []
 

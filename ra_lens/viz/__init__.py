@@ -4,7 +4,7 @@
   pattern beside its RA map (`head_norm_heatmaps`, `head_pair`, `top_heads_grid`, `ranking_maps`);
 - `curves`: accuracy against the patching scale or the fraction of heads kept
   (`scale_sweep`, `ablation_curves`, `ablation_curves_pair`), circuit stability against size
-  (`stability_curve`);
+  (`stability_curve`), a training run per step (`training_curve`);
 - `pages`: interactive circuitsvis HTML (`circuitsvis_heads`, `attribution_edges_page`);
 - `attribution`: `AttentionAttribution` scores, edges and estimates (`attribution_heatmaps`,
   `top_edges_on_tokens`, `estimate_scatter`);
@@ -43,6 +43,7 @@ from ra_lens.viz.curves import (
     named_bars,
     scale_sweep,
     stability_curve,
+    training_curve,
 )
 from ra_lens.viz.maps import head_norm_heatmaps, head_pair, ranking_maps, top_heads_grid
 from ra_lens.viz.pages import attribution_edges_page, circuitsvis_heads
@@ -64,6 +65,7 @@ __all__ = [
     "save_figure",
     "scale_sweep",
     "stability_curve",
+    "training_curve",
     "top_edges_on_tokens",
     "top_heads_grid",
     "visible_token",

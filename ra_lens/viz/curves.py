@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 from matplotlib.figure import Figure
-from matplotlib.ticker import FuncFormatter, NullFormatter
+from matplotlib.ticker import FuncFormatter, MaxNLocator, NullFormatter
 
 from ra_lens.math import trapezoid_auc
 from ra_lens.viz._base import ArrayLike, PathLike, add_legend, as_numpy, new_figure, save_figure
@@ -267,4 +267,32 @@ def stability_curve(
     ax.set_ylabel("Jaccard of the chosen edges", fontsize=9)
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=8, loc="lower right")
+    return save_figure(fig, save)
+
+
+def training_curve(
+    left: Mapping[str, ArrayLike],
+    right: Mapping[str, ArrayLike],
+    *,
+    title: str,
+    save: PathLike | None = None,
+) -> Figure:
+    """Values per training step in two panels side by side (`LearnedMask.plot`: the
+    faithfulness on the left, the edges kept on the right), one line per name.
+
+    >>> fig = training_curve({"f": [0.2, 0.6, 0.9]}, {"kept": [10, 8, 8]}, title="t")
+    >>> [ax.get_lines()[0].get_label() for ax in fig.axes]
+    ['f', 'kept']
+    """
+    fig = new_figure(9.0, 3.4)
+    axes = fig.subplots(1, 2)
+    for ax, curves in zip(axes, (left, right)):
+        for name, values in curves.items():
+            ys = as_numpy(values)
+            ax.plot(np.arange(len(ys)), ys, marker="o", lw=1.5, label=name)
+        ax.set_xlabel("step", fontsize=9)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(True, alpha=0.3)
+        add_legend(ax, len(curves))
+    fig.suptitle(title, fontsize=11)
     return save_figure(fig, save)

@@ -448,6 +448,41 @@ def test_calibrated_mask_is_the_mask_with_its_negatives_scaled_on_the_training_p
     assert spent["attribute_cpu"] == pytest.approx(mask_spent["attribute_cpu"] + own)
 
 
+def test_apart_calibration_fits_on_one_half_and_chooses_on_the_other(monkeypatch):
+    """mask-scaled-xcal: a mask trained on the first half of the training pairs (from that half's
+    own eap-ig) is calibrated on the second half; the factor scales the study's mask-scaled
+    scores, fitted on all the pairs. Its seconds count the half's work too."""
+    model = tiny_model(arch_or_hooked("llama"), n_layers=1)
+    train = task_pairs(model, "toy", 5)
+    graph = circuits.Graph.from_model(model)
+    seen: list[tuple[circuits.EdgeScores, torch.Tensor]] = []
+    real_calibrate, real_mask = circuits.calibrate_negatives, circuits.learn_mask
+
+    def calibrate_negatives(model, scores, clean, *args, **kwargs):
+        seen.append((scores, clean.tokens))
+        return real_calibrate(model, scores, clean, *args, **{**kwargs, "sizes": [0.5, 1.0], "candidates": (1.0, 0.5, 0.01)})  # fmt: skip
+
+    monkeypatch.setattr(circuits, "calibrate_negatives", calibrate_negatives)
+    monkeypatch.setattr(circuits, "learn_mask", lambda *a, **k: real_mask(*a, **{**k, "steps": 2}))
+    scored = methods_module.Scored(model, train, graph, batch_size=4, own_copies=True)
+    calibrated, spent = scored("mask-scaled-xcal")
+    mask, mask_spent = scored("mask-scaled")
+    fit = methods_module.Scored(model, train[:3], graph, batch_size=4, own_copies=True)
+    held = methods_module.Scored(model, train[3:], graph, batch_size=4, own_copies=True)
+    ((scores, tokens),) = seen
+    assert torch.equal(tokens, held.clean.tokens)
+    assert torch.allclose(scores.scores, fit("mask-scaled")[0].scores)  # the half's own mask
+    record = scored.calibrations["mask-scaled-xcal"]
+    assert record["pairs"] == "apart" and record["n_pairs"] == 2
+    expected = circuits.scale_negatives(mask, record["scale"])
+    assert torch.equal(calibrated.scores, expected.scores)
+    own = scored.own["mask-scaled-xcal"][0]["attribute_cpu"]
+    assert spent["attribute_cpu"] == pytest.approx(mask_spent["attribute_cpu"] + own)
+    too_few = methods_module.Scored(model, train[:3], graph, batch_size=4)
+    with pytest.raises(ValueError, match="at least 4"):
+        too_few("mask-scaled-xcal")
+
+
 def test_refits_run_every_method_again_on_resamples_of_the_training_pairs(monkeypatch):
     """--refits: each resample of the training pairs gets its own eap-ig-5 and its own mask
     warm-started from it (all the pairs reuse the study's); the Jaccard compares those runs'
@@ -500,6 +535,7 @@ def test_the_markdown_names_each_calibrated_methods_negative_scale():
                 "methods": {
                     "eap-ig-5": {},
                     "mask-scaled-cal": {"negative_scale": {"scale": 0.5, "cmd": {"1.0": 0.1, "0.5": 0.05}}},
+                    "mask-scaled-xcal": {"negative_scale": {"scale": 1.0, "cmd": {"1.0": 0.2}, "pairs": "apart"}},
                 }
             }
         }
@@ -507,7 +543,8 @@ def test_the_markdown_names_each_calibrated_methods_negative_scale():
     assert _negative_scale_lines(study) == [
         "### Negative scales",
         "",
-        "- ioi, mask-scaled-cal: negative scores x 0.5, chosen on the training pairs (training CMD x 1.0: 0.1000, x 0.5: 0.0500)",
+        "- ioi, mask-scaled-cal: negative scores x 0.5, chosen on the training pairs (CMD there x 1.0: 0.1000, x 0.5: 0.0500)",
+        "- ioi, mask-scaled-xcal: negative scores x 1, chosen on the half of the training pairs its fit on the other half did not see (CMD there x 1.0: 0.2000)",
         "",
     ]  # fmt: skip
     assert _negative_scale_lines({"tasks": {"ioi": {"methods": {"eap": {}}}}}) == []

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from ra_lens._typing import no_type_check
-from ra_lens.contract import PATTERN, RESID_PRE, HookedModel  # noqa: F401  (doctests use them)
+from ra_lens.contract import LN2_IN, PATTERN, RESID_PRE, HookedModel  # noqa: F401  (doctests use them)
 
 #: Which thread holds each model inside an ra-lens call, and how deeply (`exclusive`), held
 #: weakly. Process-wide on purpose: a claim made in one thread must be seen by every other.
@@ -94,6 +94,24 @@ def restored(model: HookedModel) -> Iterator[None]:
 #: Config switches a call may turn on (HookedTransformer's hook_mlp_in, for edge patching) and
 #: `restored` gives back.
 CFG_SWITCHES: tuple[str, ...] = ("use_hook_mlp_in",)
+
+
+def enable_mlp_in(model: HookedModel) -> None:
+    """HookedTransformer fires `hook_mlp_in` only with cfg.use_hook_mlp_in: switch it on, inside
+    `capture.preserved_state`, which gives the flag back as found (on an error too);
+    TransformerBridge uses ln2.hook_in and needs nothing."""
+    if (
+        LN2_IN.format(0) in model.hook_dict
+        or not hasattr(model, "set_use_hook_mlp_in")
+        or getattr(model.cfg, "attn_only", False)
+    ):
+        return
+    if model not in CLAIMS:
+        raise RuntimeError(
+            "enable_mlp_in switches cfg.use_hook_mlp_in on for a call: run it inside "
+            "capture.preserved_state(model), which switches it back"
+        )
+    model.set_use_hook_mlp_in(True)
 
 
 @contextlib.contextmanager

@@ -10,7 +10,7 @@ input). Writers' outputs are read where TransformerLens exposes them: `input` at
   rotary embedding, so the model rotates and attends as usual;
 - an MLP's input: `blocks.{l}.ln2.hook_in` on TransformerBridge (it feeds ln2 only), or
   `blocks.{l}.hook_mlp_in` on HookedTransformer (`ModelFacts.mlp_in`; switched on by
-  `enable_mlp_in` and back by `capture.preserved_state`);
+  `state.enable_mlp_in` and back by `capture.preserved_state`);
 - the logits' input: the last block's `hook_resid_post` (it feeds ln_final only).
 
 Post-norm blocks (Gemma-2, Gemma-3, OLMo-2) add N(a) to the residual, a = sum_h o_h the heads'
@@ -52,27 +52,8 @@ from ra_lens import capture
 from ra_lens._typing import no_type_check
 from ra_lens.capture import RESID_PRE, HookedModel
 from ra_lens.circuits.graph import Graph
-from ra_lens.contract import LN2_IN, MLP_OUT, RESID_POST
-from ra_lens.state import CLAIMS
+from ra_lens.contract import MLP_OUT, RESID_POST
 from ra_lens.weights import LayerWeights
-
-
-def enable_mlp_in(model: HookedModel) -> None:
-    """HookedTransformer fires `hook_mlp_in` only with cfg.use_hook_mlp_in: switch it on, inside
-    `capture.preserved_state`, which gives the flag back as found (on an error too);
-    TransformerBridge uses ln2.hook_in and needs nothing."""
-    if (
-        LN2_IN.format(0) in model.hook_dict
-        or not hasattr(model, "set_use_hook_mlp_in")
-        or getattr(model.cfg, "attn_only", False)
-    ):
-        return
-    if model not in CLAIMS:
-        raise RuntimeError(
-            "enable_mlp_in switches cfg.use_hook_mlp_in on for a call: run it inside "
-            "capture.preserved_state(model), which switches it back"
-        )
-    model.set_use_hook_mlp_in(True)
 
 
 # repr=False: TransformerLens formats a hook's repr when adding it, and a repr of the

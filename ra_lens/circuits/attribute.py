@@ -45,7 +45,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from ra_lens import attention, capture, contract, pairs
+from ra_lens import attention, capture, contract, pairs, state
 from ra_lens._typing import Validated
 from ra_lens.capture import PATTERN, HookedModel
 from ra_lens.checks import check_count
@@ -143,7 +143,7 @@ def attribute(
     kv_total: Tensor | None = None  # [writer layer kv head]: per query head, grouped-query only
     bar = tqdm(total=len(rows_list) * per_batch, desc=f"attribute {method}", disable=not progress)
     with capture.preserved_state(model):
-        _edges.enable_mlp_in(model)
+        state.enable_mlp_in(model)
         weights = [layer_weights(model, layer, facts) for layer in range(graph.n_layers)]
         for rows in rows_list:
             part_metric = pairs.metric_rows(metric, rows, n)

@@ -33,7 +33,7 @@ import torch
 from jaxtyping import Bool, Float
 from torch import Tensor
 
-from ra_lens import capture, contract, pairs
+from ra_lens import capture, contract, pairs, state
 from ra_lens._typing import Validated
 from ra_lens.capture import HookedModel
 from ra_lens.circuits import _edges
@@ -241,7 +241,7 @@ class FaithfulnessEvaluator:
         clean_values, corrupted_values = [], []
         self._references: list[Tensor] = []
         with capture.preserved_state(model), torch.no_grad():
-            _edges.enable_mlp_in(model)
+            state.enable_mlp_in(model)
             self._weights = [layer_weights(model, la, facts) for la in range(self.graph.n_layers)]
             for rows, part_metric in zip(self._rows, self._metrics, strict=True):
                 clean_part = self._clean.rows(rows)
@@ -274,7 +274,7 @@ class FaithfulnessEvaluator:
         key/value copies' edges): one forward pass per batch (`group` slots per copy)."""
         model, parts = self.model, []
         with capture.preserved_state(model), torch.no_grad():
-            _edges.enable_mlp_in(model)
+            state.enable_mlp_in(model)
             batches = zip(self._rows, self._metrics, self._references, strict=True)
             for rows, part_metric, reference in tqdm(
                 list(batches), desc="faithfulness", disable=not progress

@@ -40,7 +40,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from ra_lens import capture, contract, pairs, timing
+from ra_lens import capture, contract, pairs, state, timing
 from ra_lens._typing import Validated, no_type_check
 from ra_lens.capture import HookedModel
 from ra_lens.checks import check_count
@@ -209,7 +209,7 @@ def masked_values(
     _check_mask(graph, mask)
     clean_b, corrupted_b = pairs.paired(model, clean, corrupted)
     with capture.preserved_state(model):
-        _edges.enable_mlp_in(model)
+        state.enable_mlp_in(model)
         weights = [layer_weights(model, la, facts) for la in range(graph.n_layers)]
         reference = _outputs(model, graph, weights, corrupted_b)
         patch = (1 - mask) * graph.real.to(mask.device, mask.dtype)
@@ -424,7 +424,7 @@ class _Trainer:
         self.rows = pairs.chunks(n, batch_size)
         self.metrics = [pairs.metric_rows(metric, rows, n) for rows in self.rows]
         with capture.preserved_state(model), torch.no_grad():
-            _edges.enable_mlp_in(model)
+            state.enable_mlp_in(model)
             self.weights = [layer_weights(model, la, facts) for la in range(graph.n_layers)]
             self.references = [_outputs(model, graph, self.weights, corrupted.rows(r)) for r in self.rows]  # fmt: skip
             clean_v = [
@@ -447,7 +447,7 @@ class _Trainer:
         total = 0.0
         gap = self.clean_m - self.empty_m
         with capture.preserved_state(self.model):
-            _edges.enable_mlp_in(self.model)
+            state.enable_mlp_in(self.model)
             for rows, metric, reference in zip(self.rows, self.metrics, self.references, strict=True):  # fmt: skip
                 mask = torch.sigmoid(log_alpha)
                 patch = (1 - mask) * real

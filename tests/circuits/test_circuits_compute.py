@@ -10,7 +10,7 @@ import pytest
 import torch
 from helpers import LLAMA_LIKE, circuit_toy, has_bridge, hooked_toy, one_layer_model, snapshot
 
-from ra_lens import capture
+from ra_lens import capture, state
 from ra_lens.capture import to_batch
 from ra_lens.circuits import _edges
 from ra_lens.circuits.attribute import attribute
@@ -97,7 +97,7 @@ def _shift_reader(model, graph, reader: str, shift: torch.Tensor):
 def _mlp_in_on(model):
     """HookedTransformer's hook_mlp_in switched on for the block, and back (preserved_state)."""
     with capture.preserved_state(model):
-        _edges.enable_mlp_in(model)
+        state.enable_mlp_in(model)
         yield
 
 

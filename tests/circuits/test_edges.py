@@ -12,8 +12,7 @@ import pytest
 import torch
 from helpers import has_bridge, hook_count, hooked_toy
 
-from ra_lens import capture
-from ra_lens.circuits import _edges
+from ra_lens import capture, state
 from ra_lens.circuits.circuit import Circuit
 from ra_lens.circuits.faithfulness import FaithfulnessEvaluator
 from ra_lens.circuits.graph import Graph
@@ -178,12 +177,12 @@ def test_the_mlp_input_switch_is_given_back_by_preserved_state():
     model = hooked_toy()
     assert not model.cfg.use_hook_mlp_in
     with pytest.raises(ValueError, match="inside"), capture.preserved_state(model):
-        _edges.enable_mlp_in(model)
+        state.enable_mlp_in(model)
         assert model.cfg.use_hook_mlp_in
         raise ValueError("an error inside the call")
     assert not model.cfg.use_hook_mlp_in  # as found
     with pytest.raises(RuntimeError, match="inside capture.preserved_state"):
-        _edges.enable_mlp_in(model)
+        state.enable_mlp_in(model)
     assert not model.cfg.use_hook_mlp_in
     # a failing faithfulness call (a metric without one value per prompt) leaves it as found
     bad = lambda logits, lengths=None: logits.sum()  # noqa: E731

@@ -241,6 +241,8 @@ class _Collector:
         # keep="maps": filled layer by layer, allocated at the first layer's backward hook;
         # stacking per-layer maps at the end would copy every map once more.
         self.maps: Tensor | None = None
+        # keep="norms"/"rows": the one map every layer's RA is written into (see _slot).
+        self.scratch: Tensor | None = None
         # keep="maps": each layer's forward pattern as the result will hold it (see _finish).
         self.kept_patterns: dict[int, Tensor] = {}
         # Real (non-pad) positions; RA at pads is zero by causality, the mask makes it exact.
@@ -325,10 +327,18 @@ class _Collector:
             self.kept_patterns[layer] = _whole(pattern.to("cpu", torch.float32))
 
     def _slot(self, i: int, pattern: Tensor) -> Tensor | None:
-        """With keep="maps", the buffer slice for layer i when RA can be written into it directly
-        (CPU, float32): one copy of every map fewer."""
+        """Where layer i's RA is written. keep="maps": the buffer slice for layer i when RA can
+        be written into it directly (CPU, float32), one copy of every map fewer. Otherwise one
+        scratch map that every layer reuses (its norms and rows are taken before the next
+        layer's hook runs): at long lengths a fresh map per layer costs more in page faults than
+        the arithmetic."""
         if self.keep != "maps":
-            return None
+            if self.convention == "pattern":  # not written by softmax_vjp
+                return None
+            dtype = upcast(pattern).dtype
+            if self.scratch is None or (self.scratch.shape, self.scratch.dtype, self.scratch.device) != (pattern.shape, dtype, pattern.device):  # fmt: skip
+                self.scratch = torch.empty(pattern.shape, dtype=dtype, device=pattern.device)
+            return self.scratch
         if self.maps is None:
             shape = (pattern.shape[0], len(self.layers), *pattern.shape[1:])
             self.maps = torch.empty(shape, dtype=torch.float32)

@@ -1,4 +1,4 @@
-"""How far down the |score| ranking a method's harmful edges go, chosen on the training pairs.
+"""How far down the |score| ranking a method's harmful edges go, chosen by measurement.
 
 MIB's CMD takes circuits by |score|: an edge that hurts the metric (a negative score in MIB's
 sign) enters them as early as an edge that helps as much. A learned mask's log-odds overstate the
@@ -8,9 +8,13 @@ multiplies every negative score (each query head's copy on its own, where the sc
 by one factor c in (0, 1]: the signed ranking, hence CPR, is unchanged where each score stands
 alone (a model without grouped keys, or per-copy circuits, `own_copies=True`, as MIB's evaluator
 patches); only where the negatives enter the |score| ranking moves. (A grouped key/value edge is
-the sum of its copies, so where its copies differ in sign its grouped score moves too.) `calibrate_negatives` chooses c among a few candidates by the CMD
-of the |score| circuits on the training pairs (the pairs the scores were computed on): one
-faithfulness pass per distinct circuit, a circuit the candidates share measured once.
+the sum of its copies, so where its copies differ in sign its grouped score moves too.)
+
+`calibrate_negatives` chooses c among a few candidates by the CMD of the |score| circuits on the
+pairs it is given: one faithfulness pass per distinct circuit, a circuit the candidates share
+measured once. A mask behaves differently on the pairs it was trained on, so give it pairs the
+scores were not fitted to where there are some (the circuit study's `mask-scaled-xcal` fits a
+mask on half the training pairs, calibrates on the other half and scales the mask fitted on all).
 """
 
 from __future__ import annotations
@@ -135,8 +139,8 @@ def calibrate_negatives(
 
     Args:
         model: the model the scores are for.
-        scores: EdgeScores computed (or trained) on these pairs.
-        clean, corrupted, metric: the training pairs and the metric (`circuits.faithfulness`).
+        scores: EdgeScores of any method (best: not fitted to these pairs; module docstring).
+        clean, corrupted, metric: the calibration pairs and the metric (`circuits.faithfulness`).
         candidates: factors in (0, 1] to try, in order of preference on a tie.
         sizes: fractions of the edges (default MIB's, `MIB_FRACTIONS`).
         ablation, units, own_copies: as `faithfulness_curve` takes them.

@@ -42,6 +42,10 @@ METHODS: dict[str, tuple[_MethodName, int, Literal["denoise", "noise"]]] = {
     "mask": ("mask", 5, "denoise"),
     "mask-faithful": ("mask", 5, "denoise"),
     "mask-scaled": ("mask", 5, "denoise"),
+    # mask-scaled with one option changed (MASK_OPTIONS): the options explored on country-capital
+    "mask-scaled-20": ("mask", 5, "denoise"),
+    "mask-scaled-lr3": ("mask", 5, "denoise"),
+    "mask-scaled-sp0": ("mask", 5, "denoise"),
     # mask-scaled with its negative scores scaled by the factor whose |score| circuits have the
     # lowest CMD (circuits.calibrate_negatives) on the training pairs, or (-xcal) on the half of
     # them that a mask trained on the other half did not see (CALIBRATED)
@@ -60,6 +64,9 @@ class MaskOptions(TypedDict, total=False):
 
     objective: Objective
     rule: Rule
+    steps: int
+    lr: float
+    sparsity: float
 
 
 #: mask label -> `circuits.learn_mask`'s options other than its defaults
@@ -67,6 +74,9 @@ MASK_OPTIONS: dict[str, MaskOptions] = {
     "mask": {},
     "mask-faithful": {"objective": "faithful"},
     "mask-scaled": {"rule": "scaled"},
+    "mask-scaled-20": {"rule": "scaled", "steps": 20},
+    "mask-scaled-lr3": {"rule": "scaled", "lr": 0.3},
+    "mask-scaled-sp0": {"rule": "scaled", "sparsity": 0.0},
 }
 #: Where a calibrated method chooses its factor: "train", on the training pairs its scores were
 #: fitted to; "apart", the method fitted again on the first half of the training pairs and the

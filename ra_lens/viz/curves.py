@@ -26,6 +26,7 @@ __all__ = [
     "named_bars",
     "scale_sweep",
     "stability_curve",
+    "training_curve",
 ]
 
 

@@ -65,8 +65,8 @@ __all__ = [
     "save_figure",
     "scale_sweep",
     "stability_curve",
-    "training_curve",
     "top_edges_on_tokens",
     "top_heads_grid",
+    "training_curve",
     "visible_token",
 ]

@@ -192,19 +192,18 @@ class Scored:
         """`scores` with their negatives times the factor `calibrate_negatives` chooses where
         CALIBRATED says; what it chose and saw goes to `self.calibrations`."""
         under, pairs = CALIBRATED[label]
-        fitted, judge = scores, self
+        fitted, held = scores, self.train
         if pairs == "apart":
             if len(self.train) < 4:
                 raise ValueError(f"{label}: {len(self.train)} training pairs cannot be split into a fit half and a calibration half of two or more each: give at least 4")  # fmt: skip
             half = (len(self.train) + 1) // 2
             fit, held = self.train[:half], self.train[half:]
             fitted = Scored(self.model, fit, self.graph, self.batch_size, self.own_copies)(under)[0]  # fmt: skip
-            judge = Scored(self.model, held, self.graph, self.batch_size, self.own_copies)
         calibration = circuits.calibrate_negatives(
-            self.model, fitted, judge.clean, judge.corrupted, judge.metric,
+            self.model, fitted, *ioi.paired_batch(self.model, held),
             own_copies=self.own_copies, batch_size=self.batch_size,
         )  # fmt: skip
-        self.calibrations[label] = {**calibration.to_dict(), "pairs": pairs, "n_pairs": len(judge.train)}  # fmt: skip
+        self.calibrations[label] = {**calibration.to_dict(), "pairs": pairs, "n_pairs": len(held)}  # fmt: skip
         return circuits.scale_negatives(scores, calibration.scale)
 
 

@@ -51,6 +51,9 @@ METHODS: dict[str, tuple[_MethodName, int, Literal["denoise", "noise"]]] = {
     # them that a mask trained on the other half did not see (CALIBRATED)
     "mask-scaled-cal": ("calibrated", 5, "denoise"),
     "mask-scaled-xcal": ("calibrated", 5, "denoise"),
+    # no mask on all the pairs: the mean of two masks, each fitted on one half of the training
+    # pairs, its negatives scaled by the factor the first half's mask gets on the second half
+    "mask-scaled-cv": ("calibrated", 5, "denoise"),
     # the mean of eap-ig's scores and the mask's log-odds (each over its rms), as Hybrid-Ens's
     # best entry averages EAP-IG with Edge Pruning's masks
     "ens-mask": ("ensemble", 5, "denoise"),
@@ -81,12 +84,15 @@ MASK_OPTIONS: dict[str, MaskOptions] = {
 #: Where a calibrated method chooses its factor: "train", on the training pairs its scores were
 #: fitted to; "apart", the method fitted again on the first half of the training pairs and the
 #: factor chosen on the second half, which that fit did not see (then applied to the scores
-#: fitted on all of them). A learned mask behaves differently on the pairs it was trained on.
-CalibrationPairs = Literal["train", "apart"]
+#: fitted on all of them); "crossfit", as "apart", but the scores are the mean of the two halves'
+#: fits (no fit on all the pairs: about the cost of one). A learned mask behaves differently on
+#: the pairs it was trained on.
+CalibrationPairs = Literal["train", "apart", "crossfit"]
 #: calibrated label -> (the method whose negative scores it scales, where the factor is chosen)
 CALIBRATED: dict[str, tuple[str, CalibrationPairs]] = {
     "mask-scaled-cal": ("mask-scaled", "train"),
     "mask-scaled-xcal": ("mask-scaled", "apart"),
+    "mask-scaled-cv": ("mask-scaled", "crossfit"),
 }
 #: The scores every learned mask starts from (computed once, its seconds counted in the mask's).
 MASK_WARM_START = "eap-ig-5"
@@ -160,7 +166,7 @@ class Scored:
         under = ENSEMBLES.get(label, ()) if method == "ensemble" else ()
         if method == "mask":
             under = (MASK_WARM_START,)
-        if method == "calibrated":
+        if method == "calibrated" and CALIBRATED[label][1] != "crossfit":
             under = (CALIBRATED[label][0],)
         parts = [self(part)[0] for part in under]
         spent: dict[str, float] = {}
@@ -172,7 +178,7 @@ class Scored:
                 normalise = ENSEMBLE_NORMALISE.get(label, "rms")
                 result = circuits.ensemble(parts, normalise=normalise)
             elif method == "calibrated":
-                result = self._calibrated(label, parts[0])
+                result = self._calibrated(label, parts[0] if parts else None)
             elif method == "random":
                 result = random_scores(self.graph)
             elif method == "mask":
@@ -188,23 +194,34 @@ class Scored:
         self.own[label] = (spent, tuple(under))
         return result
 
-    def _calibrated(self, label: str, scores: circuits.EdgeScores) -> circuits.EdgeScores:
-        """`scores` with their negatives times the factor `calibrate_negatives` chooses where
-        CALIBRATED says; what it chose and saw goes to `self.calibrations`."""
+    def _calibrated(self, label: str, scores: circuits.EdgeScores | None) -> circuits.EdgeScores:
+        """`scores` (None under "crossfit": the mean of the halves' fits) with their negatives
+        times the factor `calibrate_negatives` chooses where CALIBRATED says; what it chose and
+        saw goes to `self.calibrations`."""
         under, pairs = CALIBRATED[label]
-        fitted, held = scores, self.train
-        if pairs == "apart":
+        held = self.train
+        if pairs == "train":
+            assert scores is not None
+            fitted = scores
+        else:
             if len(self.train) < 4:
                 raise ValueError(f"{label}: {len(self.train)} training pairs cannot be split into a fit half and a calibration half of two or more each: give at least 4")  # fmt: skip
             half = (len(self.train) + 1) // 2
             fit, held = self.train[:half], self.train[half:]
-            fitted = Scored(self.model, fit, self.graph, self.batch_size, self.own_copies)(under)[0]  # fmt: skip
+            fitted = self._on(fit)(under)[0]
+            if pairs == "crossfit":
+                scores = circuits.ensemble([fitted, self._on(held)(under)[0]], normalise="none")
+        assert scores is not None
         calibration = circuits.calibrate_negatives(
             self.model, fitted, *ioi.paired_batch(self.model, held),
             own_copies=self.own_copies, batch_size=self.batch_size,
         )  # fmt: skip
         self.calibrations[label] = {**calibration.to_dict(), "pairs": pairs, "n_pairs": len(held)}  # fmt: skip
         return circuits.scale_negatives(scores, calibration.scale)
+
+    def _on(self, train: Sequence[PromptPair]) -> Scored:
+        """The methods on some of the training pairs (same model, graph and batch size)."""
+        return Scored(self.model, train, self.graph, self.batch_size, self.own_copies)
 
 
 class Refits:

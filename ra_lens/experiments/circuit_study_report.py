@@ -346,6 +346,7 @@ def _negative_scale_lines(study: dict[str, Any]) -> list[str]:
     where = {
         "train": "the training pairs",
         "apart": "the half of the training pairs its fit on the other half did not see",
+        "crossfit": "the second half of the training pairs, for the first half's fit (the scores: the mean of the two halves' fits)",
     }
     lines = [
         f"- {name}, {label}: negative scores x {scale['scale']:g}, chosen on "

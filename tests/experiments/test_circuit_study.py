@@ -483,6 +483,44 @@ def test_apart_calibration_fits_on_one_half_and_chooses_on_the_other(monkeypatch
         too_few("mask-scaled-xcal")
 
 
+def test_crossfit_is_the_mean_of_the_halves_masks_scaled_as_the_first_half_chooses(monkeypatch):
+    """mask-scaled-cv: one mask per half of the training pairs (each from its half's own eap-ig),
+    the first calibrated on the second half; the scores are the two masks' raw mean with that
+    factor, and no mask is fitted on all the pairs."""
+    model = tiny_model(arch_or_hooked("llama"), n_layers=1)
+    train = task_pairs(model, "toy", 5)
+    graph = circuits.Graph.from_model(model)
+    seen: list[tuple[circuits.EdgeScores, torch.Tensor]] = []
+    real_calibrate, real_mask = circuits.calibrate_negatives, circuits.learn_mask
+
+    def calibrate_negatives(model, scores, clean, *args, **kwargs):
+        seen.append((scores, clean.tokens))
+        return real_calibrate(model, scores, clean, *args, **{**kwargs, "sizes": [0.5, 1.0], "candidates": (0.01, 0.5, 1.0)})  # fmt: skip
+
+    monkeypatch.setattr(circuits, "calibrate_negatives", calibrate_negatives)
+    monkeypatch.setattr(circuits, "learn_mask", lambda *a, **k: real_mask(*a, **{**k, "steps": 2}))
+    scored = methods_module.Scored(model, train, graph, batch_size=4, own_copies=True)
+    cv, spent = scored("mask-scaled-cv")
+    first = methods_module.Scored(model, train[:3], graph, batch_size=4, own_copies=True)
+    second = methods_module.Scored(model, train[3:], graph, batch_size=4, own_copies=True)
+    ((scores, tokens),) = seen
+    assert torch.equal(tokens, second.clean.tokens)
+    assert torch.allclose(scores.scores, first("mask-scaled")[0].scores)
+    record = scored.calibrations["mask-scaled-cv"]
+    assert record["pairs"] == "crossfit" and record["n_pairs"] == 2
+    halves = [first("mask-scaled")[0], second("mask-scaled")[0]]
+    mean = circuits.ensemble(halves, normalise="none")
+    assert torch.allclose(mean.scores, (halves[0].scores + halves[1].scores) / 2)
+    assert record["scale"] < 1  # a factor that moves the scores, so the test sees it applied
+    expected = circuits.scale_negatives(mean, record["scale"])  # each key/value copy by its sign
+    assert torch.equal(cv.scores, expected.scores)
+    assert torch.equal(cv.ungrouped_scores, expected.ungrouped_scores)
+    assert (cv.scores < 0).any() and "mask-scaled" not in scored.scored
+    assert spent["attribute_cpu"] == pytest.approx(scored.own["mask-scaled-cv"][0]["attribute_cpu"])  # fmt: skip
+    with pytest.raises(ValueError, match="at least 4"):
+        methods_module.Scored(model, train[:3], graph, batch_size=4)("mask-scaled-cv")
+
+
 def test_refits_run_every_method_again_on_resamples_of_the_training_pairs(monkeypatch):
     """--refits: each resample of the training pairs gets its own eap-ig-5 and its own mask
     warm-started from it (all the pairs reuse the study's); the Jaccard compares those runs'

@@ -536,6 +536,34 @@ def test_learned_mask_is_edge_patching_at_its_ends_and_on_zero_one_masks(arch: s
 
 
 @pytest.mark.parametrize("arch", MATRIX_ARCHITECTURES)
+def test_discover_scores_every_edge_and_leaves_the_model_as_found(arch: str) -> None:
+    """circuits.discover is learn_mask (exact above), calibrate_negatives (edge patching, exact
+    in the circuits test) and arithmetic on the scores: on every architecture it scores every
+    edge finitely, some negative edges calibrated, and leaves hooks, modes and grads as found."""
+    from helpers import TOY_CLEAN, TOY_CORRUPTED, snapshot
+
+    from ra_lens import circuits
+
+    bridge = _warm(arch)
+    # each half holds the short pair: on Mistral's sliding window the long pairs' difference
+    # never reaches the last position, and a half without it is refused (nothing to keep)
+    order = [2, 0, 2, 1]
+    metric = ra_lens.metrics.logit_diff([[5, 6, 7][i] for i in order], [[7, 5, 6][i] for i in order])  # fmt: skip
+    before = snapshot(bridge)
+    scores = circuits.discover(
+        bridge, [TOY_CLEAN[i] for i in order], [TOY_CORRUPTED[i] for i in order], metric,
+        steps=1, ig_steps=1,
+    )  # fmt: skip
+    real = scores.graph.real
+    assert scores.scores.shape == real.shape and bool(torch.isfinite(scores.scores).all())
+    assert bool(scores.scores[real].ne(0).any()) and bool(scores.scores[~real].eq(0).all())
+    assert scores.method.startswith("discover(2 masks x 1 steps, negatives x ")
+    after = snapshot(bridge)
+    assert after[0] == before[0] and after[1] == before[1] and after[3] == before[3]
+    assert all(g is None for g in after[2])
+
+
+@pytest.mark.parametrize("arch", MATRIX_ARCHITECTURES)
 def test_eap_ig_act_is_eap_where_no_node_is_crossed(arch: str) -> None:
     """eap-ig-act with steps=1 holds each node at its own clean value, so every pass is the
     clean run with one node's gradient cut: the logits' in-edges (no node lies after them) are

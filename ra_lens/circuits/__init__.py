@@ -4,6 +4,7 @@ faithfulness, in files EAP-IG and MIB read, and one offline interactive page per
 from ra_lens.circuits.attribute import attribute
 from ra_lens.circuits.circuit import Circuit
 from ra_lens.circuits.curve import FaithfulnessCurve, faithfulness_curve
+from ra_lens.circuits.discover import discover
 from ra_lens.circuits.ensemble import ensemble
 from ra_lens.circuits.faithfulness import Faithfulness, FaithfulnessEvaluator, faithfulness
 from ra_lens.circuits.files import export_mib
@@ -45,6 +46,7 @@ __all__ = [
     "attribute_nodes",
     "bootstrap_jaccard",
     "calibrate_negatives",
+    "discover",
     "ensemble",
     "export_mib",
     "faithfulness",

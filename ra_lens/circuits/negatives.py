@@ -47,6 +47,11 @@ if TYPE_CHECKING:
 CANDIDATES: tuple[float, ...] = (1.0, 0.5, 0.25)
 
 
+def _check_scale(scale: float) -> None:
+    if not (isinstance(scale, (int, float)) and math.isfinite(scale) and 0 < scale <= 1):
+        raise ValueError(f"scale={scale!r}: give a number in (0, 1] (1 leaves the scores as they are)")  # fmt: skip
+
+
 def scale_negatives(scores: EdgeScores, scale: float) -> EdgeScores:
     """`scores` with every score that hurts the metric (negative in MIB's sign) times `scale`.
 
@@ -60,8 +65,7 @@ def scale_negatives(scores: EdgeScores, scale: float) -> EdgeScores:
     Returns:
         EdgeScores of the same graph, method and direction (`seconds` kept).
     """
-    if not (isinstance(scale, (int, float)) and math.isfinite(scale) and 0 < scale <= 1):
-        raise ValueError(f"scale={scale!r}: give a number in (0, 1] (1 leaves the scores as they are)")  # fmt: skip
+    _check_scale(scale)
     if scale == 1:  # as they are: rebuilt sums of copies would differ from them by rounding
         return scores
     sign = mib_sign(scores.direction)
@@ -120,6 +124,14 @@ class NegativeScale(Recorded):
         )  # fmt: skip
 
 
+def check_candidates(candidates: Sequence[float]) -> None:
+    """Refuse an empty list of factors, or one outside (0, 1] (`scale_negatives`'s check)."""
+    if not candidates:
+        raise ValueError("candidates is empty: give at least one factor in (0, 1], e.g. (1.0, 0.5, 0.25)")  # fmt: skip
+    for c in candidates:
+        _check_scale(c)
+
+
 def calibrate_negatives(
     model: HookedModel,
     scores: EdgeScores,
@@ -150,11 +162,10 @@ def calibrate_negatives(
     Returns:
         NegativeScale: the chosen factor, the CMD of every candidate, the scaled scores.
     """
-    if not candidates:
-        raise ValueError("candidates is empty: give at least one factor in (0, 1], e.g. (1.0, 0.5, 0.25)")  # fmt: skip
+    check_candidates(candidates)
     if units not in UNITS:
         raise ValueError(f"units={units!r}: expected one of {UNITS}")
-    scaled = {float(c): scale_negatives(scores, c) for c in candidates}  # checks each factor
+    scaled = {float(c): scale_negatives(scores, c) for c in candidates}
     fractions = check_fractions(MIB_FRACTIONS if sizes is None else sizes)
     start = timing.cpu_time()
     evaluator = FaithfulnessEvaluator(

@@ -51,8 +51,10 @@ METHODS: dict[str, tuple[_MethodName, int, Literal["denoise", "noise"]]] = {
     # them that a mask trained on the other half did not see (CALIBRATED)
     "mask-scaled-cal": ("calibrated", 5, "denoise"),
     "mask-scaled-xcal": ("calibrated", 5, "denoise"),
-    # no mask on all the pairs: the mean of two masks, each fitted on one half of the training
-    # pairs, its negatives scaled by the factor the first half's mask gets on the second half
+    # circuits.discover: no mask on all the pairs, the mean of two masks, each fitted on one half
+    # of the training pairs, its negatives scaled by the factor the first half's mask gets on the
+    # second half (composed here from Scored's labels, as mask-scaled-xcal is, so that the study
+    # records the calibration's CMD per factor; a test checks it equals circuits.discover)
     "mask-scaled-cv": ("calibrated", 5, "denoise"),
     # the mean of eap-ig's scores and the mask's log-odds (each over its rms), as Hybrid-Ens's
     # best entry averages EAP-IG with Edge Pruning's masks
@@ -207,10 +209,11 @@ class Scored:
             if len(self.train) < 4:
                 raise ValueError(f"{label}: {len(self.train)} training pairs cannot be split into a fit half and a calibration half of two or more each: give at least 4")  # fmt: skip
             half = (len(self.train) + 1) // 2
-            fit, held = self.train[:half], self.train[half:]
-            fitted = self._on(fit)(under)[0]
+            held = self.train[half:]
+            fitted = self._on(slice(0, half))(under)[0]
             if pairs == "crossfit":
-                scores = circuits.ensemble([fitted, self._on(held)(under)[0]], normalise="none")
+                second = self._on(slice(half, len(self.train)))(under)[0]
+                scores = circuits.ensemble([fitted, second], normalise="none")
         assert scores is not None
         calibration = circuits.calibrate_negatives(
             self.model, fitted, *ioi.paired_batch(self.model, held),
@@ -219,9 +222,10 @@ class Scored:
         self.calibrations[label] = {**calibration.to_dict(), "pairs": pairs, "n_pairs": len(held)}  # fmt: skip
         return circuits.scale_negatives(scores, calibration.scale)
 
-    def _on(self, train: Sequence[PromptPair]) -> Scored:
-        """The methods on some of the training pairs (same model, graph and batch size)."""
-        return Scored(self.model, train, self.graph, self.batch_size, self.own_copies)
+    def _on(self, rows: slice) -> Scored:
+        """The methods on training pairs `rows` (same model, graph and batch size), computed
+        afresh: the seconds of each calibrated label count all of its own work."""
+        return Scored(self.model, self.train[rows], self.graph, self.batch_size, self.own_copies)
 
 
 class Refits:

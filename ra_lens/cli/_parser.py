@@ -168,17 +168,18 @@ def _add_circuit_command(sub: Any) -> None:
     circuit.add_argument(
         "--method",
         default="eap-ig",
-        choices=["eap", "eap-ig", "exact", "exact-ig", "mask"],
+        choices=["eap", "eap-ig", "exact", "exact-ig", "mask", "discover"],
         help="edge scores (default eap-ig: EAP-IG-inputs' algorithm; mask: circuits.learn_mask "
-        "with the scaled rule from eap-ig, 2.6-3.3x eap-ig's CPR on held-out IOI pairs at about "
-        "5x the CPU, trained on these pairs, so its curve here flatters it; README)",
+        "with the scaled rule from eap-ig; discover: circuits.discover, two such masks cross-fitted "
+        "on the halves of the pairs with calibrated negatives, >= 4 pairs; both are trained on "
+        "these pairs, so their curves here flatter them: held-out numbers in the README)",
     )
     circuit.add_argument("--direction", default="denoise", choices=["denoise", "noise"])
     circuit.add_argument(
         "--steps",
         type=positive_int,
         default=5,
-        help="IG steps (eap-ig, exact-ig; 5; mask warm-starts from eap-ig with 5)",
+        help="IG steps (eap-ig, exact-ig; 5; mask and discover warm-start from eap-ig with 5)",
     )
     circuit.add_argument(
         "--sizes",

@@ -54,8 +54,8 @@ def _run_circuit(args: argparse.Namespace) -> int:
     from ra_lens.tasks import ioi
     from ra_lens.timing import timed
 
-    if args.method == "mask" and args.direction != "denoise":
-        raise ValueError("--method mask trains from the corrupted run (denoise): drop --direction noise")  # fmt: skip
+    if args.method in ("mask", "discover") and args.direction != "denoise":
+        raise ValueError(f"--method {args.method} trains from the corrupted run (denoise): drop --direction noise")  # fmt: skip
     file_pairs = [] if args.pairs is None else read_pairs(args.pairs)  # before the model loads
     seconds: dict[str, float] = {}
     with timed(seconds, "load_model"):
@@ -84,6 +84,11 @@ def _score_and_curve(run: _Run) -> None:
                 run.model, run.clean, run.corrupted, run.metric, rule="scaled",
                 batch_size=args.batch_size, progress=progress,
             ).scores  # fmt: skip
+        elif args.method == "discover":
+            scores = circuits.discover(
+                run.model, run.clean, run.corrupted, run.metric, batch_size=args.batch_size,
+                progress=progress,
+            )  # fmt: skip
         else:
             scores = circuits.attribute(
                 run.model,

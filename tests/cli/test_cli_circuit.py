@@ -306,6 +306,30 @@ def test_each_circuit_is_chosen_once_per_run(
     assert (tmp_path / "page.html").is_file() and len(report["files"]) == 11
 
 
+def test_method_discover_is_circuits_discover(tmp_path: Path) -> None:
+    """--method discover scores with circuits.discover (4 pairs: two per half) and measures its
+    curve; fewer pairs are one line and exit 2."""
+    four = [*PAIRS, PAIRS[0]]
+    pairs = _write_pairs(tmp_path / "pairs.jsonl", four)
+    out = tmp_path / "out"
+    argv = ["circuit", "--pairs", str(pairs), "--model", f"tiny-{ARCH}", "--method", "discover",
+            "--sizes", ",".join(map(str, SIZES)), "--edges", "12", "--out", str(out),
+            "--json", str(out / "run.json")]  # fmt: skip
+    assert main(argv) == 0
+    report = json.loads((out / "run.json").read_text())
+    model = tiny_model(ARCH)
+    clean, corrupted, metric = paired_batch(model, four)
+    scores = circuits.discover(model, clean, corrupted, metric)
+    curve = circuits.faithfulness_curve(model, scores, clean, corrupted, metric, sizes=SIZES)
+    assert report["curve"]["signed_values"] == pytest.approx(curve.signed_values, abs=1e-6)
+    assert report["curve"]["cmd"] == pytest.approx(curve.cmd, abs=1e-6)
+    saved = circuits.Circuit.from_json(out / "circuit.json", model)
+    assert saved.edge_names == scores.top(12).edge_names
+    three = _write_pairs(tmp_path / "three.jsonl", PAIRS)
+    argv[2] = str(three)
+    assert main(argv) == 2
+
+
 def test_method_mask_is_the_scaled_learned_mask(tmp_path: Path) -> None:
     """--method mask scores with the learned mask (scaled rule) and measures its curve."""
     pairs = _write_pairs(tmp_path / "pairs.jsonl", PAIRS)

@@ -306,45 +306,29 @@ def test_each_circuit_is_chosen_once_per_run(
     assert (tmp_path / "page.html").is_file() and len(report["files"]) == 11
 
 
-def test_method_discover_is_circuits_discover(tmp_path: Path) -> None:
-    """--method discover scores with circuits.discover (4 pairs: two per half) and measures its
-    curve; fewer pairs are one line and exit 2."""
+@pytest.mark.parametrize("method", ["mask", "discover"])
+def test_methods_that_train_are_the_api_calls(tmp_path: Path, method: str) -> None:
+    """--method mask is circuits.learn_mask (scaled rule), --method discover circuits.discover
+    (at least 4 pairs: fewer are one line and exit 2); each curve measured on the pairs."""
     four = [*PAIRS, PAIRS[0]]
     pairs = _write_pairs(tmp_path / "pairs.jsonl", four)
     out = tmp_path / "out"
-    argv = ["circuit", "--pairs", str(pairs), "--model", f"tiny-{ARCH}", "--method", "discover",
+    argv = ["circuit", "--pairs", str(pairs), "--model", f"tiny-{ARCH}", "--method", method,
             "--sizes", ",".join(map(str, SIZES)), "--edges", "12", "--out", str(out),
             "--json", str(out / "run.json")]  # fmt: skip
     assert main(argv) == 0
     report = json.loads((out / "run.json").read_text())
     model = tiny_model(ARCH)
     clean, corrupted, metric = paired_batch(model, four)
-    scores = circuits.discover(model, clean, corrupted, metric)
+    if method == "mask":
+        scores = circuits.learn_mask(model, clean, corrupted, metric, rule="scaled").scores
+    else:
+        scores = circuits.discover(model, clean, corrupted, metric)
     curve = circuits.faithfulness_curve(model, scores, clean, corrupted, metric, sizes=SIZES)
     assert report["curve"]["signed_values"] == pytest.approx(curve.signed_values, abs=1e-6)
     assert report["curve"]["cmd"] == pytest.approx(curve.cmd, abs=1e-6)
     saved = circuits.Circuit.from_json(out / "circuit.json", model)
     assert saved.edge_names == scores.top(12).edge_names
-    three = _write_pairs(tmp_path / "three.jsonl", PAIRS)
-    argv[2] = str(three)
-    assert main(argv) == 2
-
-
-def test_method_mask_is_the_scaled_learned_mask(tmp_path: Path) -> None:
-    """--method mask scores with the learned mask (scaled rule) and measures its curve."""
-    pairs = _write_pairs(tmp_path / "pairs.jsonl", PAIRS)
-    out = tmp_path / "out"
-    argv = ["circuit", "--pairs", str(pairs), "--model", f"tiny-{ARCH}", "--method", "mask",
-            "--sizes", ",".join(map(str, SIZES)), "--edges", "12", "--out", str(out),
-            "--json", str(out / "run.json")]  # fmt: skip
-    assert main(argv) == 0
-    report = json.loads((out / "run.json").read_text())
-    model = tiny_model(ARCH)
-    clean, corrupted, metric = paired_batch(model, PAIRS)
-    scores = circuits.learn_mask(model, clean, corrupted, metric, rule="scaled").scores
-    assert scores.method == "mask"
-    curve = circuits.faithfulness_curve(model, scores, clean, corrupted, metric, sizes=SIZES)
-    assert report["curve"]["signed_values"] == pytest.approx(curve.signed_values, abs=1e-6)
-    assert report["curve"]["cmd"] == pytest.approx(curve.cmd, abs=1e-6)
-    saved = circuits.Circuit.from_json(out / "circuit.json", model)
-    assert saved.edge_names == scores.top(12).edge_names
+    if method == "discover":
+        argv[2] = str(_write_pairs(tmp_path / "three.jsonl", PAIRS))
+        assert main(argv) == 2

@@ -449,22 +449,29 @@ def test_calibrated_mask_is_the_mask_with_its_negatives_scaled_on_the_training_p
     assert spent["attribute_cpu"] == pytest.approx(mask_spent["attribute_cpu"] + own)
 
 
-def test_apart_calibration_fits_on_one_half_and_chooses_on_the_other(monkeypatch):
-    """mask-scaled-xcal: a mask trained on the first half of the training pairs (from that half's
-    own eap-ig) is calibrated on the second half; the factor scales the study's mask-scaled
-    scores, fitted on all the pairs. Its seconds count the half's work too."""
+def _halves_setup(monkeypatch, candidates):
+    """A one-layer grouped-query toy, 5 toy training pairs, its graph, and the calibrations
+    seen (scores, calibration tokens): calibrate_negatives at two sizes over `candidates`,
+    learn_mask at 2 steps."""
     model = tiny_model(arch_or_hooked("llama"), n_layers=1)
     train = task_pairs(model, "toy", 5)
-    graph = circuits.Graph.from_model(model)
     seen: list[tuple[circuits.EdgeScores, torch.Tensor]] = []
     real_calibrate, real_mask = circuits.calibrate_negatives, circuits.learn_mask
 
     def calibrate_negatives(model, scores, clean, *args, **kwargs):
         seen.append((scores, clean.tokens))
-        return real_calibrate(model, scores, clean, *args, **{**kwargs, "sizes": [0.5, 1.0], "candidates": (1.0, 0.5, 0.01)})  # fmt: skip
+        return real_calibrate(model, scores, clean, *args, **{**kwargs, "sizes": [0.5, 1.0], "candidates": candidates})  # fmt: skip
 
     monkeypatch.setattr(circuits, "calibrate_negatives", calibrate_negatives)
     monkeypatch.setattr(circuits, "learn_mask", lambda *a, **k: real_mask(*a, **{**k, "steps": 2}))
+    return model, train, circuits.Graph.from_model(model), seen
+
+
+def test_apart_calibration_fits_on_one_half_and_chooses_on_the_other(monkeypatch):
+    """mask-scaled-xcal: a mask trained on the first half of the training pairs (from that half's
+    own eap-ig) is calibrated on the second half; the factor scales the study's mask-scaled
+    scores, fitted on all the pairs. Its seconds count the half's work too."""
+    model, train, graph, seen = _halves_setup(monkeypatch, (1.0, 0.5, 0.01))
     scored = methods_module.Scored(model, train, graph, batch_size=4, own_copies=True)
     calibrated, spent = scored("mask-scaled-xcal")
     mask, mask_spent = scored("mask-scaled")
@@ -488,18 +495,7 @@ def test_crossfit_is_the_mean_of_the_halves_masks_scaled_as_the_first_half_choos
     """mask-scaled-cv: one mask per half of the training pairs (each from its half's own eap-ig),
     the first calibrated on the second half; the scores are the two masks' raw mean with that
     factor, and no mask is fitted on all the pairs."""
-    model = tiny_model(arch_or_hooked("llama"), n_layers=1)
-    train = task_pairs(model, "toy", 5)
-    graph = circuits.Graph.from_model(model)
-    seen: list[tuple[circuits.EdgeScores, torch.Tensor]] = []
-    real_calibrate, real_mask = circuits.calibrate_negatives, circuits.learn_mask
-
-    def calibrate_negatives(model, scores, clean, *args, **kwargs):
-        seen.append((scores, clean.tokens))
-        return real_calibrate(model, scores, clean, *args, **{**kwargs, "sizes": [0.5, 1.0], "candidates": (0.01, 0.5)})  # fmt: skip
-
-    monkeypatch.setattr(circuits, "calibrate_negatives", calibrate_negatives)
-    monkeypatch.setattr(circuits, "learn_mask", lambda *a, **k: real_mask(*a, **{**k, "steps": 2}))
+    model, train, graph, seen = _halves_setup(monkeypatch, (0.01, 0.5))
     scored = methods_module.Scored(model, train, graph, batch_size=4, own_copies=True)
     cv, spent = scored("mask-scaled-cv")
     first = methods_module.Scored(model, train[:3], graph, batch_size=4, own_copies=True)
@@ -520,7 +516,7 @@ def test_crossfit_is_the_mean_of_the_halves_masks_scaled_as_the_first_half_choos
     assert (cv.scores < 0).any() and "mask-scaled" not in scored.scored
     # circuits.discover, the same steps as a library call (here the halves share one padding)
     discover_module = importlib.import_module("ra_lens.circuits.discover")
-    monkeypatch.setattr(discover_module, "calibrate_negatives", calibrate_negatives)
+    monkeypatch.setattr(discover_module, "calibrate_negatives", circuits.calibrate_negatives)
     monkeypatch.setattr(discover_module, "learn_mask", circuits.learn_mask)
     found = circuits.discover(model, scored.clean, scored.corrupted, scored.metric, batch_size=4)
     torch.testing.assert_close(found.scores, cv.scores, rtol=1e-4, atol=1e-6)

@@ -171,8 +171,8 @@ def _add_circuit_command(sub: Any) -> None:
         choices=["eap", "eap-ig", "exact", "exact-ig", "mask", "discover"],
         help="edge scores (default eap-ig: EAP-IG-inputs' algorithm; mask: circuits.learn_mask "
         "with the scaled rule from eap-ig; discover: circuits.discover, two such masks cross-fitted "
-        "on the halves of the pairs with calibrated negatives, >= 4 pairs; both are trained on "
-        "these pairs, so their curves here flatter them: held-out numbers in the README)",
+        "on the halves of the pairs with calibrated negatives, >= 4 pairs; both train on these "
+        "pairs, so their curves here are not held-out measures: those are in the README)",
     )
     circuit.add_argument("--direction", default="denoise", choices=["denoise", "noise"])
     circuit.add_argument(

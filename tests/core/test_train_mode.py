@@ -107,6 +107,20 @@ def _learned_mask(model, metric=DIFF) -> Tensor:
     return circuits.learn_mask(model, TOKENS, CORRUPTED, metric, steps=2).log_alpha
 
 
+def _calibrated(model, metric=DIFF) -> Tensor:
+    scores = circuits.attribute(model, TOKENS, CORRUPTED, DIFF, method="eap")
+    chosen = circuits.calibrate_negatives(model, scores, TOKENS, CORRUPTED, metric, sizes=[0.5, 1])
+    return torch.tensor(chosen.cmds)
+
+
+def _discovered(model) -> Tensor:
+    """No `metric` parameter: discover cuts the metric per half, so a plain callable (the raising
+    one) is refused before any pass (tests/circuits/test_discover.py)."""
+    metric = logit_diff([30, 31] * 2, [32, 33] * 2)
+    clean, corrupted = TOKENS.repeat(2, 1), CORRUPTED.repeat(2, 1)
+    return circuits.discover(model, clean, corrupted, metric, steps=2, ig_steps=1).scores
+
+
 def _half_circuit(model, parity: int) -> circuits.Circuit:
     """Every other edge of the model's graph (those whose flat index has this parity)."""
     graph = circuits.Graph.from_model(model)
@@ -152,6 +166,8 @@ CASES: list[tuple[str, Callable[..., Tensor]]] = [
         for m in ("eap", "eap-ig", "exact", "eap-ig-act")
     ],
     ("circuits.learn_mask", _learned_mask),
+    ("circuits.calibrate_negatives", _calibrated),
+    ("circuits.discover", _discovered),
     ("circuits.faithfulness", _faithfulness),
     ("circuits.FaithfulnessEvaluator", _evaluator_mean),
 ]

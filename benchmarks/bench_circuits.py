@@ -1,12 +1,13 @@
 """Circuit discovery per second: what each edge-scoring method of `ra_lens.circuits.attribute`
-costs on one set of IOI pairs, and what `FaithfulnessEvaluator` saves over one `faithfulness`
+and `circuits.discover` cost on one set of IOI pairs, and what `FaithfulnessEvaluator` saves over one `faithfulness`
 call per circuit along a faithfulness curve.
 
     python benchmarks/bench_circuits.py [--pairs 8] [--threads 1] [--json FILE]
     python benchmarks/bench_circuits.py --tiny --json out.json   # seconds: tiny model, smoke test
 
 Ratios are measured in one run (never against numbers from another run): each method's seconds
-over eap's, the exact methods' over eap-ig-5's and eap-ig-20's, and the per-call faithfulness
+over eap's, the exact methods' over eap-ig-5's and eap-ig-20's, discover's over eap-ig-5's (its
+goal: at most 10x, issue 39's budget against EAP-IG-inputs), and the per-call faithfulness
 seconds over the evaluator's for the same circuits (whose values must agree).
 """
 
@@ -69,6 +70,9 @@ def run(tiny: bool, n_pairs: int, threads: int, log: Any = print) -> dict[str, A
                 model, clean, corrupted, metric, method=method, steps=steps, batch_size=n_pairs
             )
         log(f"attribute {label}: {seconds[label]:.2f} s ({clock.name})")
+    with timed(seconds, "discover", clock=clock.read):
+        circuits.discover(model, clean, corrupted, metric, batch_size=n_pairs)
+    log(f"discover: {seconds['discover']:.2f} s ({clock.name})")
     graph = scores["exact"].graph
     chosen = [scores["exact"].top(int(k * graph.n_edges)) for k in FRACTIONS]
     per_call, evaluated = [], []
@@ -88,7 +92,10 @@ def run(tiny: bool, n_pairs: int, threads: int, log: Any = print) -> dict[str, A
         raise AssertionError(f"the evaluator differs from faithfulness by {largest:.2g}")
     ratios = {
         **{f"{m}/eap": seconds[m] / seconds["eap"] for m in METHODS if m != "eap"},
-        **{f"{m}/eap-ig-5": seconds[m] / seconds["eap-ig-5"] for m in ("exact", "exact-ig-5")},
+        **{
+            f"{m}/eap-ig-5": seconds[m] / seconds["eap-ig-5"]
+            for m in ("exact", "exact-ig-5", "discover")
+        },
         # EAP-IG with 20 steps is the study's reference for "no more than EAP-IG's time".
         **{f"{m}/eap-ig-20": seconds[m] / seconds["eap-ig-20"] for m in ("exact", "exact-ig-5")},
         "faithfulness per call / evaluator": seconds["faithfulness_per_call"]

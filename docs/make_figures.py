@@ -14,6 +14,9 @@ Everything runs on the embedded SmolLM2-135M-Instruct on the CPU, through the pu
 - ranking_study_auc.png, ranking_study_curves.png: the head-ranking study (every ranking, 4
   tasks x 0/5 shots x zero/mean ablation) read from docs/results/ranking_study.json, which
   `python -m ra_lens.experiments.ranking_study` writes (README: how it ran, on a GPU); no model.
+- discover_study.png: `circuits.discover` against eap-ig-5 (EAP-IG-inputs) on held-out pairs, read
+  from docs/results/circuit_study_cv_*.json (the circuit study with `--methods
+  eap-ig-5,mask-scaled-cv`; docs/results/circuit-study.md); no model.
 - circuit_page.png: the page of `ra-lens circuit --html` for IOI (4 pairs, "exact" edge scores,
   the faithfulness curve at MIB's fractions, a 150-edge circuit), one head open, screenshot by
   headless Chromium (`tests/browser.py`; a few minutes).
@@ -33,7 +36,7 @@ TARGET = " Florence"
 STUDY_JSON = Path(__file__).resolve().parent / "results" / "ranking_study.json"
 #: The rankings the curve figure draws (all twelve are in the heat map).
 CURVE_RANKINGS = ("ra", "ra_temperature", "causal_mediation", "cm_first_order", "random")
-FIGURES = ("figure1", "patching", "ranking", "circuit", "page")
+FIGURES = ("figure1", "patching", "ranking", "circuit", "discover", "page")
 
 
 def figure1(model: Any, out: Path) -> list[Path]:
@@ -224,6 +227,69 @@ def circuit_study(out: Path, source: Path = CIRCUIT_JSON) -> list[Path]:
     return [path]
 
 
+#: The held-out study of `circuits.discover` (label mask-scaled-cv): (title, JSON) per panel column.
+DISCOVER_JSONS = (
+    ("SmolLM2 IOI", "circuit_study_cv_ioi.json"),
+    ("SmolLM2 country-capital", "circuit_study_cv_country-capital.json"),
+    ("SmolLM2 antonym", "circuit_study_cv_antonym.json"),
+    ("Gemma-3-270M IOI", "circuit_study_cv_gemma3_ioi.json"),
+)
+DISCOVER_LABELS = {"eap-ig-5": "eap-ig-5 (EAP-IG-inputs)", "mask-scaled-cv": "circuits.discover"}
+
+
+def discover_study(out: Path) -> list[Path]:
+    """`circuits.discover` against eap-ig-5 on held-out pairs: the signed ranking's faithfulness
+    (area: CPR) in the top row, |1 - f| of the |score| ranking (area: CMD, 95 % bootstrap band of
+    f) in the bottom row, one column per model and task; no model."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, len(DISCOVER_JSONS), figsize=(4.2 * len(DISCOVER_JSONS), 8.6))
+    for col, (title, name) in enumerate(DISCOVER_JSONS):
+        data = json.loads((CIRCUIT_JSON.parent / name).read_text())
+        (task,) = data["tasks"].values()
+        x = [n / task["n_edges_total"] for n in task["sizes"]]
+        for k, (label, shown) in enumerate(DISCOVER_LABELS.items()):
+            e = task["summary"]["methods"][label]["patching"]
+            cpr, cmd = e["cpr"], e["cmd"]
+            style = {"color": f"C{k}", "marker": "os"[k], "markersize": 3, "linewidth": 1.4}
+            axes[0, col].plot(
+                x, e["signed_faithfulness"], **style,
+                label=f"{shown}: CPR {cpr['estimate']:.2f} [{cpr['low']:.2f}, {cpr['high']:.2f}]",
+            )  # fmt: skip
+            gap = [abs(1 - v) for v in e["faithfulness"]]
+            axes[1, col].plot(
+                x, gap, **style,
+                label=f"{shown}: CMD {cmd['estimate']:.3f} [{cmd['low']:.3f}, {cmd['high']:.3f}]",
+            )  # fmt: skip
+            # |1 - f| over f's interval: 0 where the interval holds 1
+            low = [0.0 if lo <= 1 <= hi else min(abs(1 - lo), abs(1 - hi)) for lo, hi in zip(e["low"], e["high"])]  # fmt: skip
+            high = [max(abs(1 - lo), abs(1 - hi)) for lo, hi in zip(e["low"], e["high"])]
+            axes[1, col].fill_between(x, low, high, color=f"C{k}", alpha=0.15, linewidth=0)
+        held, train = task["n_pairs"], len(task["train_pairs"])
+        axes[0, col].set_title(f"{title} ({train} train, {held} held-out pairs)", fontsize=9)
+        axes[0, col].axhline(1.0, color="grey", lw=0.8, ls=":")
+        for ax in axes[:, col]:
+            ax.set_xlabel("fraction of the ungrouped edges kept", fontsize=8)
+            ax.set_xscale("log")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.13))
+    axes[0, 0].set_ylabel("f, signed ranking (area: CPR, higher better)")
+    axes[1, 0].set_ylabel("|1 - f|, |score| ranking (area: CMD, lower better)")
+    fig.suptitle(
+        "circuits.discover against EAP-IG-inputs on held-out pairs, MIB's units (edge patching, "
+        "per query-head copy); areas over the linear fraction axis, drawn on a log axis",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    path = out / "discover_study.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return [path]
+
+
 def circuit_page(model: Any, out: Path) -> list[Path]:
     """A screenshot of the circuit page, as `ra-lens circuit --html` writes it, with the head of
     the largest |node score| in the circuit open (found through the page's search box)."""
@@ -273,7 +339,8 @@ def main(argv: list[str] | None = None) -> list[Path]:
 
     import ra_lens
 
-    model = ra_lens.load_model(device="cpu") if set(args.only) - {"ranking", "circuit"} else None
+    without_model = {"ranking", "circuit", "discover"}
+    model = ra_lens.load_model(device="cpu") if set(args.only) - without_model else None
     paths: list[Path] = []
     for name in args.only:
         start = time.perf_counter()
@@ -283,6 +350,8 @@ def main(argv: list[str] | None = None) -> list[Path]:
             paths += patching(model, args.out)
         elif name == "circuit":
             paths += circuit_study(args.out)
+        elif name == "discover":
+            paths += discover_study(args.out)
         elif name == "page":
             paths += circuit_page(model, args.out)
         else:

@@ -11,9 +11,9 @@ of the training pairs, their harmful edges scaled by a factor measured on pairs 
 
 The signed ranking (MIB's CPR) comes from the masks, the |score| ranking (MIB's CMD) from the
 factor. Cost: two masks on half the pairs each (about one mask on all of them) plus one
-calibration: 4-7x `attribute`'s default's CPU seconds in the circuit study, 6-10x against its
-quiet-machine timings (docs/results/circuit-study.md, where it is measured against
-EAP-IG-inputs on held-out pairs).
+calibration: 7.2-9.3x `attribute`'s default's CPU seconds on the circuit study's training pairs,
+measured one at a time (docs/results/circuit-study.md, where it is measured against
+EAP-IG-inputs on held-out pairs; `benchmarks/bench_circuits.py` prints the ratio).
 """
 
 from __future__ import annotations

@@ -135,8 +135,9 @@ def test_circuits_benchmark_times_every_method_and_the_evaluator_agrees(bench):
     threads = torch.get_num_threads()
     result = bench_circuits.run(tiny=True, n_pairs=4, threads=threads, log=lambda line: None)
     assert torch.get_num_threads() == threads
-    assert set(result["seconds"]) == {*bench_circuits.METHODS, "faithfulness_per_call", "faithfulness_evaluator"}  # fmt: skip
+    assert set(result["seconds"]) == {*bench_circuits.METHODS, "discover", "faithfulness_per_call", "faithfulness_evaluator"}  # fmt: skip
     assert all(s > 0 for s in result["seconds"].values())
     assert result["evaluator_max_difference"] < 1e-6
     assert result["ratios"]["exact/eap"] == pytest.approx(result["seconds"]["exact"] / result["seconds"]["eap"])  # fmt: skip
+    assert result["ratios"]["discover/eap-ig-5"] == pytest.approx(result["seconds"]["discover"] / result["seconds"]["eap-ig-5"])  # fmt: skip
     assert len(result["curve"]["faithfulness"]) == len(bench_circuits.FRACTIONS)

@@ -156,6 +156,16 @@ def ranking(out: Path) -> list[Path]:
 CIRCUIT_JSON = Path(__file__).resolve().parent / "results" / "circuit_study.json"
 
 
+def _saved(fig: Any, path: Path, dpi: int) -> Path:
+    """Lay out, write and close a pyplot figure."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return path
+
+
 def circuit_study(out: Path, source: Path = CIRCUIT_JSON) -> list[Path]:
     """The circuit study from its JSON (`python -m ra_lens.experiments.circuit_study`): faithfulness
     against edges kept, one line per method with its 95 % bootstrap band, one panel per task and
@@ -220,11 +230,7 @@ def circuit_study(out: Path, source: Path = CIRCUIT_JSON) -> list[Path]:
         f"Circuit faithfulness on {data['config']['model']}, MIB's signed ranking (edge patching)",
         fontsize=10,
     )
-    fig.tight_layout()
-    path = out / "circuit_study.png"
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
-    return [path]
+    return [_saved(fig, out / "circuit_study.png", dpi=130)]
 
 
 #: The held-out study of `circuits.discover` (label mask-scaled-cv): (title, JSON) per panel column.
@@ -283,11 +289,7 @@ def discover_study(out: Path) -> list[Path]:
         "per query-head copy); areas over the linear fraction axis, drawn on a log axis",
         fontsize=10,
     )
-    fig.tight_layout()
-    path = out / "discover_study.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return [path]
+    return [_saved(fig, out / "discover_study.png", dpi=120)]
 
 
 def circuit_page(model: Any, out: Path) -> list[Path]:

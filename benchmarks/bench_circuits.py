@@ -1,6 +1,6 @@
 """Circuit discovery per second: what each edge-scoring method of `ra_lens.circuits.attribute`
-and `circuits.discover` cost on one set of IOI pairs, and what `FaithfulnessEvaluator` saves over one `faithfulness`
-call per circuit along a faithfulness curve.
+and `circuits.discover` cost on one set of IOI pairs, and what `FaithfulnessEvaluator` saves
+over one `faithfulness` call per circuit along a faithfulness curve.
 
     python benchmarks/bench_circuits.py [--pairs 8] [--threads 1] [--json FILE]
     python benchmarks/bench_circuits.py --tiny --json out.json   # seconds: tiny model, smoke test

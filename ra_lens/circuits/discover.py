@@ -5,15 +5,16 @@ of the training pairs, their harmful edges scaled by a factor measured on pairs 
 
 1. trains one edge mask per half (`learn_mask`, rule="scaled", each warm-started from its own
    half's EAP-IG scores), so no mask sees all the pairs;
-2. chooses the factor on the negative scores (`calibrate_negatives`) for A's mask on B's pairs,
-   which that mask was not trained on (a mask's harmful edges look stronger on its own pairs);
+2. chooses the factor on the negative scores (`cross_calibrate`) by the mean CMD of A's mask on
+   B's pairs and B's mask on A's, pairs each mask was not trained on (a mask's harmful edges look
+   stronger on its own pairs), trying 1, 0.5, 0.25 in turn until the mean CMD gets worse;
 3. returns the raw mean of the two masks' log-odds with that factor on the negatives.
 
 The signed ranking (MIB's CPR) comes from the masks, the |score| ranking (MIB's CMD) from the
-factor. Cost: two masks on half the pairs each (about one mask on all of them) plus one
-calibration: 7.2-9.3x `attribute`'s default's CPU seconds on the circuit study's training pairs,
-measured one at a time (docs/results/circuit-study.md, where it is measured against
-EAP-IG-inputs on held-out pairs; `benchmarks/bench_circuits.py` prints the ratio).
+factor. One direction alone chose the factor worse: on 48 fresh IOI pairs it chose 1 where 0.5
+halves the held-out CMD (docs/results/circuit-study.md). Cost: two masks on half the pairs each
+(about one mask on all of them) plus the calibration; `benchmarks/bench_circuits.py` prints the
+ratio to `attribute`'s default, docs/results/circuit-study.md has it per task.
 """
 
 from __future__ import annotations
@@ -27,17 +28,16 @@ from ra_lens.capture import HookedModel
 from ra_lens.checks import check_count
 from ra_lens.circuits.ensemble import ensemble
 from ra_lens.circuits.masks import learn_mask
-from ra_lens.circuits.negatives import (
-    CANDIDATES,
-    calibrate_negatives,
-    check_candidates,
-    scale_negatives,
-)
+from ra_lens.circuits.mib import MIB_FRACTIONS
+from ra_lens.circuits.negatives import CANDIDATES, Fold, check_candidates, cross_calibrate
 from ra_lens.circuits.scores import EdgeScores
 from ra_lens.types import MetricFn, Tokens
 
 #: Fewest training pairs: two per half (a mask is fitted to at least two pairs).
 MIN_DISCOVER_PAIRS = 4
+#: The circuit sizes the factor is chosen at: MIB's from 1 % of the edges (the sizes below span
+#: under 1 % of the area's width but would add half again to the calibration's passes).
+CALIBRATION_SIZES: tuple[float, ...] = tuple(k for k in MIB_FRACTIONS if k >= 0.01)
 
 
 def discover(
@@ -63,7 +63,7 @@ def discover(
             e.g. `ra_lens.metrics.logit_diff`.
         steps, lr: each mask's training steps and step size (`learn_mask`, rule="scaled").
         ig_steps: the IG steps of each mask's EAP-IG warm start.
-        candidates: the factors on the negative scores to choose from (`calibrate_negatives`).
+        candidates: the factors on the negative scores to try, in this order (`cross_calibrate`).
         batch_size: pairs per forward/backward pass.
         progress: show progress bars.
 
@@ -76,7 +76,7 @@ def discover(
     Raises:
         ValueError: fewer than 4 pairs, steps or ig_steps < 1, no candidate or one outside
             (0, 1], a metric not from `ra_lens.metrics` (it cannot be cut), and what `learn_mask` and
-            `calibrate_negatives` refuse (a collapsed mask, a metric equal on both runs, ...).
+            `cross_calibrate` refuse (a collapsed mask, a metric equal on both runs, ...).
 
     >>> from ra_lens.metrics import logit_diff
     >>> clean = ["The capital of France is", "I like France"] * 2
@@ -103,12 +103,15 @@ def discover(
         ).scores
         for rows in halves
     ]  # fmt: skip
-    held = halves[1]
-    calibration = calibrate_negatives(
-        model, masks[0], clean_b.rows(held), corrupted_b.rows(held),
-        pairs.metric_rows(metric, held, n), candidates=candidates, own_copies=True,
-        batch_size=batch_size, progress=progress,
+    folds = [  # each mask on the half it did not see
+        Fold(mask, clean_b.rows(rows), corrupted_b.rows(rows), pairs.metric_rows(metric, rows, n))
+        for mask, rows in zip(masks, reversed(halves), strict=True)
+    ]
+    calibration = cross_calibrate(
+        model, folds, ensemble(masks, normalise="none"), candidates=candidates,
+        sizes=CALIBRATION_SIZES, own_copies=True, stop_when_worse=True, batch_size=batch_size,
+        progress=progress,
     )  # fmt: skip
-    scores = scale_negatives(ensemble(masks, normalise="none"), calibration.scale)
+    scores = calibration.scores
     method = f"discover(2 masks x {steps} steps, negatives x {calibration.scale:g})"
     return dataclasses.replace(scores, method=method, seconds=timing.cpu_time() - start)

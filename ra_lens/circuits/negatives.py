@@ -13,8 +13,11 @@ the sum of its copies, so where its copies differ in sign its grouped score move
 `calibrate_negatives` chooses c among a few candidates by the CMD of the |score| circuits on the
 pairs it is given: one faithfulness pass per distinct circuit, a circuit the candidates share
 measured once. A mask behaves differently on the pairs it was trained on, so give it pairs the
-scores were not fitted to where there are some (the circuit study's `mask-scaled-xcal` fits a
-mask on half the training pairs, calibrates on the other half and scales the mask fitted on all).
+scores were not fitted to where there are some. `cross_calibrate` does the same over several
+folds (each fit's scores on pairs that fit did not see: `circuits.discover`'s two halves, each
+mask on the other half's pairs) and chooses by the folds' mean CMD, for scores built from the
+fits (their mean); it can stop at the first candidate whose mean CMD is worse than the one
+before (the CMD of every calibration measured so far falls then rises along the factors).
 """
 
 from __future__ import annotations
@@ -24,13 +27,12 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import torch
 
 from ra_lens import timing
 from ra_lens._typing import Validated
-from ra_lens.circuits.circuit import Circuit
 from ra_lens.circuits.faithfulness import Ablation, FaithfulnessEvaluator
 from ra_lens.circuits.graph import UNITS, Units
 from ra_lens.circuits.mib import MIB_FRACTIONS, ChosenCircuits, check_fractions, mib_sign
@@ -89,10 +91,13 @@ class NegativeScale(Recorded):
 
     Attributes:
         scale: the chosen factor (the smallest CMD; the first candidate on a tie).
-        candidates: the factors tried, in order of preference on a tie.
-        cmds: CMD of each candidate's |score| circuits on the calibration pairs.
-        scores: the input scores with their negatives times `scale`.
+        candidates: the factors tried, in order of preference on a tie (`cross_calibrate`
+            with stop_when_worse: up to the first that was worse than the one before).
+        cmds: CMD of each candidate's |score| circuits on the calibration pairs (the folds'
+            mean, where there are several).
+        scores: the scores the factor is for, their negatives times `scale`.
         seconds: CPU seconds of the calibration (the faithfulness passes).
+        fold_cmds: each fold's CMDs, one list per fold in the candidates' order.
     """
 
     scale: float
@@ -100,6 +105,7 @@ class NegativeScale(Recorded):
     cmds: list[float]
     scores: EdgeScores = field(repr=False)
     seconds: float = 0.0
+    fold_cmds: list[list[float]] = field(default_factory=list)
 
     @property
     def cmd(self) -> dict[float, float]:
@@ -107,7 +113,8 @@ class NegativeScale(Recorded):
         return dict(zip(self.candidates, self.cmds, strict=True))
 
     def to_dict(self) -> dict[str, Any]:
-        return {"scale": self.scale, "cmd": {str(c): v for c, v in self.cmd.items()}, "seconds": self.seconds}  # fmt: skip
+        folds = [dict(zip(map(str, self.candidates), f, strict=True)) for f in self.fold_cmds]
+        return {"scale": self.scale, "cmd": {str(c): v for c, v in self.cmd.items()}, "fold_cmd": folds, "seconds": self.seconds}  # fmt: skip
 
     def table(self) -> str:
         rows = [f"| {c:g} | {v:.4f} | {'yes' if c == self.scale else ''} |" for c, v in self.cmd.items()]  # fmt: skip
@@ -130,6 +137,15 @@ def check_candidates(candidates: Sequence[float]) -> None:
         raise ValueError("candidates is empty: give at least one factor in (0, 1], e.g. (1.0, 0.5, 0.25)")  # fmt: skip
     for c in candidates:
         _check_scale(c)
+
+
+class Fold(NamedTuple):
+    """Scores and pairs they were not fitted to (`cross_calibrate`)."""
+
+    scores: EdgeScores
+    clean: Tokens
+    corrupted: Tokens
+    metric: MetricFn
 
 
 def calibrate_negatives(
@@ -162,28 +178,82 @@ def calibrate_negatives(
     Returns:
         NegativeScale: the chosen factor, the CMD of every candidate, the scaled scores.
     """
+    return cross_calibrate(
+        model, [Fold(scores, clean, corrupted, metric)], scores, candidates=candidates,
+        sizes=sizes, ablation=ablation, units=units, own_copies=own_copies,
+        batch_size=batch_size, progress=progress,
+    )  # fmt: skip
+
+
+def cross_calibrate(
+    model: HookedModel,
+    folds: Sequence[Fold],
+    scores: EdgeScores,
+    *,
+    candidates: Sequence[float] = CANDIDATES,
+    sizes: Sequence[float] | None = None,
+    ablation: str = "patching",
+    units: Validated[Units] = "ungrouped",
+    own_copies: bool = False,
+    stop_when_worse: bool = False,
+    batch_size: int = 8,
+    progress: bool = False,
+) -> NegativeScale:
+    """Choose the factor on the negative scores of `scores` by the mean CMD over the folds.
+
+    Args:
+        model: the model the scores are for.
+        folds: each a fit's scores and pairs it was not fitted to (`Fold`).
+        scores: the scores the factor is for (e.g. the mean of the folds' fits).
+        candidates: factors in (0, 1] to try in this order, the earlier preferred on a tie.
+        sizes: fractions of the edges (default MIB's, `MIB_FRACTIONS`).
+        ablation, units, own_copies: as `faithfulness_curve` takes them.
+        stop_when_worse: stop at the first candidate whose mean CMD exceeds the previous
+            one's (those after it are not measured).
+        batch_size: pairs per forward pass.
+        progress: show a progress bar.
+
+    Returns:
+        NegativeScale: the chosen factor, the mean and per-fold CMD of each candidate tried,
+        `scores` with its negatives times the factor.
+    """
     check_candidates(candidates)
+    if not folds:
+        raise ValueError("folds is empty: give at least one Fold(scores, clean, corrupted, metric)")  # fmt: skip
     if units not in UNITS:
         raise ValueError(f"units={units!r}: expected one of {UNITS}")
-    scaled = {float(c): scale_negatives(scores, c) for c in candidates}
     fractions = check_fractions(MIB_FRACTIONS if sizes is None else sizes)
     start = timing.cpu_time()
-    evaluator = FaithfulnessEvaluator(
-        model, clean, corrupted, metric, batch_size=batch_size, ablation=cast("Ablation", ablation)
-    )
-    measured: dict[bytes, float] = {}
+    # per fold: its evaluator (the fold's corrupted run, taken once) and the circuits measured
+    evaluators = [
+        FaithfulnessEvaluator(
+            model, fold.clean, fold.corrupted, fold.metric, batch_size=batch_size,
+            ablation=cast("Ablation", ablation),
+        )
+        for fold in folds
+    ]  # fmt: skip
+    measured: list[dict[bytes, float]] = [{} for _ in folds]
 
-    def value(circuit: Circuit) -> float:
-        key = circuit.copies.numpy().tobytes()
-        if key not in measured:
-            measured[key] = float(evaluator(circuit).value)
-        return measured[key]
+    def fold_cmd(i: int, candidate: float) -> float:
+        chosen = ChosenCircuits(scale_negatives(folds[i].scores, candidate), "top", own_copies and units == "ungrouped")  # fmt: skip
+        values = []
+        for circuit in chosen.at(fractions, absolute=True, units=units):
+            key = circuit.copies.numpy().tobytes()
+            if key not in measured[i]:
+                measured[i][key] = float(evaluators[i](circuit).value)
+            values.append(measured[i][key])
+        return trapezoid_auc(fractions, [abs(1.0 - v) for v in values])
 
-    cmd = {}
-    for c, candidate in tqdm(scaled.items(), desc="negative scale", disable=not progress):
-        chosen = ChosenCircuits(candidate, "top", own_copies and units == "ungrouped")
-        values = [value(circuit) for circuit in chosen.at(fractions, absolute=True, units=units)]
-        cmd[c] = trapezoid_auc(fractions, [abs(1.0 - v) for v in values])
-    best = min(cmd, key=lambda c: cmd[c])  # the first of equal minima
+    tried: list[float] = []
+    per_fold: list[list[float]] = [[] for _ in folds]
+    cmds: list[float] = []
+    for c in tqdm([float(c) for c in candidates], desc="negative scale", disable=not progress):
+        for i in range(len(folds)):
+            per_fold[i].append(fold_cmd(i, c))
+        tried.append(c)
+        cmds.append(sum(f[-1] for f in per_fold) / len(folds))
+        if stop_when_worse and len(cmds) > 1 and cmds[-1] > cmds[-2]:
+            break
+    best = tried[cmds.index(min(cmds))]  # the first of equal minima
     seconds = timing.cpu_time() - start
-    return NegativeScale(best, list(cmd), list(cmd.values()), scaled[best], seconds=seconds)
+    return NegativeScale(best, tried, cmds, scale_negatives(scores, best), seconds=seconds, fold_cmds=per_fold)  # fmt: skip

@@ -11,8 +11,10 @@ from typing import Any, Literal, TypedDict
 import torch
 
 from ra_lens import circuits, timing
+from ra_lens.circuits.discover import CALIBRATION_SIZES
 from ra_lens.circuits.masks import Objective, Rule
 from ra_lens.circuits.mib import MIB_SUBMISSION_FRACTIONS
+from ra_lens.circuits.negatives import Fold, cross_calibrate
 from ra_lens.tasks import ioi
 from ra_lens.tasks.ioi import PromptPair
 from ra_lens.types import HookedModel
@@ -86,9 +88,10 @@ MASK_OPTIONS: dict[str, MaskOptions] = {
 #: Where a calibrated method chooses its factor: "train", on the training pairs its scores were
 #: fitted to; "apart", the method fitted again on the first half of the training pairs and the
 #: factor chosen on the second half, which that fit did not see (then applied to the scores
-#: fitted on all of them); "crossfit", as "apart", but the scores are the mean of the two halves'
-#: fits (no fit on all the pairs: about the cost of one). A learned mask behaves differently on
-#: the pairs it was trained on.
+#: fitted on all of them); "crossfit", `circuits.discover`: the scores are the mean of the two
+#: halves' fits (no fit on all the pairs: about the cost of one) and the factor is chosen on both
+#: (each half's fit on the other half). A learned mask behaves differently on the pairs it was
+#: trained on.
 CalibrationPairs = Literal["train", "apart", "crossfit"]
 #: calibrated label -> (the method whose negative scores it scales, where the factor is chosen)
 CALIBRATED: dict[str, tuple[str, CalibrationPairs]] = {
@@ -198,8 +201,8 @@ class Scored:
 
     def _calibrated(self, label: str, scores: circuits.EdgeScores | None) -> circuits.EdgeScores:
         """`scores` (None under "crossfit": the mean of the halves' fits) with their negatives
-        times the factor `calibrate_negatives` chooses where CALIBRATED says; what it chose and
-        saw goes to `self.calibrations`."""
+        times the factor `calibrate_negatives` chooses where CALIBRATED says (`cross_calibrate`
+        on both halves under "crossfit"); what it chose and saw goes to `self.calibrations`."""
         under, pairs = CALIBRATED[label]
         held = self.train
         if pairs == "train":
@@ -211,9 +214,19 @@ class Scored:
             half = (len(self.train) + 1) // 2
             held = self.train[half:]
             fitted = self._on(slice(0, half))(under)[0]
-            if pairs == "crossfit":
+            if pairs == "crossfit":  # discover's steps (its test pins the two equal)
                 second = self._on(slice(half, len(self.train)))(under)[0]
-                scores = circuits.ensemble([fitted, second], normalise="none")
+                folds = [
+                    Fold(fitted, *ioi.paired_batch(self.model, held)),
+                    Fold(second, *ioi.paired_batch(self.model, self.train[:half])),
+                ]
+                calibration = cross_calibrate(
+                    self.model, folds, circuits.ensemble([fitted, second], normalise="none"),
+                    sizes=CALIBRATION_SIZES, own_copies=self.own_copies, stop_when_worse=True,
+                    batch_size=self.batch_size,
+                )  # fmt: skip
+                self.calibrations[label] = {**calibration.to_dict(), "pairs": pairs, "n_pairs": len(self.train)}  # fmt: skip
+                return calibration.scores
         assert scores is not None
         calibration = circuits.calibrate_negatives(
             self.model, fitted, *ioi.paired_batch(self.model, held),

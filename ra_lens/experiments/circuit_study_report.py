@@ -342,11 +342,11 @@ def _jaccard_table(study: dict[str, Any]) -> list[str]:
 
 def _negative_scale_lines(study: dict[str, Any]) -> list[str]:
     """The factor each calibrated method chose, where it chose it, and the CMD there of every
-    candidate (`circuits.calibrate_negatives`)."""
+    candidate tried (`circuits.calibrate_negatives`; crossfit: the mean of both halves')."""
     where = {
         "train": "the training pairs",
         "apart": "the half of the training pairs its fit on the other half did not see",
-        "crossfit": "the second half of the training pairs, for the first half's fit (the scores: the mean of the two halves' fits)",
+        "crossfit": "both halves of the training pairs, each half's fit on the other half (mean CMD; the scores: the mean of the two fits)",
     }
     lines = [
         f"- {name}, {label}: negative scores x {scale['scale']:g}, chosen on "

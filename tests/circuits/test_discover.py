@@ -1,7 +1,8 @@
 """`circuits.discover`: two scaled masks, one per half of the training pairs, each from its own
-half's EAP-IG; the first half's mask calibrated on the second half's pairs (per copy, as MIB's
-evaluator patches); the raw mean of the two with that factor on the negatives. Checked against
-that composition of the public functions on float64 toys, both TransformerLens worlds."""
+half's EAP-IG; the factor on the negatives chosen by the mean CMD of each half's mask on the other
+half's pairs (per copy, as MIB's evaluator patches); the raw mean of the two masks with that
+factor. Checked against that composition of the public functions on float64 toys, both
+TransformerLens worlds."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 from helpers import PAIR_CLEAN, PAIR_CORRUPTED, circuit_toy, snapshot
 
 from ra_lens import circuits
+from ra_lens.circuits import negatives
 from ra_lens.circuits.negatives import CANDIDATES
 from ra_lens.metrics import logit_diff
 
@@ -28,9 +30,11 @@ def model(request):
     return model
 
 
-def test_discover_is_the_mean_of_the_halves_masks_with_the_first_halfs_factor(model, monkeypatch):
+def test_discover_is_the_mean_of_the_halves_masks_with_the_factor_both_halves_choose(
+    model, monkeypatch
+):
     chosen = []
-    real_calibrate = circuits.calibrate_negatives
+    real_calibrate = negatives.cross_calibrate
 
     def calibrate(*args, **kwargs):
         chosen.append(real_calibrate(*args, **kwargs))
@@ -38,7 +42,7 @@ def test_discover_is_the_mean_of_the_halves_masks_with_the_first_halfs_factor(mo
 
     # the module (the package's name `discover` is the function)
     module = importlib.import_module("ra_lens.circuits.discover")
-    monkeypatch.setattr(module, "calibrate_negatives", calibrate)
+    monkeypatch.setattr(module, "cross_calibrate", calibrate)
     before = snapshot(model)
     scores = circuits.discover(model, CLEAN, CORRUPTED, METRIC, steps=2, ig_steps=2, batch_size=2)
     assert_as_found(model, before)
@@ -51,12 +55,31 @@ def test_discover_is_the_mean_of_the_halves_masks_with_the_first_halfs_factor(mo
         ).scores
         for rows in (first, second)
     ]  # fmt: skip
-    calibration = real_calibrate(
-        model, masks[0], CLEAN[second], CORRUPTED[second], METRIC[second], own_copies=True,
-        batch_size=2,
-    )  # fmt: skip
-    assert chosen[0].scale == calibration.scale and chosen[0].cmds == calibration.cmds
-    assert calibration.candidates == list(CANDIDATES)
+    # each mask on the other half's pairs, every candidate measured
+    one_way = [
+        circuits.calibrate_negatives(
+            model,
+            mask,
+            CLEAN[rows],
+            CORRUPTED[rows],
+            METRIC[rows],
+            own_copies=True,
+            sizes=module.CALIBRATION_SIZES,
+            batch_size=2,
+        )  # fmt: skip
+        for mask, rows in ((masks[0], second), (masks[1], first))
+    ]
+    (calibration,) = chosen
+    tried = len(calibration.candidates)
+    assert calibration.candidates == list(CANDIDATES)[:tried]
+    for fold, alone in zip(calibration.fold_cmds, one_way, strict=True):
+        assert fold == pytest.approx(alone.cmds[:tried], rel=1e-9, abs=1e-12)
+    mean_cmd = [(a + b) / 2 for a, b in zip(one_way[0].cmds, one_way[1].cmds, strict=True)]
+    assert calibration.cmds == pytest.approx(mean_cmd[:tried], rel=1e-9, abs=1e-12)
+    # tried up to the first candidate worse than the one before, the best of those chosen
+    rises = [i for i in range(1, len(mean_cmd)) if mean_cmd[i] > mean_cmd[i - 1]]
+    assert tried == (rises[0] + 1 if rises else len(mean_cmd))
+    assert calibration.scale == CANDIDATES[mean_cmd.index(min(mean_cmd[:tried]))]
     mean = circuits.ensemble(masks, normalise="none")
     torch.testing.assert_close(mean.scores, (masks[0].scores + masks[1].scores) / 2)
     expected = circuits.scale_negatives(mean, calibration.scale)

@@ -27,6 +27,7 @@ from ra_lens.circuits import (
     scale_negatives,
 )
 from ra_lens.circuits.mib import ChosenCircuits, mib_sign
+from ra_lens.circuits.negatives import Fold, cross_calibrate
 
 SIZES = [0.1, 0.3, 0.6, 1.0]
 
@@ -120,3 +121,38 @@ def test_calibration_refuses_bad_input(model, mask_scores):
         calibrate_negatives(*args, candidates=(1.0, 2.0))
     with pytest.raises(ValueError, match="units="):
         calibrate_negatives(*args, units="heads")
+
+
+def test_cross_calibration_takes_the_folds_mean_and_can_stop_when_worse(model, mask_scores):
+    """Each fold's CMDs are its own calibration's; the choice is by their mean, applied to the
+    scores given; stop_when_worse measures the candidates up to the first worse than the one
+    before it."""
+    candidates = (1.0, 0.5, 0.25, 0.1)
+    pairs = [(PAIR_CLEAN, PAIR_CORRUPTED, PAIR_METRIC), (PAIR_CLEAN[:1], PAIR_CORRUPTED[:1], PAIR_METRIC[:1])]  # fmt: skip
+    folds = [Fold(mask_scores, *pairs[0]), Fold(scale_negatives(mask_scores, 0.3), *pairs[1])]
+    alone = [
+        calibrate_negatives(
+            model,
+            fold.scores,
+            fold.clean,
+            fold.corrupted,
+            fold.metric,
+            candidates=candidates,
+            sizes=SIZES,
+        )  # fmt: skip
+        for fold in folds
+    ]
+    target = attribute(model, PAIR_CLEAN, PAIR_CORRUPTED, PAIR_METRIC, method="eap")
+    full = cross_calibrate(model, folds, target, candidates=candidates, sizes=SIZES)
+    assert full.fold_cmds == [a.cmds for a in alone]
+    assert full.cmds == pytest.approx([(a + b) / 2 for a, b in zip(*full.fold_cmds, strict=True)])
+    assert full.scale == candidates[full.cmds.index(min(full.cmds))]
+    assert torch.equal(full.scores.scores, scale_negatives(target, full.scale).scores)
+    stopped = cross_calibrate(model, folds, target, candidates=candidates, sizes=SIZES, stop_when_worse=True)  # fmt: skip
+    rises = [i for i in range(1, len(full.cmds)) if full.cmds[i] > full.cmds[i - 1]]
+    tried = rises[0] + 1 if rises else len(candidates)
+    assert stopped.candidates == list(candidates[:tried]) and stopped.cmds == full.cmds[:tried]
+    assert stopped.scale == candidates[full.cmds.index(min(full.cmds[:tried]))]
+    assert stopped.to_dict()["fold_cmd"][1] == {str(c): v for c, v in zip(candidates, full.fold_cmds[1][:tried])}  # fmt: skip
+    with pytest.raises(ValueError, match="folds is empty"):
+        cross_calibrate(model, [], target)

@@ -11,6 +11,7 @@ import torch
 from helpers import arch_or_hooked, disk_full_beyond
 
 from ra_lens import circuits
+from ra_lens.circuits import negatives as negatives_module
 from ra_lens.experiments import circuit_study as study_module
 from ra_lens.experiments import circuit_study_methods as methods_module
 from ra_lens.experiments.circuit_study import (
@@ -491,21 +492,34 @@ def test_apart_calibration_fits_on_one_half_and_chooses_on_the_other(monkeypatch
         too_few("mask-scaled-xcal")
 
 
-def test_crossfit_is_the_mean_of_the_halves_masks_scaled_as_the_first_half_chooses(monkeypatch):
+def test_crossfit_is_the_mean_of_the_halves_masks_scaled_as_both_halves_choose(monkeypatch):
     """mask-scaled-cv: one mask per half of the training pairs (each from its half's own eap-ig),
-    the first calibrated on the second half; the scores are the two masks' raw mean with that
-    factor, and no mask is fitted on all the pairs."""
-    model, train, graph, seen = _halves_setup(monkeypatch, (0.01, 0.5))
+    the factor chosen by the mean CMD of each half's mask on the other half (cross_calibrate, as
+    circuits.discover does); the scores are the two masks' raw mean with that factor, and no
+    mask is fitted on all the pairs."""
+    model, train, graph, _ = _halves_setup(monkeypatch, (0.01, 0.5))
+    seen: list[list] = []
+    real_cross = negatives_module.cross_calibrate
+
+    def cross_calibrate(model, folds, scores, **kwargs):  # two sizes, the toy's candidates
+        seen.append(list(folds))
+        return real_cross(model, folds, scores, **{**kwargs, "sizes": [0.5, 1.0], "candidates": (0.01, 0.5)})  # fmt: skip
+
+    monkeypatch.setattr(methods_module, "cross_calibrate", cross_calibrate)
     scored = methods_module.Scored(model, train, graph, batch_size=4, own_copies=True)
     cv, spent = scored("mask-scaled-cv")
     first = methods_module.Scored(model, train[:3], graph, batch_size=4, own_copies=True)
     second = methods_module.Scored(model, train[3:], graph, batch_size=4, own_copies=True)
-    ((scores, tokens),) = seen
-    assert torch.equal(tokens, second.clean.tokens)
-    assert torch.allclose(scores.scores, first("mask-scaled")[0].scores)
-    record = scored.calibrations["mask-scaled-cv"]
-    assert record["pairs"] == "crossfit" and record["n_pairs"] == 2
     halves = [first("mask-scaled")[0], second("mask-scaled")[0]]
+    ((fold_a, fold_b),) = seen  # each half's mask on the other half's pairs
+    assert torch.equal(fold_a.clean.tokens, second.clean.tokens)
+    assert torch.equal(fold_b.clean.tokens, first.clean.tokens)
+    assert torch.allclose(fold_a.scores.scores, halves[0].scores)
+    assert torch.allclose(fold_b.scores.scores, halves[1].scores)
+    record = scored.calibrations["mask-scaled-cv"]
+    assert record["pairs"] == "crossfit" and record["n_pairs"] == 5 and len(record["fold_cmd"]) == 2
+    for c, cmd in record["cmd"].items():
+        assert cmd == pytest.approx(sum(f[c] for f in record["fold_cmd"]) / 2)
     mean = circuits.ensemble(halves, normalise="none")
     assert torch.allclose(mean.scores, (halves[0].scores + halves[1].scores) / 2)
     assert record["scale"] < 1  # every candidate moves the scores: the test sees one applied
@@ -516,10 +530,11 @@ def test_crossfit_is_the_mean_of_the_halves_masks_scaled_as_the_first_half_choos
     assert (cv.scores < 0).any() and "mask-scaled" not in scored.scored
     # circuits.discover, the same steps as a library call (here the halves share one padding)
     discover_module = importlib.import_module("ra_lens.circuits.discover")
-    monkeypatch.setattr(discover_module, "calibrate_negatives", circuits.calibrate_negatives)
+    monkeypatch.setattr(discover_module, "cross_calibrate", cross_calibrate)
     monkeypatch.setattr(discover_module, "learn_mask", circuits.learn_mask)
     found = circuits.discover(model, scored.clean, scored.corrupted, scored.metric, batch_size=4)
     torch.testing.assert_close(found.scores, cv.scores, rtol=1e-4, atol=1e-6)
+    assert found.method.endswith(f"negatives x {record['scale']:g})")
     assert spent["attribute_cpu"] == pytest.approx(scored.own["mask-scaled-cv"][0]["attribute_cpu"])  # fmt: skip
     with pytest.raises(ValueError, match="at least 4"):
         methods_module.Scored(model, train[:3], graph, batch_size=4)("mask-scaled-cv")

@@ -54,9 +54,9 @@ METHODS: dict[str, tuple[_MethodName, int, Literal["denoise", "noise"]]] = {
     "mask-scaled-cal": ("calibrated", 5, "denoise"),
     "mask-scaled-xcal": ("calibrated", 5, "denoise"),
     # circuits.discover: no mask on all the pairs, the mean of two masks, each fitted on one half
-    # of the training pairs, its negatives scaled by the factor the first half's mask gets on the
-    # second half (composed here from Scored's labels, as mask-scaled-xcal is, so that the study
-    # records the calibration's CMD per factor; a test checks it equals circuits.discover)
+    # of the training pairs, its negatives scaled by the factor with the lowest mean CMD of each
+    # half's mask on the other half (composed here from Scored's labels, as mask-scaled-xcal is,
+    # so that the study records the CMD per factor and fold; a test checks it equals discover)
     "mask-scaled-cv": ("calibrated", 5, "denoise"),
     # the mean of eap-ig's scores and the mask's log-odds (each over its rms), as Hybrid-Ens's
     # best entry averages EAP-IG with Edge Pruning's masks

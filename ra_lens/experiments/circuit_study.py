@@ -313,6 +313,7 @@ def circuit_study(
     selection: str = "top",
     own_copies: bool = False,
     refits: int = 0,
+    pair_seed: int = 0,
 ) -> dict[str, Any]:
     """Run every task; `on_task(study)` after each method of each task (to save partial
     results). Each task's first `train_pairs` pairs are scored and the next `n_pairs` (held out)
@@ -320,7 +321,8 @@ def circuit_study(
     pairs keeps n_pairs held out and trains on what is left (at least 4), train_pairs=0 scores
     the measured pairs themselves. Head activation patching (ground truth for head scores) on the first
     `truth_pairs` pairs of the tasks in `truth_tasks`. refits > 0: each method's bootstrap
-    Jaccard from that many resamples of the training pairs (`run_task`)."""
+    Jaccard from that many resamples of the training pairs (`run_task`). pair_seed: draw the
+    IOI pairs with another seed (recorded in the config where not 0)."""
     config = {
         "model": model_name,
         "device": str(next(model.parameters()).device),
@@ -340,11 +342,12 @@ def circuit_study(
         **_RECORDED,
         "truth_tasks": list(truth_tasks),
         "truth_pairs": truth_pairs,
+        **({"pair_seed": pair_seed} if pair_seed else {}),
     }
     study: dict[str, Any] = {"config": config, "tasks": {}}
     start = timing.now()
     for name in tasks:
-        train, pairs = _split(model, name, n_pairs, train_pairs)
+        train, pairs = _split(model, name, n_pairs, train_pairs, pair_seed)
 
         def keep(task: dict[str, Any], name: str = name) -> None:
             task["summary"] = summarise(task, fractions, n_boot)
@@ -389,11 +392,11 @@ _RECORDED: dict[str, str] = {
 
 
 def _split(
-    model: HookedModel, name: str, n_pairs: int, train_pairs: int
+    model: HookedModel, name: str, n_pairs: int, train_pairs: int, seed: int = 0
 ) -> tuple[list[PromptPair], list[PromptPair]]:
     """The task's training pairs (the first train_pairs, or fewer but at least 4 where the task
-    has too few) and its n_pairs held-out ones."""
-    every = task_pairs(model, name, train_pairs + n_pairs)
+    has too few) and its n_pairs held-out ones (`seed`: `task_pairs`'s)."""
+    every = task_pairs(model, name, train_pairs + n_pairs, seed)
     if not every:
         raise ValueError(f"task {name!r} has no usable pairs for this model's tokenizer")
     n_train = min(train_pairs, len(every) - n_pairs)
@@ -412,7 +415,7 @@ def merge_saved(studies: Sequence[dict[str, Any]]) -> dict[str, Any]:
     parts' (they may have run one after another)."""
     if not studies:
         raise ValueError("merge needs at least one saved study")
-    keys = ("model", "n_pairs", "train_pairs", "batch_size", "n_boot", "fractions", "edge_counts", "selection", "own_copies")  # fmt: skip
+    keys = ("model", "n_pairs", "train_pairs", "batch_size", "n_boot", "fractions", "edge_counts", "selection", "own_copies", "pair_seed")  # fmt: skip
     configs = [
         dict(s["config"], selection=saved_selection(s["config"]), own_copies=bool(s["config"].get("own_copies")))
         for s in studies

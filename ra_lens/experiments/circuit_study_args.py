@@ -52,6 +52,11 @@ def parser(methods: Sequence[str], description: str | None) -> argparse.Argument
         help="each method's bootstrap Jaccard: run it again on N resamples of the training "
         "pairs (N + 1 runs per method; 0: none)",
     )  # fmt: skip
+    parser.add_argument(
+        "--pair-seed", type=int, default=None, metavar="SEED",
+        help="draw the IOI pairs with this seed (0, the default: the study's pairs; another "
+        "seed: another sample, e.g. to check a method on pairs it was not developed on)",
+    )  # fmt: skip
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     return parser
 
@@ -85,10 +90,10 @@ def settings(
         chosen["selection"] = args.selection
     if args.own_copies:
         chosen["own_copies"] = True
-    for flag in ("n_pairs", "batch_size", "n_boot", "truth_pairs", "train_pairs", "refits"):
+    for flag in ("n_pairs", "batch_size", "n_boot", "truth_pairs", "train_pairs", "refits", "pair_seed"):  # fmt: skip
         value = getattr(args, flag)
         if value is not None:
-            least = {"train_pairs": 0, "refits": 0}.get(flag, 1)
+            least = {"train_pairs": 0, "refits": 0, "pair_seed": 0}.get(flag, 1)
             if flag == "refits" and value == 1:
                 raise ValueError("--refits 1: a bootstrap Jaccard compares resamples, give 2 or more (0: none)")  # fmt: skip
             if value < least:

@@ -51,10 +51,13 @@ def toy_pairs(model: HookedModel, n: int) -> list[PromptPair]:
     return ioi.usable(model, pairs)[:n]
 
 
-def task_pairs(model: HookedModel, task: str, n: int) -> list[PromptPair]:
-    """Up to n usable pairs of a task (fewer where the tokenizer leaves fewer)."""
+def task_pairs(model: HookedModel, task: str, n: int, seed: int = 0) -> list[PromptPair]:
+    """Up to n usable pairs of a task (fewer where the tokenizer leaves fewer); `seed` draws
+    other IOI pairs (the other tasks' pairs come from fixed lists)."""
+    if seed and task != "ioi":
+        raise ValueError(f"pair seed {seed} for task {task!r}: only ioi's pairs are drawn at random (country-capital and antonym come from fixed lists); leave the seed 0 for them")  # fmt: skip
     if task == "ioi":
-        return ioi.usable(model, ioi.ioi_pairs(4 * n))[:n]
+        return ioi.usable(model, ioi.ioi_pairs(4 * n, seed=seed))[:n]
     if task == "country-capital":
         return ioi.capital_pairs(model, n)
     if task == "antonym":

@@ -18,8 +18,8 @@ def test_flags_win_over_the_base_settings_and_leave_them_as_they_were():
     got = chosen(["--quick", "--methods", "eap,random", "--n-pairs", "5", "--truth-tasks", ""])
     assert got == {**before, "methods": ["eap", "random"], "n_pairs": 5, "truth_tasks": []}
     assert QUICK_SETTINGS == before
-    assert chosen(["--train-pairs", "0", "--selection", "greedy"]) == {
-        **FULL_SETTINGS, "train_pairs": 0, "selection": "greedy",
+    assert chosen(["--train-pairs", "0", "--selection", "greedy", "--pair-seed", "7"]) == {
+        **FULL_SETTINGS, "train_pairs": 0, "selection": "greedy", "pair_seed": 7,
     }  # fmt: skip
 
 
@@ -31,6 +31,7 @@ def test_flags_win_over_the_base_settings_and_leave_them_as_they_were():
         (["--ablations", "mean,half"], "unknown ablation half: choose from patching, mean, zero"),
         (["--n-boot", "0"], "--n-boot must be at least 1, got 0"),
         (["--train-pairs", "-1"], "--train-pairs must be at least 0, got -1"),
+        (["--pair-seed", "-1"], "--pair-seed must be at least 0, got -1"),
     ],
 )
 def test_a_bad_value_is_named(argv, message):

@@ -24,3 +24,17 @@ def test_an_unknown_task_names_the_tasks():
     model = tiny_model(arch_or_hooked("llama"), n_layers=1)
     with pytest.raises(ValueError, match=f"unknown task 'nope': choose from {', '.join(TASKS)}"):
         task_pairs(model, "nope", 2)
+
+
+def test_a_pair_seed_draws_other_ioi_pairs_and_is_refused_for_fixed_lists(monkeypatch):
+    from ra_lens.tasks import ioi
+
+    model = tiny_model(arch_or_hooked("llama"), n_layers=1)
+    # the tiny tokenizer splits the names: keep every pair here (usable is tested with ioi)
+    monkeypatch.setattr(ioi, "usable", lambda model, pairs: pairs)
+    seeded = task_pairs(model, "ioi", 3, seed=7)
+    assert seeded == ioi.ioi_pairs(12, seed=7)[:3]
+    assert len(seeded) == 3 and seeded != task_pairs(model, "ioi", 3)
+    for task in ("country-capital", "antonym", "toy"):
+        with pytest.raises(ValueError, match="only ioi's pairs are drawn at random"):
+            task_pairs(model, task, 3, seed=7)

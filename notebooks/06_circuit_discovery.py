@@ -149,12 +149,13 @@ for name, curve in curves.items():
 #
 # `circuits.discover(model, clean, corrupted, metric)` trains one learned edge mask on each half
 # of its training pairs (warm-started from that half's EAP-IG scores), scales the harmful
-# (negative) scores by a factor chosen on the half a mask did not see, and returns the two masks'
-# mean as `EdgeScores` (`export_mib` writes them as it writes `attribute`'s). On 32 held-out
-# pairs it reaches 1.1-2.7x EAP-IG's CPR with a lower CMD at 4-10x its CPU time
-# (docs/results/circuit-study.md). Here it trains on four *other* IOI pairs for three steps (the
-# study: 16 pairs, ten steps) and is judged on the three pairs above, beside EAP-IG scored on the
-# same four pairs: too few pairs and steps to expect the study's gap, enough to see the calls.
+# (negative) scores by a factor chosen on pairs the masks did not see (each half's mask on the
+# other half), and returns the two masks' mean as `EdgeScores` (`export_mib` writes them as it
+# writes `attribute`'s). On 32 held-out pairs it reaches 1.1-2.7x EAP-IG's CPR with a lower CMD
+# at 4-10x its CPU time (docs/results/circuit-study.md). Here it trains on four *other* IOI pairs
+# for three steps (the study: 16 pairs, ten steps) and is judged on the three pairs above, beside
+# EAP-IG scored on the same four pairs: too few pairs and steps to expect the study's gap, enough
+# to see the calls.
 
 # %%
 train = ioi.usable(model, ioi.ioi_pairs(40))[3:7]  # disjoint from the three pairs judged

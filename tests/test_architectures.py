@@ -537,7 +537,7 @@ def test_learned_mask_is_edge_patching_at_its_ends_and_on_zero_one_masks(arch: s
 
 @pytest.mark.parametrize("arch", MATRIX_ARCHITECTURES)
 def test_discover_scores_every_edge_and_leaves_the_model_as_found(arch: str) -> None:
-    """circuits.discover is learn_mask (exact above), calibrate_negatives (edge patching, exact
+    """circuits.discover is learn_mask (exact above), cross_calibrate (edge patching, exact
     in the circuits test) and arithmetic on the scores: on every architecture it scores every
     edge finitely, some negative edges calibrated, and leaves hooks, modes and grads as found."""
     from helpers import TOY_CLEAN, TOY_CORRUPTED, snapshot

@@ -39,9 +39,9 @@
 # Three pairs and three circuit sizes keep it short; `ra-lens circuit --task ioi` runs the same
 # pipeline on more pairs and MIB's ten sizes.
 #
-# **Runtime:** about 2 minutes under TransformerLens 4 on a 2-core CPU (105 s with a study on the
-# other core): scoring 70,651 edges three times, 10 edge-patched evaluations, then `discover`
-# on four pairs (45 s) and two more curves.
+# **Runtime:** about 2 minutes under TransformerLens 4 on a 2-core CPU (129 s alone, kernel and
+# model load included): scoring 70,651 edges three times (about 10 s each), 10 edge-patched
+# evaluations, then `discover` on four pairs (52 s) and two more curves.
 
 # %%
 # %matplotlib inline
@@ -152,7 +152,7 @@ for name, curve in curves.items():
 # (negative) scores by a factor chosen on pairs the masks did not see (each half's mask on the
 # other half), and returns the two masks' mean as `EdgeScores` (`export_mib` writes them as it
 # writes `attribute`'s). On 32 held-out pairs it reaches 1.1-2.7x EAP-IG's CPR with a lower CMD
-# at 4-10x its CPU time (docs/results/circuit-study.md). Here it trains on four *other* IOI pairs
+# at 8-9x its CPU time (docs/results/circuit-study.md). Here it trains on four *other* IOI pairs
 # for three steps (the study: 16 pairs, ten steps) and is judged on the three pairs above, beside
 # EAP-IG scored on the same four pairs: too few pairs and steps to expect the study's gap, enough
 # to see the calls.

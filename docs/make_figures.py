@@ -239,6 +239,7 @@ DISCOVER_JSONS = (
     ("SmolLM2 country-capital", "circuit_study_cv_country-capital.json"),
     ("SmolLM2 antonym", "circuit_study_cv_antonym.json"),
     ("Gemma-3-270M IOI", "circuit_study_cv_gemma3_ioi.json"),
+    ("Gemma-3-270M antonym", "circuit_study_cv_gemma3_antonym.json"),
     ("SmolLM2 IOI, other pairs (seed 7)", "circuit_study_cv_ioi_seed7.json"),
 )
 DISCOVER_LABELS = {"eap-ig-5": "eap-ig-5 (EAP-IG-inputs)", "mask-scaled-cv": "circuits.discover"}

@@ -152,7 +152,8 @@ for name, curve in curves.items():
 # (negative) scores by a factor chosen on pairs the masks did not see (each half's mask on the
 # other half), and returns the two masks' mean as `EdgeScores` (`export_mib` writes them as it
 # writes `attribute`'s). On 32 held-out pairs it reaches 1.1-2.7x EAP-IG's CPR with a lower CMD
-# at 8-9x its CPU time (docs/results/circuit-study.md). Here it trains on four *other* IOI pairs
+# at 8-9x its CPU time on the study's four goal cells (on Gemma-3 antonym 1.2x with a higher CMD
+# at 12x; docs/results/circuit-study.md). Here it trains on four *other* IOI pairs
 # for three steps (the study: 16 pairs, ten steps) and is judged on the three pairs above, beside
 # EAP-IG scored on the same four pairs: too few pairs and steps to expect the study's gap, enough
 # to see the calls.
